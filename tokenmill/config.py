@@ -1,0 +1,57 @@
+"""Engine configuration: plain dataclasses, no torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"  # storage dtype of weights: auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+    trust_remote_code: bool = False
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # None: a fraction of free RAM on CPU
+    num_gpu_blocks_override: int | None = None  # vLLM's name: explicit number of KV blocks
+    enable_prefix_caching: bool = True
+    kv_cache_memory_fraction: float = 0.25  # of available RAM when no byte budget is given
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"  # fcfs | priority
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "cpu"
+
+    def validate(self) -> None:
+        if self.cache.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.cache.block_size}.")
+        if self.scheduler.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.scheduler.max_num_seqs}.")
+        if self.scheduler.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.scheduler.max_num_batched_tokens}."
+            )
+        if self.scheduler.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.scheduler.policy!r}.")
