@@ -72,7 +72,7 @@ def make_config(arch: str, vocab_size: int, **overrides):
         kw.update(sliding_window=24, tie_word_embeddings=False)
         cls = tf.MistralConfig
     elif arch == "qwen2":
-        kw.update(tie_word_embeddings=True)
+        kw.update(tie_word_embeddings=False)
         cls = tf.Qwen2Config
     elif arch == "qwen3":
         kw.update(head_dim=32, tie_word_embeddings=True)

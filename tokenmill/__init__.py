@@ -1,0 +1,15 @@
+"""tokenmill: an LLM inference engine and OpenAI-compatible server on PyTorch."""
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.outputs import CompletionOutput, RequestOutput
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name):
+    # Import the engine lazily so `import tokenmill` (CLI --help, the scheduler tests) stays light.
+    if name == "LLM":
+        from tokenmill.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

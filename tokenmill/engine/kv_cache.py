@@ -1,0 +1,178 @@
+"""Paged KV-cache block pool: reference-counted blocks, prefix hashes, LRU of free cached blocks. No torch.
+
+A block holds `block_size` consecutive tokens of one sequence. A full block is named by
+sha256(parent hash, its token ids, extra keys): equal names mean equal KV, so requests share it.
+Free blocks wait in an LRU queue; a free block that still has a hash can be revived by a cache hit
+until it is taken for new tokens (eviction).
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from tokenmill.engine.request import Request
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
+    # sha256 over a compact encoding: collision-safe (unlike Python's hash) and ~1 µs per block.
+    h = hashlib.sha256(parent or b"\0")
+    h.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens found
+    evictions: int = 0  # cached blocks reused for other content
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}.")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.stats = PrefixCacheStats()
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (free cached blocks count as free)."""
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- hashing -------------------------------------------------------------------------
+    def _update_hashes(self, req: Request, num_tokens: int) -> None:
+        """Extend req.block_hashes over the full blocks within its first `num_tokens` tokens."""
+        bs = self.block_size
+        while (len(req.block_hashes) + 1) * bs <= num_tokens:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            req.block_hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, req: Request) -> list[int]:
+        """Longest chain of cached blocks for req's tokens. At least the last token is always left to
+        compute (its logits are needed), so a full hit never covers the final token."""
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return []
+        self._update_hashes(req, req.num_tokens - 1)
+        hit: list[int] = []
+        for h in req.block_hashes:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Make req's block table cover num_computed(+cached) + num_new_tokens tokens.
+        Returns False and changes nothing when the pool cannot supply the blocks."""
+        computed_blocks = computed_blocks or []
+        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(req.block_ids) - len(computed_blocks)
+        # Reviving a free cached block takes it out of the free queue too.
+        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        if need + revived > len(self.free_queue):
+            return False
+        for b in computed_blocks:
+            block = self.blocks[b]
+            if block.ref_count == 0:
+                del self.free_queue[b]
+            block.ref_count += 1
+        req.block_ids.extend(computed_blocks)
+        req.num_computed_tokens = num_computed
+        for _ in range(max(need, 0)):
+            req.block_ids.append(self._take_free_block())
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(req, num_computed + num_new_tokens)
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)  # least recently freed
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash = None
+            self.stats.evictions += 1
+        block.ref_count = 1
+        return block_id
+
+    def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
+        """Name the blocks that will be full once this step has run. Their KV is written in the same
+        forward pass, before any attention reads it, so a request admitted in this step may share them."""
+        num_tokens = min(num_tokens, req.num_tokens)
+        self._update_hashes(req, num_tokens)
+        for i in range(num_tokens // self.block_size):
+            block = self.blocks[req.block_ids[i]]
+            if block.hash is not None:
+                continue
+            h = req.block_hashes[i]
+            if h in self.cached:
+                continue  # same content already cached in another block; this copy stays private
+            block.hash = h
+            self.cached[h] = block.block_id
+
+    def free(self, req: Request) -> None:
+        """Release req's blocks. Tail blocks go to the LRU first so they are evicted before the
+        shared prefix they extend."""
+        for block_id in reversed(req.block_ids):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of block {block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None and not self.enable_prefix_caching:
+                    self.cached.pop(block.hash, None)
+                    block.hash = None
+                self.free_queue[block_id] = None
+        req.block_ids = []
+        req.num_computed_tokens = 0
+
+    def record_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.stats.queries += num_prompt_tokens
+        self.stats.hits += num_hit_tokens
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop all hashes of free blocks. Returns False if blocks are in use (their hashes stay)."""
+        for block_id in self.free_queue:
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                self.cached.pop(block.hash, None)
+                block.hash = None
+        return len(self.free_queue) == self.num_blocks
+
+    def check_invariants(self) -> None:
+        """For tests: ref counts and the free queue agree."""
+        for block in self.blocks:
+            assert block.ref_count >= 0, block
+            assert (block.ref_count == 0) == (block.block_id in self.free_queue), block
+        for h, b in self.cached.items():
+            assert self.blocks[b].hash == h

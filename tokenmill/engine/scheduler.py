@@ -1,0 +1,166 @@
+"""Token-budget scheduler: each step gives each chosen request a number of new tokens to compute.
+
+There are no prefill and decode phases. Running requests that need one token (decodes) go first,
+then running requests in the middle of a prompt, then waiting requests, until the token budget
+(`max_num_batched_tokens`) or the running cap (`max_num_seqs`) is reached. Prompts longer than the
+remaining budget are chunked. When the block pool runs dry the lowest-priority running request is
+preempted by recompute: its blocks are freed, its tokens kept, and it waits at the front.
+No torch here.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens), in batch order
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class WaitingQueue:
+    """Requests ordered by (priority if the policy uses it, arrival time). Lower priority value runs first."""
+
+    def __init__(self, use_priority: bool) -> None:
+        self.use_priority = use_priority
+        self._keys: list[tuple] = []
+        self._reqs: list[Request] = []
+        self._counter = itertools.count()
+
+    def key(self, req: Request) -> tuple:
+        return (req.priority if self.use_priority else 0, req.arrival_time)
+
+    def add(self, req: Request) -> None:
+        k = (*self.key(req), next(self._counter))
+        i = bisect.bisect(self._keys, k)
+        self._keys.insert(i, k)
+        self._reqs.insert(i, req)
+
+    def peek(self) -> Request:
+        return self._reqs[0]
+
+    def pop(self) -> Request:
+        self._keys.pop(0)
+        return self._reqs.pop(0)
+
+    def remove(self, req: Request) -> bool:
+        for i, r in enumerate(self._reqs):
+            if r is req:
+                del self._keys[i], self._reqs[i]
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __iter__(self):
+        return iter(self._reqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting = WaitingQueue(use_priority=config.policy == "priority")
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- request lifecycle ---------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.add(req)
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """Stop a request wherever it is (finish or abort) and free its blocks at once."""
+        assert status.finished
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        if req.block_ids:
+            self.kv.free(req)
+        req.status = status
+        req.finished_time = time.monotonic()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ------------------------------------------------------------------------
+    def _victim_key(self, req: Request) -> tuple:
+        return self.waiting.key(req)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[int, int] = {}  # id(req) -> tokens
+
+        # Decodes first, then running prompts (stable within each group).
+        order = sorted(self.running, key=lambda r: r.is_prefill)
+        for req in order:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_uncomputed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                candidates = [r for r in self.running if id(r) not in scheduled]
+                victim = max(candidates, key=self._victim_key)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled[id(req)] = n
+                out.scheduled.append((req, n))
+                budget -= n
+
+        # Admit waiting requests, unless this step already had to preempt.
+        while budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs and not out.preempted:
+            req = self.waiting.peek()
+            computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(computed) * self.kv.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, n, computed):
+                break
+            self.waiting.pop()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+                self.kv.record_query(req.num_prompt_tokens, num_cached)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+        return out

@@ -1,0 +1,103 @@
+"""Reference paged-attention backend on torch SDPA (CPU, or any device).
+
+Requests are split into two groups, decodes (one query each) and prompt chunks; each group is
+one padded SDPA call whose keys are gathered from the paged cache through the block tables.
+A boolean mask gives causality within a chunk, the cached prefix before it, the per-request
+KV length and, per layer, the sliding window. Splitting the groups keeps a long prompt chunk from
+padding every decode row to its length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers.attention_backends.base import AttentionBackend, BatchLayout
+
+
+@dataclass
+class SDPAGroup:
+    token_index: torch.Tensor  # [B, Q] index into the packed batch (0 where padded)
+    valid: torch.Tensor  # [B, Q]
+    flat_index: torch.Tensor  # [N] token_index[valid]
+    block_tables: torch.Tensor  # [B, NB]
+    q_pos: torch.Tensor  # [B, Q] absolute position of each query (0 where padded)
+    key_pos: torch.Tensor  # [L] = arange(NB * block_size)
+    all_valid: bool
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        m = self._masks.get(window)
+        if m is None:
+            q = self.q_pos.unsqueeze(-1)  # [B, Q, 1]
+            k = self.key_pos.view(1, 1, -1)
+            m = k <= q  # causal; also bounds each request's keys (q_pos < kv_len)
+            if window is not None:
+                m &= k > q - window
+            m = m.unsqueeze(1)  # [B, 1, Q, L]
+            self._masks[window] = m
+        return m
+
+
+@dataclass
+class SDPAMetadata:
+    slot_mapping: torch.Tensor
+    groups: list[SDPAGroup]
+
+
+class TorchSDPABackend(AttentionBackend):
+    name = "torch_sdpa"
+
+    def build_metadata(self, layout: BatchLayout, block_size: int, device: torch.device) -> SDPAMetadata:
+        is_decode = layout.query_len == 1
+        groups = []
+        for sel in (is_decode, ~is_decode):
+            idx = sel.nonzero().flatten()
+            if idx.numel() == 0:
+                continue
+            groups.append(self._group(layout, idx, block_size, device))
+        return SDPAMetadata(slot_mapping=layout.slot_mapping.to(device), groups=groups)
+
+    @staticmethod
+    def _group(layout: BatchLayout, idx: torch.Tensor, block_size: int, device) -> SDPAGroup:
+        q_start = layout.query_start[idx]
+        q_len = layout.query_len[idx]
+        kv_len = layout.kv_len[idx]
+        Q = int(q_len.max())
+        num_blocks = -(-int(kv_len.max()) // block_size)
+        tables = torch.zeros(len(idx), num_blocks, dtype=torch.long)
+        for row, i in enumerate(idx.tolist()):
+            ids = layout.block_tables[i][:num_blocks]
+            tables[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        ar = torch.arange(Q)
+        valid = ar.unsqueeze(0) < q_len.unsqueeze(1)
+        token_index = torch.where(valid, q_start.unsqueeze(1) + ar, 0)
+        q_pos = torch.where(valid, (kv_len - q_len).unsqueeze(1) + ar, 0)
+        return SDPAGroup(
+            token_index=token_index.to(device),
+            valid=valid.to(device),
+            flat_index=token_index[valid].to(device),
+            block_tables=tables.to(device),
+            q_pos=q_pos.to(device),
+            key_pos=torch.arange(num_blocks * block_size, device=device),
+            all_valid=bool(valid.all()),
+        )
+
+    def forward(self, q, k_cache, v_cache, meta: SDPAMetadata, sliding_window: int | None, scale: float) -> torch.Tensor:
+        """q: [T, H, D]; caches: [num_blocks, block_size, Hk, D]. Returns [T, H, D]."""
+        out = torch.empty_like(q)
+        num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+        for g in meta.groups:
+            B, NB = g.block_tables.shape
+            qg = q[g.token_index].transpose(1, 2)  # [B, H, Q, D]
+            kg = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B, Hk, L, D]
+            vg = v_cache[g.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+            o = F.scaled_dot_product_attention(
+                qg, kg, vg, attn_mask=g.mask(sliding_window), scale=scale, enable_gqa=num_heads != num_kv_heads
+            ).transpose(1, 2)  # [B, Q, H, D]
+            if g.all_valid:
+                out[g.flat_index] = o.flatten(0, 1)
+            else:
+                out[g.flat_index] = o[g.valid]
+        return out

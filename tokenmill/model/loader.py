@@ -1,0 +1,101 @@
+"""Load a model from a Hugging Face folder: config.json (4.x or 5.x style) and safetensors via mmap."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from tokenmill.model.registry import resolve
+from tokenmill.platform import choose_dtypes
+
+log = logging.getLogger(__name__)
+
+
+def load_hf_config(path: str):
+    from transformers import AutoConfig
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {path!r} has no config.json")
+    raw = json.loads((p / "config.json").read_text())
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as e:
+        raise ValueError(
+            f"unsupported model architecture {raw.get('architectures')!r} "
+            f"(model_type {raw.get('model_type')!r}) in config.json: {e}"
+        ) from None
+    resolve(getattr(cfg, "architectures", None))  # fail early on unknown architectures
+    return cfg
+
+
+def safetensors_files(path: str) -> list[Path]:
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [p / n for n in names]
+    else:
+        files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path!r}")
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"weight shard {f.name} listed in the index is missing from {path!r}")
+    return files
+
+
+def iter_safetensors(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt") as st:  # memory-mapped
+            for name in st.keys():
+                t = st.get_tensor(name)
+                yield name, t.to(dtype) if t.is_floating_point() else t
+
+
+def config_dtype(cfg) -> torch.dtype:
+    d = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
+    if isinstance(d, str):
+        d = getattr(torch, d)
+    return d
+
+
+def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None, device: str = "cpu"):
+    """Returns (model, hf_config, max_model_len)."""
+    cfg = load_hf_config(path)
+    storage, compute = choose_dtypes(dtype, config_dtype(cfg), device)
+    max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
+    if max_model_len is None:
+        max_model_len = max_pos
+    elif max_model_len < 1:
+        raise ValueError(f"max_model_len must be at least 1, got {max_model_len}.")
+    elif max_model_len > max_pos:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) is larger than the model's max_position_embeddings ({max_pos})."
+        )
+    cls = resolve(cfg.architectures)
+    with torch.device(device):
+        model = cls(cfg, dtype=storage, compute_dtype=compute, max_positions=max_model_len)
+    model.load_weights(iter_safetensors(path, storage))
+    model.eval()
+    return model, cfg, max_model_len
+
+
+def generation_eos_ids(path: str) -> set[int]:
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return set()
+    eos = json.loads(f.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}
+
+
+def is_hf_folder(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))

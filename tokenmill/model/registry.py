@@ -1,0 +1,21 @@
+"""Architecture name (config.json "architectures") -> model class."""
+from __future__ import annotations
+
+from tokenmill.model.llama import LlamaForCausalLM
+
+MODELS = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def resolve(architectures: list[str] | None):
+    for arch in architectures or []:
+        if arch in MODELS:
+            return MODELS[arch]
+    raise ValueError(
+        f"unsupported model architecture {architectures!r} in config.json; "
+        f"tokenmill supports: {', '.join(sorted(MODELS))}"
+    )
