@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ModelConfig:
-    model: str
+    model: str | None = None  # None: the embedded default model
     tokenizer: str | None = None
     dtype: str = "auto"  # storage dtype of weights: auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # None: the model's max_position_embeddings

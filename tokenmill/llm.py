@@ -13,7 +13,7 @@ from tokenmill.sampling_params import SamplingParams
 class LLM:
     def __init__(
         self,
-        model: str,
+        model: str | None = None,
         tokenizer: str | None = None,
         dtype: str = "auto",
         max_model_len: int | None = None,

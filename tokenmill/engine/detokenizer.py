@@ -158,12 +158,13 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self.stop_string is not None
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], check_stop: bool = True) -> str | None:
         """Append newly generated ids and extend the output text.
 
         Returns the stop string if one now appears in the output (the text is then cut right
         before it, or right after it with include_stop_str_in_output), else None. After a stop
-        string the detokenizer is finished and further updates are ignored.
+        string the detokenizer is finished and further updates are ignored. With check_stop=False
+        (min_tokens not yet reached) the text grows but no stop string can end it.
         """
         if self.finished:
             return None
@@ -172,7 +173,7 @@ class IncrementalDetokenizer:
         if not delta:
             return None
 
-        match = self._find_stop(delta)
+        match = self._find_stop(delta) if check_stop else None
         self._chunks.append(delta)
         self._unsent.append(delta)
         self._length += len(delta)

@@ -76,16 +76,16 @@ class RequestGroup:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
-        from transformers import AutoTokenizer
-
-        from tokenmill.model.loader import generation_eos_ids, load_model
+        from tokenmill.model.default import resolve_model
+        from tokenmill.model.loader import generation_eos_ids, load_model, load_tokenizer
 
         config.validate()
         self.config = config
         mc = config.model
+        mc.model = resolve_model(mc.model)
         t0 = time.monotonic()
         self.model, self.hf_config, self.max_model_len = load_model(mc.model, mc.dtype, mc.max_model_len, config.device)
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(mc.tokenizer or mc.model)
+        self.tokenizer = tokenizer or load_tokenizer(mc.model, mc.tokenizer)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.runner = ModelRunner(self.model, config.cache, self.max_model_len, config.device)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
@@ -129,6 +129,10 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids)
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"logprobs must be at most the vocabulary size {self.vocab_size}, got {params.logprobs}.")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.vocab_size:
+            raise ValueError(
+                f"prompt_logprobs must be at most the vocabulary size {self.vocab_size}, got {params.prompt_logprobs}."
+            )
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -277,7 +281,8 @@ class LLMEngine:
             elif tok in p.stop_token_ids:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
         if status is None:
-            stop_str = detok.update([tok])
+            # As in vLLM, stop strings count only once min_tokens tokens have been generated.
+            stop_str = detok.update([tok], check_stop=req.num_output_tokens > p.min_tokens)
             if stop_str is not None:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
         if status is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):

@@ -65,12 +65,24 @@ class ModelRunner:
                 f"{need * per_block} bytes). Raise {source} or lower max_model_len."
             )
         self.num_blocks = num_blocks
+        self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) have been zeroed
         for a in self.attn_layers:
             shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-            a.k_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
-            a.v_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+            # Not zeroed here (4 GiB of memset takes seconds): each block is zeroed on first use.
+            a.k_cache = torch.empty(shape, dtype=kv_dtype, device=self.device)
+            a.v_cache = torch.empty(shape, dtype=kv_dtype, device=self.device)
             a.backend = self.backend
         log.info("KV cache: %d blocks x %d tokens, %.1f MiB", num_blocks, self.block_size, num_blocks * per_block / 2**20)
+
+    def _zero_new_blocks(self, upto: int) -> None:
+        """Unwritten slots are read (and masked) by attention; NaN garbage there would survive the
+        mask, so zero blocks before first use. The pool hands out never-used blocks in id order."""
+        if upto <= self.zeroed_blocks:
+            return
+        for a in self.attn_layers:
+            a.k_cache[self.zeroed_blocks : upto].zero_()
+            a.v_cache[self.zeroed_blocks : upto].zero_()
+        self.zeroed_blocks = upto
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> ForwardOutput:
@@ -107,6 +119,7 @@ class ModelRunner:
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
         bs = self.block_size
+        self._zero_new_blocks(int(table.max()) + 1)
         slots = table[req_idx, positions // bs] * bs + positions % bs
         layout = BatchLayout(
             query_start=q_start, query_len=q_len, kv_len=start_pos + q_len, block_tables=tables,

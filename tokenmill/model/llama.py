@@ -91,7 +91,9 @@ class LlamaForCausalLM(nn.Module):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         inv_freq, scaling = rope_inv_freq(cfg, head_dim)
         rotary = RotaryEmbedding(inv_freq, max_positions, scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # _weight skips the random init: the checkpoint overwrites it.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype))
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, rotary, w, dtype) for w in layer_windows(cfg)
@@ -141,7 +143,10 @@ class LlamaForCausalLM(nn.Module):
             p = params[name]
             if tuple(p.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
-            p.data.copy_(tensor)
+            if p.dtype == tensor.dtype and p.device == tensor.device and tensor.is_contiguous():
+                p.data = tensor  # take the loaded tensor as is: no second copy of the weights
+            else:
+                p.data.copy_(tensor)
             loaded.add(name)
         expected: set[str] = set()
         for pname, _ in self.named_parameters():
@@ -153,5 +158,14 @@ class LlamaForCausalLM(nn.Module):
                 expected.add(pname)
         missing = sorted(expected - loaded)
         if missing:
+            # Report the checkpoint's names (k_proj), not the fused parameter's (qkv_proj.weight#1).
+            unmerge = {v: k for k, v in self._merged.items()}
+            for i, m in enumerate(missing):
+                m, _, idx = m.partition("#")
+                if idx:
+                    *prefix, merged, leaf = m.split(".")
+                    m = ".".join([*prefix, unmerge[(merged, int(idx))], leaf])
+                missing[i] = m
+            missing.sort()
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing weight tensors: {shown}")

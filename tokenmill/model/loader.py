@@ -66,9 +66,18 @@ def config_dtype(cfg) -> torch.dtype:
     return d
 
 
+def is_gguf(path: str) -> bool:
+    return str(path).endswith(".gguf") and os.path.isfile(path)
+
+
 def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None, device: str = "cpu"):
-    """Returns (model, hf_config, max_model_len)."""
-    cfg = load_hf_config(path)
+    """Returns (model, hf_config, max_model_len). `path` is a Hugging Face folder or a .gguf file."""
+    if is_gguf(path):
+        from tokenmill.model.gguf_loader import hf_config_from_gguf
+
+        cfg = hf_config_from_gguf(path)
+    else:
+        cfg = load_hf_config(path)
     storage, compute = choose_dtypes(dtype, config_dtype(cfg), device)
     max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
     if max_model_len is None:
@@ -82,12 +91,30 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
     cls = resolve(cfg.architectures)
     with torch.device(device):
         model = cls(cfg, dtype=storage, compute_dtype=compute, max_positions=max_model_len)
-    model.load_weights(iter_safetensors(path, storage))
+    if is_gguf(path):
+        from tokenmill.model.gguf_loader import iter_gguf_weights
+
+        model.load_weights(iter_gguf_weights(path, cfg, storage))
+    else:
+        model.load_weights(iter_safetensors(path, storage))
     model.eval()
     return model, cfg, max_model_len
 
 
+def load_tokenizer(model: str, tokenizer: str | None = None):
+    from transformers import AutoTokenizer
+
+    src = tokenizer or model
+    if is_gguf(src):
+        from tokenmill.model.gguf_loader import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(src)
+    return AutoTokenizer.from_pretrained(src)
+
+
 def generation_eos_ids(path: str) -> set[int]:
+    if not os.path.isdir(path):
+        return set()
     f = Path(path) / "generation_config.json"
     if not f.is_file():
         return set()

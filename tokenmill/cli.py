@@ -1,0 +1,331 @@
+"""The `tokenmill` command line: `generate` and `chat` on a local model (vLLM's flag names).
+
+Each subcommand is an `add_<name>_parser(subparsers)` that registers its flags and a `cmd_<name>(args)`
+that runs it. Shared flags come from `add_engine_args` / `engine_kwargs` (-> LLM(...) kwargs) and
+`add_sampling_args` / `sampling_params` (-> SamplingParams).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from tokenmill import __version__
+from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.engine.engine import LLMEngine
+
+USER_ERRORS = (ValueError, OSError, NotImplementedError)
+DEFAULT_MAX_TOKENS = 256
+
+
+# ---- shared flags ----------------------------------------------------------------------------
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512M', '2G', '1.5GiB' -> bytes (K/M/G/T are powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use a byte count or a number with K, M, G or T")
+    power = "kmgt".find(m.group(2).lower()) + 1 if m.group(2) else 0
+    return int(float(m.group(1)) * 1024**power)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("model_pos", nargs="?", metavar="MODEL",
+                   help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
+    g.add_argument("--model", help="Same as the positional MODEL.")
+    g.add_argument("--tokenizer", help="Tokenizer folder (default: the model's).")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="Weight dtype; auto keeps the model's dtype where this device computes in it, else float32.")
+    g.add_argument("--max-model-len", type=int,
+                   help="Context length: prompt plus output tokens (default: the model's max_position_embeddings).")
+    g.add_argument("--block-size", type=int, default=16, help="Tokens per KV cache block (default: %(default)s).")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="Most sequences running in one step (default: %(default)s).")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="Most tokens processed in one step (default: %(default)s).")
+    g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, metavar="SIZE",
+                   help="KV cache size, e.g. 512M or 2G (default: a share of free memory).")
+    g.add_argument("--num-gpu-blocks-override", type=int, metavar="N",
+                   help="Exact number of KV cache blocks; overrides --kv-cache-memory-bytes.")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="Reuse KV cache blocks of shared prompt prefixes (default: on).")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="Order in which waiting requests are admitted (default: %(default)s).")
+    g.add_argument("--seed", type=int, default=0,
+                   help="Seed of the engine's global random generator; with it a run is reproducible "
+                        "(default: %(default)s). See also --sampling-seed.")
+    g.add_argument("--device", default="cpu", help="Torch device, e.g. cpu or cuda (default: %(default)s).")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """Keyword arguments for LLM(...) from the engine flags; resolves the model path."""
+    from tokenmill.model.default import resolve_model
+
+    if args.model and args.model_pos and args.model != args.model_pos:
+        raise ValueError(f"two different models given: {args.model_pos!r} and --model {args.model!r}.")
+    return dict(
+        model=resolve_model(args.model or args.model_pos),
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        seed=args.seed,
+        device=args.device,
+    )
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    d = SamplingParams()
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="Most tokens to generate per reply (default: %(default)s).")
+    g.add_argument("--min-tokens", type=int, default=d.min_tokens,
+                   help="Fewest tokens to generate before EOS or stop tokens may end a reply (default: %(default)s).")
+    g.add_argument("--temperature", type=float, default=d.temperature,
+                   help="Sampling temperature; 0 is greedy (default: %(default)s).")
+    g.add_argument("--top-p", type=float, default=d.top_p,
+                   help="Nucleus sampling: keep the smallest set of tokens with this total probability (default: %(default)s).")
+    g.add_argument("--top-k", type=int, default=d.top_k,
+                   help="Keep only the k most likely tokens; 0 or -1 disables (default: %(default)s).")
+    g.add_argument("--min-p", type=float, default=d.min_p,
+                   help="Drop tokens less likely than this fraction of the most likely one (default: %(default)s).")
+    g.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty,
+                   help="Penalty > 1 for tokens already in the prompt or output (default: %(default)s).")
+    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty,
+                   help="Penalty in [-2, 2] for tokens already in the output (default: %(default)s).")
+    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty,
+                   help="Penalty in [-2, 2] per occurrence of a token in the output (default: %(default)s).")
+    g.add_argument("--sampling-seed", type=int,
+                   help="Per-request sampling seed: the reply then does not depend on other requests or on "
+                        "--seed (default: none, draw from the engine's generator).")
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="Stop when this text is generated (not included in the output); repeatable.")
+    g.add_argument("--ignore-eos", action="store_true", help="Keep generating past the end-of-sequence token.")
+    g.add_argument("-n", type=int, default=1, help="Number of completions per prompt (default: %(default)s).")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.sampling_seed,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-q", "--quiet", action="store_true", help="Do not print the stats line to stderr.")
+
+
+def load_engine(args: argparse.Namespace) -> LLMEngine:
+    from tokenmill.llm import LLM
+
+    return LLM(**engine_kwargs(args)).engine
+
+
+# ---- streaming -------------------------------------------------------------------------------
+@dataclass
+class StreamResult:
+    texts: list[str]
+    num_tokens: int
+    seconds: float
+    aborted: bool = False
+
+    def stats_line(self) -> str:
+        rate = self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+        return f"[{self.num_tokens} tokens in {self.seconds:.2f} s, {rate:.1f} tok/s]"
+
+
+_request_ids = itertools.count()
+
+
+def stream(engine: LLMEngine, prompt: str | list[int], params: SamplingParams,
+           write: Callable[[str], None] | None = None) -> StreamResult:
+    """Run one request to completion, passing its first sequence's text to `write` as it is produced.
+
+    Ctrl-C aborts the request and returns what was generated so far, with aborted=True.
+    """
+    rid = f"cli-{next(_request_ids)}"
+    start = time.perf_counter()
+    group = engine.add_request(rid, prompt, params)
+    aborted = False
+    try:
+        while not group.finished:
+            engine.step()
+            if write is not None:
+                delta = group.detoks[0].get_delta(finished=group.finished)
+                if delta:
+                    write(delta)
+    except KeyboardInterrupt:
+        engine.abort_request(rid)
+        aborted = True
+    seconds = time.perf_counter() - start
+    num_tokens = sum(c.num_output_tokens for c in group.children)
+    return StreamResult([d.output_text for d in group.detoks], num_tokens, seconds, aborted)
+
+
+def chat_prompt(engine: LLMEngine, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation through the chat template, ready for the assistant's turn."""
+    tok = engine.tokenizer
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False).input_ids
+
+
+def write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+# ---- generate --------------------------------------------------------------------------------
+def add_generate_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="Generate a completion for one prompt, streamed to stdout.",
+                              description="Generate a completion for one prompt and stream it to stdout.")
+    p.add_argument("--prompt", required=True, help="The prompt text.")
+    p.add_argument("--chat", action="store_true",
+                   help="Send the prompt as one user message through the model's chat template.")
+    add_output_args(p)
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    engine = load_engine(args)
+    prompt = chat_prompt(engine, [{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    if params.n == 1:
+        result = stream(engine, prompt, params, write_stdout)
+        write_stdout("\n")
+    else:
+        result = stream(engine, prompt, params)
+        for i, text in enumerate(result.texts):
+            write_stdout(f"=== completion {i} ===\n{text}\n")
+    if not args.quiet:
+        print(result.stats_line(), file=sys.stderr)
+    return 130 if result.aborted else 0
+
+
+# ---- chat ------------------------------------------------------------------------------------
+CHAT_HELP = "Commands: /reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply."
+
+
+def add_chat_parser(subparsers) -> None:
+    p = subparsers.add_parser("chat", help="Chat with a model in the terminal.",
+                              description="Multi-turn chat that reads your messages from stdin. " + CHAT_HELP)
+    p.add_argument("--system", help="System prompt that starts the conversation.")
+    p.add_argument("--once", metavar="TEXT", help="Ask one question, print the answer and exit.")
+    add_output_args(p)
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_chat)
+
+
+def read_line(prompt: str) -> str | None:
+    """One line of input, or None at end of input."""
+    try:
+        return input(prompt)
+    except EOFError:
+        return None
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    if params.n != 1:
+        raise ValueError(f"n must be 1 for chat, got {params.n}.")
+    engine = load_engine(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(system)
+
+    def reply(text: str) -> int:
+        """Answer `text` in the conversation and return an exit code; a failed or stopped turn is dropped."""
+        history.append({"role": "user", "content": text})
+        try:
+            result = stream(engine, chat_prompt(engine, history), params, write_stdout)
+        except ValueError as e:  # e.g. the conversation no longer fits in max_model_len
+            history.pop()
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        write_stdout("\n")
+        if result.aborted:
+            history.pop()
+            print("[stopped]", file=sys.stderr)
+            return 130
+        history.append({"role": "assistant", "content": result.texts[0]})
+        if not args.quiet:
+            print(result.stats_line(), file=sys.stderr)
+        return 0
+
+    if args.once is not None:
+        return reply(args.once)
+
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(CHAT_HELP, file=sys.stderr)
+    while True:
+        try:
+            line = read_line("> " if interactive else "")
+        except KeyboardInterrupt:
+            write_stdout("\n")
+            continue
+        if line is None or line.strip() in ("/exit", "/quit"):
+            if line is None and interactive:
+                write_stdout("\n")
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/reset":
+            history[:] = system
+            print("[conversation cleared]", file=sys.stderr)
+            continue
+        reply(line)
+
+
+# ---- entry point -----------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference on PyTorch.")
+    parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_generate_parser(subparsers)
+    add_chat_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        message = " ".join(str(e).splitlines()) or type(e).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

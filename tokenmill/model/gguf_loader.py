@@ -1,0 +1,192 @@
+"""Load a GGUF file (llama.cpp's format) with the `gguf` package: hyper-parameters from its metadata,
+tensors dequantized (Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, F16, BF16, F32, ...) into our dtype and
+renamed to transformers' names, and the tokenizer built from the metadata (cached after the first start).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from tokenmill.model.gguf_file import GGUFFile
+
+log = logging.getLogger(__name__)
+
+# GGUF architecture -> (transformers config class name, architectures entry)
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+}
+# Architectures whose Q/K rows llama.cpp permuted for its rope layout.
+PERMUTED_QK = {"llama", "mistral"}
+
+
+@lru_cache(maxsize=4)
+def read_gguf(path: str) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def hf_config_from_gguf(path: str):
+    """A transformers config equivalent to the GGUF metadata."""
+    import transformers
+
+    reader = read_gguf(path)
+    meta = reader.fields
+    arch = meta.get("general.architecture")
+    if arch not in ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; tokenmill supports: {', '.join(sorted(ARCHS))}")
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise NotImplementedError("GGUF files with precomputed rope_freqs (Llama 3.1 rope scaling) are not supported yet")
+
+    def m(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    num_heads = int(m("attention.head_count"))
+    hidden = int(m("embedding_length"))
+    embd = tensors["token_embd.weight"]
+    kw = dict(
+        vocab_size=int(m("vocab_size", embd.shape[-1])),
+        hidden_size=hidden,
+        intermediate_size=int(m("feed_forward_length")),
+        num_hidden_layers=int(m("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(m("attention.head_count_kv", num_heads)),
+        max_position_embeddings=int(m("context_length", 2048)),
+        rms_norm_eps=float(m("attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in tensors,
+        architectures=[ARCHS[arch][1]],
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+    )
+    head_dim = m("attention.key_length") or m("rope.dimension_count")
+    if head_dim:
+        kw["head_dim"] = int(head_dim)
+    rope = {"rope_type": "default", "rope_theta": float(m("rope.freq_base", 10000.0))}
+    scaling = m("rope.scaling.type")
+    if scaling and scaling != "none":
+        rope = {"rope_type": scaling, "factor": float(m("rope.scaling.factor", 1.0)),
+                "rope_theta": rope["rope_theta"]}
+        if m("rope.scaling.original_context_length"):
+            rope["original_max_position_embeddings"] = int(m("rope.scaling.original_context_length"))
+    if arch == "gemma3":
+        kw["sliding_window"] = int(m("attention.sliding_window", 512))
+        kw["query_pre_attn_scalar"] = int(head_dim or hidden // num_heads)
+        kw["rope_parameters"] = {
+            "full_attention": rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+        kw["hidden_activation"] = "gelu_pytorch_tanh"
+    else:
+        kw["rope_parameters"] = rope
+        if m("attention.sliding_window"):
+            kw["sliding_window"] = int(m("attention.sliding_window"))
+    if arch == "qwen2":
+        kw["tie_word_embeddings"] = kw["tie_word_embeddings"]
+    cls = getattr(transformers, ARCHS[arch][0])
+    cfg = cls(**kw)
+    cfg.dtype = torch.float32
+    cfg.gguf_architecture = arch
+    return cfg
+
+
+_LAYER_PARTS = [
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm",
+    "pre_feedforward_layernorm", "post_feedforward_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+]
+
+
+def _hf_names(cfg) -> list[str]:
+    """transformers module names a Llama-family or Gemma 3 checkpoint may hold."""
+    names = ["model.embed_tokens", "model.norm", "lm_head"]
+    for i in range(cfg.num_hidden_layers):
+        names.extend(f"model.layers.{i}.{part}" for part in _LAYER_PARTS)
+    return names
+
+
+def gguf_to_hf_names(path: str, cfg) -> dict[str, str]:
+    import gguf
+
+    arch = cfg.gguf_architecture
+    arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    name_map = gguf.get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
+    out = {}
+    for hf in _hf_names(cfg):
+        g = name_map.get_name(hf)
+        if g is not None:
+            out[f"{g}.weight"] = f"{hf}.weight"
+            out[f"{g}.bias"] = f"{hf}.bias"
+    return out
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp interleaves each head's rotary halves; put them back in transformers' order.
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def iter_gguf_weights(path: str, cfg, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    reader = read_gguf(path)
+    names = gguf_to_hf_names(path, cfg)
+    arch = cfg.gguf_architecture
+    for t in reader.tensors:
+        hf = names.get(t.name)
+        if hf is None:
+            log.debug("skipping GGUF tensor %s", t.name)
+            continue
+        w = gguf.quants.dequantize(reader.raw(t), gguf.GGMLQuantizationType(t.ggml_type))
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        if arch in PERMUTED_QK:
+            if ".attn_q." in t.name:
+                w = _unpermute(w, cfg.num_attention_heads)
+            elif ".attn_k." in t.name:
+                w = _unpermute(w, cfg.num_key_value_heads)
+        if arch == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
+        yield hf, torch.from_numpy(np.array(w, copy=True) if not w.flags.writeable else w).to(dtype)
+
+
+# ---- tokenizer ----------------------------------------------------------------------------
+def tokenizer_cache_dir(path: str) -> Path:
+    """Keyed by a hash of the metadata block (vocab, merges, template live there)."""
+    reader = read_gguf(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(int(reader.data_offset)))
+    root = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+    return root / "tokenizers" / h.hexdigest()[:32]
+
+
+def load_gguf_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    cache = tokenizer_cache_dir(path)
+    if (cache / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cache))
+        except Exception as e:  # noqa: BLE001 - a broken cache is rebuilt
+            log.warning("rebuilding tokenizer cache %s: %s", cache, e)
+    folder, name = os.path.split(os.path.abspath(path))
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    template = read_gguf(path).fields.get("tokenizer.chat_template")
+    if template and not getattr(tok, "chat_template", None):
+        tok.chat_template = template
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(str(cache))
+    except OSError as e:
+        log.warning("could not cache the tokenizer in %s: %s", cache, e)
+    return tok
