@@ -1,6 +1,7 @@
 """Architecture name (config.json "architectures") -> model class."""
 from __future__ import annotations
 
+from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
 
 MODELS = {
@@ -8,6 +9,7 @@ MODELS = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
