@@ -83,7 +83,8 @@ class KVCacheManager:
             return []
         self._update_hashes(req, req.num_tokens - 1)
         hit: list[int] = []
-        for h in req.block_hashes:
+        # block_hashes may already name a block holding the last token (named when it was allocated).
+        for h in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:
             block_id = self.cached.get(h)
             if block_id is None:
                 break

@@ -1,0 +1,533 @@
+"""Tests for the token-budget scheduler (tokenmill/engine/scheduler.py). Pure Python, no torch.
+
+A small driver stands in for the engine: it runs schedule(), advances num_computed_tokens by the
+scheduled counts, "samples" a deterministic token for every request whose tokens are all computed,
+and finishes requests at max_tokens. Unit tests pin the scheduling policy; a hypothesis test runs
+random workloads (pool sizes, budgets, caps, priorities, aborts) and checks the invariants after
+every step, liveness, and that every request ends with exactly its expected tokens.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler, WaitingQueue
+from tokenmill.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+def fake_token(tokens: list[int]) -> int:
+    """The 'model': a deterministic function of the sequence so far (equal prompts decode equally)."""
+    return (sum(tokens[-3:]) + len(tokens)) % 5
+
+
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    toks = list(prompt)
+    for _ in range(max_tokens):
+        toks.append(fake_token(toks))
+    return toks[len(prompt) :]
+
+
+def make_sched(num_blocks=64, block_size=4, budget=64, max_seqs=8, policy="fcfs", caching=True, max_model_len=64):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy)
+    return Scheduler(cfg, kv, max_model_len), kv
+
+
+def make_req(prompt, max_tokens=4, priority=0, arrival=None, params=None, rid=None) -> Request:
+    i = next(_ids)
+    return Request(
+        rid or f"r{i}",
+        list(prompt),
+        params or SamplingParams(),
+        max_tokens=max_tokens,
+        priority=priority,
+        arrival_time=float(i) if arrival is None else float(arrival),
+    )
+
+
+def advance(sched: Scheduler, out) -> list[Request]:
+    """The engine's half of a step. Returns the requests that finished."""
+    done = []
+    for req, n in out.scheduled:
+        req.num_computed_tokens += n
+        assert req.num_computed_tokens <= req.num_tokens
+        if req.num_computed_tokens == req.num_tokens:
+            req.append_token(fake_token(req.token_ids))
+            if req.num_output_tokens >= req.max_tokens:
+                sched.finish_request(req, RequestStatus.FINISHED_LENGTH)
+                done.append(req)
+    return done
+
+
+def step(sched: Scheduler):
+    out = sched.schedule()
+    check_step(sched, out)
+    advance(sched, out)
+    return out
+
+
+def check_state(sched: Scheduler) -> None:
+    """Ref counts equal the running requests referencing each block; waiting requests hold nothing."""
+    kv = sched.kv
+    kv.check_invariants()
+    assert len(sched.running) <= sched.config.max_num_seqs
+    owners = [0] * kv.num_blocks
+    for r in sched.running:
+        assert r.status == RequestStatus.RUNNING
+        assert len(set(r.block_ids)) == len(r.block_ids)
+        for b in r.block_ids:
+            owners[b] += 1
+    assert [b.ref_count for b in kv.blocks] == owners
+    assert kv.num_free_blocks + sum(1 for o in owners if o) == kv.num_blocks
+    for r in sched.waiting:
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert r.block_ids == [] and r.num_computed_tokens == 0
+
+
+def check_step(sched: Scheduler, out) -> None:
+    check_state(sched)
+    assert out.num_tokens <= sched.config.max_num_batched_tokens
+    for r, n in out.scheduled:
+        assert n >= 1 and r in sched.running
+        assert len(r.block_ids) * sched.kv.block_size >= r.num_computed_tokens + n
+
+
+def run_to_completion(sched: Scheduler, max_steps=1000) -> list:
+    outs = []
+    while sched.has_unfinished():
+        outs.append(step(sched))
+        assert len(outs) < max_steps, "scheduler made no progress"
+    return outs
+
+
+def ids(out) -> list[tuple[str, int]]:
+    return [(r.request_id, n) for r, n in out.scheduled]
+
+
+# ---- budget and chunking -------------------------------------------------------------------
+
+
+def test_token_budget_respected_and_filled():
+    sched, kv = make_sched(budget=10)
+    reqs = [make_req(range(i, i + 7), max_tokens=3) for i in range(0, 40, 10)]
+    for r in reqs:
+        sched.add_request(r)
+    outs = run_to_completion(sched)
+    assert all(o.num_tokens <= 10 for o in outs)
+    # First step: a 7-token prompt, then a 3-token chunk of the next.
+    assert ids(outs[0]) == [(reqs[0].request_id, 7), (reqs[1].request_id, 3)]
+    assert all(r.output_token_ids == expected_output(r.prompt_token_ids, 3) for r in reqs)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_long_prompt_chunked_across_steps():
+    sched, kv = make_sched(budget=8, block_size=4)
+    r = make_req(range(25), max_tokens=2)
+    sched.add_request(r)
+    counts = []
+    while sched.has_unfinished():
+        out = step(sched)
+        counts.append(ids(out))
+        if len(counts) <= 4:
+            assert len(r.block_ids) == kv.blocks_needed(r.num_computed_tokens)
+    rid = r.request_id
+    assert counts == [[(rid, 8)], [(rid, 8)], [(rid, 8)], [(rid, 1)], [(rid, 1)]]
+    assert r.output_token_ids == expected_output(list(range(25)), 2)
+
+
+def test_decodes_scheduled_before_prompt_chunks():
+    sched, kv = make_sched(budget=4)
+    d = make_req([1, 2], max_tokens=8)
+    p = make_req(range(10, 30), max_tokens=2)
+    sched.add_request(d)
+    sched.add_request(p)
+    out = step(sched)
+    assert ids(out) == [(d.request_id, 2), (p.request_id, 2)]
+    assert not d.is_prefill and p.is_prefill
+    # Put the prompt in front of the decode in the running list: the decode must still go first and
+    # get its token, even though the prompt alone could use the whole budget.
+    sched.running[:] = [p, d]
+    out = step(sched)
+    assert ids(out) == [(d.request_id, 1), (p.request_id, 3)]
+    w = make_req([7, 7, 7], max_tokens=1)
+    sched.add_request(w)
+    # Decode, then the prompt chunk, then (only with budget left) waiting requests.
+    sched.running[:] = [p, d]
+    out = step(sched)
+    assert ids(out) == [(d.request_id, 1), (p.request_id, 3)]
+    assert w.status == RequestStatus.WAITING
+    run_to_completion(sched)
+    assert w.output_token_ids == expected_output([7, 7, 7], 1)
+
+
+def test_max_num_seqs_cap():
+    sched, kv = make_sched(budget=100, max_seqs=2)
+    reqs = [make_req([i] * 3, max_tokens=2 + i) for i in range(5)]
+    for r in reqs:
+        sched.add_request(r)
+    out = step(sched)
+    assert [r for r, _ in out.scheduled] == reqs[:2]
+    assert sched.num_running == 2 and sched.num_waiting == 3
+    out = step(sched)  # reqs[0] finished after this step's sample (2 outputs)
+    assert [r for r, _ in out.scheduled] == reqs[:2]
+    assert reqs[0].finished
+    out = step(sched)
+    assert [r for r, _ in out.scheduled] == [reqs[1], reqs[2]]
+    run_to_completion(sched)
+    assert all(r.output_token_ids == expected_output(r.prompt_token_ids, r.max_tokens) for r in reqs)
+
+
+def test_fcfs_order_ignores_priority():
+    sched, kv = make_sched(budget=100, max_seqs=1, policy="fcfs")
+    reqs = [make_req([i], max_tokens=1, priority=p, arrival=a) for i, (p, a) in enumerate([(5, 3), (0, 1), (9, 2), (1, 0)])]
+    for r in reqs:
+        sched.add_request(r)
+    order = []
+    for o in run_to_completion(sched):
+        order += [r for r, _ in o.scheduled]
+    assert order == sorted(reqs, key=lambda r: r.arrival_time)
+
+
+def test_priority_order_lower_value_first_then_arrival():
+    sched, kv = make_sched(budget=100, max_seqs=1, policy="priority")
+    spec = [(5, 0), (0, 3), (1, 1), (0, 2), (5, 4)]
+    reqs = [make_req([i], max_tokens=1, priority=p, arrival=a) for i, (p, a) in enumerate(spec)]
+    for r in reqs:
+        sched.add_request(r)
+    order = []
+    for o in run_to_completion(sched):
+        order += [(r.priority, r.arrival_time) for r, _ in o.scheduled]
+    assert order == sorted((p, float(a)) for p, a in spec)
+
+
+def test_waiting_queue_ties_keep_insertion_order():
+    q = WaitingQueue(use_priority=True)
+    a, b, c = (make_req([1], priority=1, arrival=0) for _ in range(3))
+    d = make_req([1], priority=0, arrival=5)
+    for r in (a, b, c, d):
+        q.add(r)
+    assert list(q) == [d, a, b, c]
+    assert q.remove(b) and not q.remove(b)
+    assert [q.pop(), q.pop(), q.pop()] == [d, a, c] and len(q) == 0
+
+
+def _fill_then_overflow(policy, spec):
+    """Three running requests that fill the pool exactly; the next decode of the first needs a block."""
+    sched, kv = make_sched(num_blocks=6, block_size=2, budget=100, policy=policy, caching=False)
+    reqs = [make_req([10 * i + 1, 10 * i + 2, 10 * i + 3], max_tokens=10, priority=p, arrival=a)
+            for i, (p, a) in enumerate(spec)]
+    for r in reqs:
+        sched.add_request(r)
+    step(sched)  # 3 tokens each: 2 blocks each, pool full
+    step(sched)  # 4th token fits in the second block
+    assert kv.num_free_blocks == 0
+    out = sched.schedule()  # 5th token: a third block for everyone
+    check_step(sched, out)
+    return sched, kv, reqs, out
+
+
+def test_fcfs_preempts_latest_arrival():
+    sched, kv, reqs, out = _fill_then_overflow("fcfs", [(0, 0), (9, 1), (1, 2)])
+    # Under fcfs the priority is ignored: the latest arrival goes.
+    assert out.preempted[0] is reqs[2]
+
+
+def test_priority_preempts_lowest_priority_then_latest():
+    sched, kv, reqs, out = _fill_then_overflow("priority", [(0, 0), (9, 1), (1, 2)])
+    assert out.preempted[0] is reqs[1]  # priority 9, although reqs[2] arrived later
+    sched, kv, reqs, out = _fill_then_overflow("priority", [(3, 0), (3, 1), (3, 2)])
+    assert out.preempted[0] is reqs[2]  # equal priority: latest arrival
+
+
+def test_preemption_frees_blocks_keeps_tokens_and_readmits():
+    sched, kv = make_sched(num_blocks=4, block_size=2, budget=100, caching=False)
+    a = make_req([1, 2, 3], max_tokens=4, arrival=0)
+    b = make_req([4, 5, 6], max_tokens=4, arrival=1)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)  # 3 + 3 tokens: all 4 blocks
+    step(sched)  # 4th token of each fits
+    assert kv.num_free_blocks == 0
+    c = make_req([9], max_tokens=1, arrival=2)
+    sched.add_request(c)
+    b_tokens = list(b.token_ids)
+    assert len(b_tokens) == 5
+    out = sched.schedule()
+    check_step(sched, out)
+    assert out.preempted == [b]
+    assert b.status == RequestStatus.PREEMPTED and b.num_preemptions == 1 and sched.num_preemptions == 1
+    assert b.block_ids == [] and b.num_computed_tokens == 0
+    assert b.token_ids == b_tokens  # prompt and outputs so far are kept
+    assert b in list(sched.waiting) and b not in sched.running
+    # A step that preempted admits nobody, though c would fit in the free block.
+    assert ids(out) == [(a.request_id, 1)]
+    assert kv.num_free_blocks == 1 and c.status == RequestStatus.WAITING
+    advance(sched, out)
+    outs = run_to_completion(sched)
+    # b is re-admitted with its whole sequence (5 tokens) to recompute, before the later c.
+    readmit = next(o for o in outs if any(r is b for r, _ in o.scheduled))
+    assert (b, 5) in readmit.scheduled
+    first_c = next(i for i, o in enumerate(outs) if any(r is c for r, _ in o.scheduled))
+    assert outs.index(readmit) <= first_c
+    for r in (a, b, c):
+        assert r.status == RequestStatus.FINISHED_LENGTH
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_tokens)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_preempted_request_readmitted_through_prefix_cache():
+    sched, kv = make_sched(num_blocks=4, block_size=2, budget=100, caching=True)
+    a = make_req([1, 2, 3], max_tokens=4, arrival=0)
+    b = make_req([4, 5, 6], max_tokens=4, arrival=1)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    step(sched)
+    out = step(sched)
+    assert out.preempted == [b]
+    # b's named blocks sit in the free pool; a takes one of them (b's tail goes first), so b comes
+    # back with a one-block hit and recomputes 3 of its 5 tokens.
+    outs = run_to_completion(sched)
+    readmit = next(o for o in outs if any(r is b for r, _ in o.scheduled))
+    assert (b, 3) in readmit.scheduled
+    assert b.num_cached_tokens == 0  # the first admission's figure is kept
+    assert b.num_preemptions == 1
+    assert b.output_token_ids == expected_output([4, 5, 6], 4)
+    assert all(r.finished for r in (a, b))
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_prefix_hit_skips_cached_tokens_and_records_stats():
+    sched, kv = make_sched(num_blocks=16, block_size=4, budget=100)
+    a = make_req(range(10), max_tokens=3)
+    sched.add_request(a)
+    step(sched)
+    b = make_req(range(10), max_tokens=3)
+    sched.add_request(b)
+    out = step(sched)
+    assert (b, 2) in out.scheduled  # 8 of 10 prompt tokens hit
+    assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
+    assert b.block_ids[:2] == a.block_ids[:2]
+    assert (kv.stats.queries, kv.stats.hits) == (20, 8)
+    run_to_completion(sched)
+    assert b.output_token_ids == a.output_token_ids == expected_output(list(range(10)), 3)
+    p = make_req(range(10), max_tokens=1, params=SamplingParams(prompt_logprobs=1))
+    sched.add_request(p)
+    out = step(sched)
+    assert (p, 10) in out.scheduled and p.num_cached_tokens == 0
+
+
+# ---- finish / abort ------------------------------------------------------------------------
+
+
+def test_finish_and_abort_free_blocks_from_running_and_waiting():
+    sched, kv = make_sched(num_blocks=8, block_size=4, budget=100, max_seqs=1)
+    a = make_req(range(9), max_tokens=5)
+    w = make_req(range(20, 29), max_tokens=5)
+    sched.add_request(a)
+    sched.add_request(w)
+    step(sched)
+    assert a.status == RequestStatus.RUNNING and len(a.block_ids) == 3
+    assert w.status == RequestStatus.WAITING and w.block_ids == []
+    sched.finish_request(a, RequestStatus.FINISHED_ABORTED)
+    assert a.status == RequestStatus.FINISHED_ABORTED and a.finished and a.finished_time is not None
+    assert a.block_ids == [] and a not in sched.running
+    assert kv.num_free_blocks == 8
+    check_state(sched)
+    sched.finish_request(w, RequestStatus.FINISHED_ABORTED)  # from waiting
+    assert w.status == RequestStatus.FINISHED_ABORTED and len(sched.waiting) == 0
+    assert not sched.has_unfinished()
+    assert not sched.schedule()
+    # A preempted request (waiting, no blocks) can be finished too; a running one frees at once.
+    x = make_req(range(5), max_tokens=3)
+    sched.add_request(x)
+    step(sched)
+    held = len(x.block_ids)
+    assert held and kv.num_free_blocks == 8 - held
+    sched.finish_request(x, RequestStatus.FINISHED_STOPPED)
+    assert kv.num_free_blocks == 8 and not sched.has_unfinished()
+    with pytest.raises(AssertionError):
+        sched.finish_request(make_req([1]), RequestStatus.RUNNING)
+
+
+def test_abort_preempted_request():
+    sched, kv = make_sched(num_blocks=4, block_size=2, budget=100, caching=False)
+    a = make_req([1, 2, 3], max_tokens=4, arrival=0)
+    b = make_req([4, 5, 6], max_tokens=4, arrival=1)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    step(sched)
+    out = step(sched)
+    assert out.preempted == [b] and b.status == RequestStatus.PREEMPTED
+    sched.finish_request(b, RequestStatus.FINISHED_ABORTED)
+    assert b not in list(sched.waiting) and b.finished
+    run_to_completion(sched)
+    assert b.num_output_tokens == 2  # nothing more after the abort
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+# ---- property test -------------------------------------------------------------------------
+
+STEMS = [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 3, 2, 1, 0, 0, 0], [4, 4, 4, 4, 4, 4, 4, 4]]
+
+
+def prefix_keys(tokens) -> list[int]:
+    out, h = [], 0
+    for t in tokens:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
+@st.composite
+def workloads(draw):
+    bs = draw(st.integers(1, 4))
+    mml = draw(st.integers(2, 32))
+    min_blocks = -(-mml // bs)
+    num_blocks = min_blocks + draw(st.sampled_from([0, 0, 1, 2, 4, 8, 32]))  # mostly tight: preemptions
+    budget = draw(st.integers(1, 24))
+    max_seqs = draw(st.integers(1, 6))
+    policy = draw(st.sampled_from(["fcfs", "priority"]))
+    caching = draw(st.sampled_from([True, True, False]))
+    n = draw(st.integers(1, 8))
+    reqs = []
+    for _ in range(n):
+        stem = draw(st.sampled_from(STEMS))
+        cut = draw(st.integers(0, len(stem)))
+        tail = draw(st.lists(st.integers(0, 4), max_size=10))
+        prompt = (stem[:cut] + tail)[: mml - 1] or [0]
+        room = mml - len(prompt)
+        max_tokens = draw(st.one_of(st.just(room), st.integers(1, room)))
+        reqs.append(
+            dict(
+                prompt=prompt,
+                max_tokens=max_tokens,
+                priority=draw(st.integers(0, 2)),
+                arrival_step=draw(st.integers(0, 4)),
+                arrival=float(draw(st.integers(0, 8))),  # ties on purpose
+                prompt_logprobs=draw(st.integers(0, 9)) == 0,
+                abort_step=draw(st.one_of(st.none(), st.none(), st.integers(0, 30))),
+            )
+        )
+    return dict(bs=bs, mml=mml, num_blocks=num_blocks, budget=budget, max_seqs=max_seqs,
+                policy=policy, caching=caching, reqs=reqs)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads(w):
+    bs, mml = w["bs"], w["mml"]
+    sched, kv = make_sched(w["num_blocks"], bs, w["budget"], w["max_seqs"], w["policy"], w["caching"], mml)
+    budget = w["budget"]
+    reqs = []
+    for i, spec in enumerate(w["reqs"]):
+        params = SamplingParams(prompt_logprobs=1) if spec["prompt_logprobs"] else SamplingParams()
+        reqs.append(make_req(spec["prompt"], spec["max_tokens"], spec["priority"], spec["arrival"], params, f"q{i}"))
+    added: set[int] = set()
+    aborted: set[int] = set()
+    content: dict[int, dict[int, int]] = {}  # block -> slot -> prefix key of the KV written there
+    total = sum(len(s["prompt"]) + s["max_tokens"] for s in w["reqs"])
+    max_steps = 8 + 7 + 40 * total  # generous; a livelock runs into it
+    key = sched.waiting.key
+
+    for t in range(max_steps):
+        for i, spec in enumerate(w["reqs"]):
+            if spec["arrival_step"] == t:
+                sched.add_request(reqs[i])
+                added.add(i)
+            if spec["abort_step"] == t and i in added and not reqs[i].finished:
+                sched.finish_request(reqs[i], RequestStatus.FINISHED_ABORTED)
+                aborted.add(i)
+                assert reqs[i].block_ids == []
+        if len(added) == len(reqs) and not sched.has_unfinished():
+            break
+
+        prev_running = list(sched.running)
+        uncomputed = {id(r): r.num_uncomputed_tokens for r in prev_running}
+        had_work = sched.has_unfinished()
+        out = sched.schedule()
+        check_step(sched, out)
+        # Progress every step: the last unscheduled candidate always fits once the others are preempted.
+        assert bool(out.scheduled) == had_work
+
+        # Budget use: each entry gets as many tokens as it has left, up to the budget left.
+        left = budget
+        seen = set()
+        for r, n in out.scheduled:
+            assert id(r) not in seen
+            seen.add(id(r))
+            assert n == min(r.num_tokens - r.num_computed_tokens, left)
+            left -= n
+        # Previously running requests first, decodes before prompt chunks; then admissions.
+        was_running = [id(r) in uncomputed for r, _ in out.scheduled]
+        assert was_running == sorted(was_running, reverse=True)
+        kinds = [uncomputed[id(r)] > 1 for r, _ in out.scheduled if id(r) in uncomputed]
+        assert kinds == sorted(kinds)
+        # Preemption: victims hold nothing, wait again with their tokens; no admissions in that step.
+        if out.preempted:
+            assert all(was_running)
+            unscheduled = [r for r in sched.running if id(r) not in seen]
+            for v in out.preempted:
+                assert v.status == RequestStatus.PREEMPTED and v.block_ids == [] and v.num_computed_tokens == 0
+                assert v in list(sched.waiting) and v not in sched.running
+                assert all(key(v) >= key(u) for u in unscheduled)  # the victim ranks last
+        for r, n in out.scheduled:
+            if id(r) not in uncomputed:  # admitted this step: only a prefix hit may be precomputed
+                assert r.num_computed_tokens % bs == 0 and r.num_computed_tokens < r.num_tokens
+                if r.num_preemptions == 0:
+                    assert r.num_computed_tokens == r.num_cached_tokens
+                if not kv.enable_prefix_caching or r.params.prompt_logprobs is not None:
+                    assert r.num_computed_tokens == 0
+        assert list(sched.waiting) == sorted(sched.waiting, key=key)
+
+        # The "forward pass": write the KV of the scheduled positions, then every running request
+        # must read back its own tokens' KV (catches a prefix hit on the wrong block, or a write
+        # into a block someone else shares).
+        for r, n in out.scheduled:
+            keys = prefix_keys(r.token_ids[: r.num_computed_tokens + n])
+            for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
+                content.setdefault(r.block_ids[p // bs], {})[p % bs] = keys[p]
+        for r, n in out.scheduled:
+            r.num_computed_tokens += n
+        for r in sched.running:
+            assert len(r.block_ids) == kv.blocks_needed(r.num_computed_tokens)
+            assert len(r.block_ids) <= -(-mml // bs)
+            for p, k in enumerate(prefix_keys(r.token_ids[: r.num_computed_tokens])):
+                assert content[r.block_ids[p // bs]][p % bs] == k
+        # Sample.
+        for r, n in out.scheduled:
+            if r.num_computed_tokens == r.num_tokens:
+                r.append_token(fake_token(r.token_ids))
+                assert r.num_tokens <= mml
+                if r.num_output_tokens >= r.max_tokens:
+                    sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
+                    assert r.block_ids == []
+        kv.check_invariants()
+        assert len(sched.running) <= w["max_seqs"]
+    else:
+        pytest.fail(f"not finished after {max_steps} steps")
+
+    for i, r in enumerate(reqs):
+        assert r.finished
+        exp = expected_output(r.prompt_token_ids, r.max_tokens)
+        if i in aborted:
+            assert r.status == RequestStatus.FINISHED_ABORTED
+            assert r.output_token_ids == exp[: r.num_output_tokens]
+        else:
+            assert r.status == RequestStatus.FINISHED_LENGTH
+            assert r.output_token_ids == exp
+        assert r.block_ids == []
+    assert not sched.running and len(sched.waiting) == 0
+    assert kv.num_free_blocks == kv.num_blocks
+    assert all(b.ref_count == 0 for b in kv.blocks)
+    kv.check_invariants()
