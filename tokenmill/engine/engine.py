@@ -26,7 +26,8 @@ class StepStats:
     """Where one step's time went, and how many tokens it processed."""
 
     schedule_s: float = 0.0
-    forward_s: float = 0.0  # includes preparing inputs
+    prepare_s: float = 0.0  # batch -> tensors, attention metadata
+    forward_s: float = 0.0  # the model's forward pass and logits
     sample_s: float = 0.0
     detokenize_s: float = 0.0
     num_tokens: int = 0
@@ -37,9 +38,11 @@ class StepStats:
 class EngineStats:
     steps: int = 0
     schedule_s: float = 0.0
+    prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
     detokenize_s: float = 0.0
+    num_tokens: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     last: StepStats = field(default_factory=StepStats)
@@ -47,7 +50,9 @@ class EngineStats:
     def add(self, s: StepStats) -> None:
         self.steps += 1
         self.schedule_s += s.schedule_s
+        self.prepare_s += s.prepare_s
         self.forward_s += s.forward_s
+        self.num_tokens += s.num_tokens
         self.sample_s += s.sample_s
         self.detokenize_s += s.detokenize_s
         self.last = s
@@ -203,7 +208,8 @@ class LLMEngine:
             return []
         fwd = self.runner.execute(sched.scheduled)
         t2 = time.perf_counter()
-        st.forward_s = t2 - t1
+        st.prepare_s = self.runner.last_prepare_s
+        st.forward_s = self.runner.last_forward_s
         st.num_tokens = sched.num_tokens
         st.num_requests = len(sched.scheduled)
         touched: dict[str, RequestGroup] = {}

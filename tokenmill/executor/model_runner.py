@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> ForwardOutput:
+        t_start = time.perf_counter()
         ids: list[int] = []
         starts: list[int] = []
         lens: list[int] = []
@@ -127,10 +129,15 @@ class ModelRunner:
         )
         meta = self.backend.build_metadata(layout, bs, self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        t_prepared = time.perf_counter()
         hidden = self.model(input_ids, positions.to(self.device), meta)
 
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)])
         prompt_logits = {}
         for req, row, rows, first_pos in prompt_rows:
             prompt_logits[id(req)] = (self.model.compute_logits(hidden[row : row + rows]), first_pos)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.last_prepare_s = t_prepared - t_start
+        self.last_forward_s = time.perf_counter() - t_prepared
         return ForwardOutput(logits=logits, sample_requests=sample_reqs, prompt_logits=prompt_logits)
