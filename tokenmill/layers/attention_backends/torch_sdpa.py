@@ -90,14 +90,17 @@ class TorchSDPABackend(AttentionBackend):
         num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
         for g in meta.groups:
             B, NB = g.block_tables.shape
-            qg = q[g.token_index].transpose(1, 2)  # [B, H, Q, D]
-            kg = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B, Hk, L, D]
-            vg = v_cache[g.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+            Q = g.token_index.shape[1]
+            qg = q.index_select(0, g.token_index.view(-1)).view(B, Q, num_heads, -1).transpose(1, 2)  # [B, H, Q, D]
+            # index_select over whole blocks is ~4x faster than advanced indexing on CPU.
+            flat = g.block_tables.view(-1)
+            kg = k_cache.index_select(0, flat).view(B, -1, num_kv_heads, k_cache.shape[-1]).transpose(1, 2).to(q.dtype)
+            vg = v_cache.index_select(0, flat).view(B, -1, num_kv_heads, v_cache.shape[-1]).transpose(1, 2).to(q.dtype)
             o = F.scaled_dot_product_attention(
                 qg, kg, vg, attn_mask=g.mask(sliding_window), scale=scale, enable_gqa=num_heads != num_kv_heads
             ).transpose(1, 2)  # [B, Q, H, D]
             if g.all_valid:
-                out[g.flat_index] = o.flatten(0, 1)
+                out.index_copy_(0, g.flat_index, o.flatten(0, 1))
             else:
-                out[g.flat_index] = o[g.valid]
+                out.index_copy_(0, g.flat_index, o[g.valid])
         return out
