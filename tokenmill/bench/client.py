@@ -17,7 +17,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Sequence
 
 import httpx
 import numpy as np
@@ -108,6 +108,8 @@ class BenchmarkRun:
     records: list[RequestRecord]
     started_at: str  # ISO 8601, UTC
     warmup_errors: list[RequestError] = field(default_factory=list)
+    metrics_before: str | None = None  # the server's /metrics text after warm-up, before measuring
+    metrics_after: str | None = None
 
 
 def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
@@ -290,19 +292,23 @@ async def run_requests(client: httpx.AsyncClient, cfg: ClientConfig, requests: l
 
 
 async def run_benchmark(cfg: ClientConfig, requests: list[BenchRequest], load: LoadConfig,
-                        warmups: list[BenchRequest] = (), tokenizer: Tokenizer | None = None,
-                        transport: httpx.AsyncBaseTransport | None = None) -> BenchmarkRun:
-    """Warm up (all at once, results discarded), then the measured run. Raises WarmupFailed when
-    every warm-up request failed, rather than measuring a server that cannot answer."""
+                        warmups: Sequence[BenchRequest] = (), tokenizer: Tokenizer | None = None,
+                        transport: httpx.AsyncBaseTransport | None = None,
+                        metrics_url: str | None = None) -> BenchmarkRun:
+    """Warm up (all at once, results discarded), scrape `metrics_url`, run the measured requests,
+    scrape again. Raises WarmupFailed when every warm-up request failed, rather than measuring a
+    server that cannot answer."""
     async with make_client(load.max_concurrency, transport) as client:
         warm = await run_requests(client, cfg, list(warmups), load, tokenizer, shaped=False, desc="warm-up") \
             if warmups else []
         if warm and all(r.error is not None for r in warm):
             e = warm[0].error
             raise WarmupFailed(f"all {len(warm)} warm-up requests to {cfg.url} failed; first: {e.key}: {e.message}")
+        before = await fetch_text(metrics_url, cfg.api_key, transport=transport) if metrics_url else None
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         records = await run_requests(client, cfg, requests, load, tokenizer)
-    return BenchmarkRun(records=records, started_at=started_at,
+        after = await fetch_text(metrics_url, cfg.api_key, transport=transport) if metrics_url else None
+    return BenchmarkRun(records=records, started_at=started_at, metrics_before=before, metrics_after=after,
                         warmup_errors=[r.error for r in warm if r.error is not None])
 
 

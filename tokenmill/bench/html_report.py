@@ -48,7 +48,7 @@ def _svg(draw: Callable[[Any], None]) -> str:
         draw(ax)
         fig.tight_layout()
         buf = io.StringIO()
-        fig.savefig(buf, format="svg")
+        fig.savefig(buf, format="svg", metadata={"Date": None})
     finally:
         plt.close(fig)
     text = buf.getvalue()

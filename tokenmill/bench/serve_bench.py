@@ -14,8 +14,7 @@ import sys
 from dataclasses import replace
 from typing import Any, Sequence
 
-from tokenmill.bench.client import (ClientConfig, LoadConfig, api_root, fetch_text, first_model,
-                                    run_benchmark)
+from tokenmill.bench.client import ClientConfig, LoadConfig, api_root, first_model, run_benchmark
 from tokenmill.bench.datasets import DATASETS, DEFAULT_NUM_PROMPTS, DatasetSpec, build_dataset, load_tokenizer
 from tokenmill.bench.metrics import parse_goodput, summarize
 from tokenmill.bench.prometheus import server_stats
@@ -180,12 +179,14 @@ async def _bench(args: argparse.Namespace, transport=None) -> dict[str, Any]:
     load = LoadConfig(request_rate=args.request_rate, burstiness=args.burstiness,
                       max_concurrency=args.max_concurrency, seed=args.seed, progress=not args.disable_tqdm)
     metrics_url = args.metrics_url or api_root(args.base_url) + "/metrics"
-    before = await fetch_text(metrics_url, args.api_key, transport=transport)
-    run = await run_benchmark(cfg, requests, load, warmups, tokenizer, transport)
-    after = await fetch_text(metrics_url, args.api_key, transport=transport)
+    run = await run_benchmark(cfg, requests, load, warmups, tokenizer, transport, metrics_url)
+    if run.warmup_errors:
+        print(f"warning: {len(run.warmup_errors)} of {len(warmups)} warm-up requests failed, first: "
+              f"{run.warmup_errors[0].key}: {run.warmup_errors[0].message}", file=sys.stderr)
     summary = summarize(run.records, slos, args.cost_per_hour)
     return build_result(run_config(args, model, len(requests), ignore_eos, slos), summary,
-                        server_stats(metrics_url, before, after), run.records, run.started_at)
+                        server_stats(metrics_url, run.metrics_before, run.metrics_after), run.records,
+                        run.started_at)
 
 
 def run_bench_serve(args: argparse.Namespace, transport=None) -> int:
