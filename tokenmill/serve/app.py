@@ -1,0 +1,185 @@
+"""The FastAPI app: OpenAI-compatible routes over an AsyncLLMEngine, errors always in OpenAI's shape."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill import __version__
+from tokenmill.serve.chat_completions import chat_prompt, create_chat_completion
+from tokenmill.serve.completions import create_completion
+from tokenmill.serve.errors import APIError, BodyTooLarge, bad_request
+from tokenmill.serve.metrics import CONTENT_TYPE
+from tokenmill.serve.middleware import GuardMiddleware, too_large
+from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+                                      ModelList, TokenizeRequest, TokenizeResponse, DetokenizeResponse)
+from tokenmill.serve.sampling import check_prompt_ids
+from tokenmill.serve.state import ServerState
+
+log = logging.getLogger(__name__)
+T = TypeVar("T", bound=BaseModel)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def parse_body(raw: Request, model: type[T]) -> T:
+    """JSON that does not parse is a 400; JSON of the wrong shape is a 422 naming the field."""
+    body = await raw.body()
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise APIError(400, f"We could not parse the JSON body of your request: {e}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.", None, "invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"}
+
+
+def _field_path(loc) -> str:
+    """`messages.0.role` from a pydantic location, without the union-member tags ('str', 'list[int]')."""
+    parts = [str(x) for x in loc if x != "body"]
+    return ".".join(p for p in parts if p not in _TYPE_TAGS and "[" not in p)
+
+
+def validation_error(errors) -> APIError:
+    seen: dict[str, str] = {}
+    for err in errors:
+        seen.setdefault(_field_path(err.get("loc", ())), str(err.get("msg")))
+    parts = [f"{loc}: {msg}" if loc else msg for loc, msg in list(seen.items())[:5]]
+    param = next(iter(seen), None) or None
+    return APIError(422, "; ".join(parts) or "invalid request", param, "invalid_type")
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, state.engine.shutdown)
+        state.executor.shutdown(wait=False)
+
+    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
+    app.state.tokenmill = state
+    _add_error_handlers(app)
+    _add_routes(app, state)
+    app.add_middleware(GuardMiddleware, api_key=state.settings.api_key,
+                       max_body_bytes=state.settings.max_request_body_bytes)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, e: BodyTooLarge):
+        return too_large(app.state.tokenmill.settings.max_request_body_bytes).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        return validation_error(e.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            message = f"Unknown request URL: {request.method} {request.url.path}. Please check the URL for typos."
+            return APIError(404, message, None, "unknown_url").response()
+        if e.status_code == 405:
+            message = f"Method {request.method} is not allowed for {request.url.path}."
+            return APIError(405, message, None, "method_not_allowed").response()
+        return APIError(e.status_code, str(e.detail), None, None).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, f"Internal server error: {type(e).__name__}", None, "internal_error").response()
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    created = int(time.time())
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await create_completion(state, await parse_body(raw, CompletionRequest), raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        return await create_chat_completion(state, await parse_body(raw, ChatCompletionRequest), raw)
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=created, root=state.settings.model_path,
+                         max_model_len=state.engine.max_model_len)
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[card(n) for n in state.settings.served_model_names])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        state.check_model(model_id)
+        return card(model_id)
+
+    @app.get("/health")
+    async def health():
+        if not state.engine.is_alive:
+            return APIError(503, "The engine is not running.", None, "engine_dead").response()
+        if state.engine.draining:
+            return APIError(503, "The server is shutting down.", None, "shutting_down").response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        req = await parse_body(raw, TokenizeRequest)
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt or messages.", "prompt")
+        if req.messages is not None:
+            _, ids = await chat_prompt(state, req, req.add_generation_prompt)
+        else:
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            try:
+                ids = await state.tokenize(req.prompt, add_special)
+            except Exception as e:
+                raise bad_request(f"prompt could not be tokenized: {e}", "prompt") from None
+        strs = None
+        if req.return_token_strs:
+            strs = await state.run_blocking(state.engine.tokenizer.convert_ids_to_tokens, ids)
+        return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids,
+                                token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        req = await parse_body(raw, DetokenizeRequest)
+        state.check_model(req.model)
+        if req.tokens:
+            check_prompt_ids(req.tokens, state.limits, "tokens")
+        return DetokenizeResponse(prompt=await state.detokenize(req.tokens))
+
+    @app.get("/", include_in_schema=False)
+    async def root():
+        return JSONResponse({"name": "tokenmill", "version": __version__, "models": state.settings.served_model_names})

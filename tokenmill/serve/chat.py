@@ -1,0 +1,75 @@
+"""Chat messages -> prompt token ids through the model's chat template (or --chat-template)."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tokenmill.serve.protocol import ChatMessage
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template takes a file path or the Jinja text itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template.")
+    return value
+
+
+def content_text(message: ChatMessage, index: int) -> str | None:
+    """Text of a message; content-part lists are joined. Only text parts are supported."""
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise ValueError(f"messages.{index}.content: content part type {part.type!r} is not supported "
+                             "(this model takes text only).")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    out = []
+    for i, m in enumerate(messages):
+        d: dict[str, Any] = {"role": m.role, "content": content_text(m, i) or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_calls is not None:
+            d["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def render_chat(tokenizer, messages: list[ChatMessage], chat_template: str | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+    """The prompt text; ValueError (-> 400) when the template cannot render these messages."""
+    if not messages:
+        raise ValueError("messages must contain at least one message.")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: this model has no chat template; start the server with --chat-template.")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message cannot be used together with add_generation_prompt.")
+    conversation = to_template_messages(messages)
+    try:
+        return tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=chat_template, tools=tools,
+            **(template_kwargs or {}),
+        )
+    except ValueError:
+        raise
+    except Exception as e:  # jinja2 errors, raise_exception() in templates, bad kwargs
+        raise ValueError(f"messages could not be rendered with the chat template: {e}") from e
+
+
+def encode_chat(tokenizer, text: str) -> list[int]:
+    # The template already holds any BOS; do not add special tokens again.
+    return tokenizer(text, add_special_tokens=False).input_ids

@@ -1,0 +1,113 @@
+"""Prometheus metrics named like vLLM's, under `tokenmill:`, fed from the engine thread.
+
+Each server gets its own CollectorRegistry, so several apps can live in one process (tests).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from tokenmill.engine.async_engine import FinishedRequest
+
+if TYPE_CHECKING:
+    from tokenmill.engine.engine import LLMEngine, StepStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "detokenize")
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_STEP_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class ServerMetrics:
+    """Implements the AsyncLLMEngine observer: gauges after every iteration, histograms per request."""
+
+    def __init__(self, model_name: str) -> None:
+        disable_created_metrics()  # as vLLM does: the *_created series only add noise
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, m = self.registry, ["model_name"]
+
+        def counter(name: str, doc: str, labels=m) -> Counter:
+            return Counter(f"tokenmill:{name}", doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets, labels=m) -> Histogram:
+            return Histogram(f"tokenmill:{name}", doc, labels, buckets=buckets, registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tokenmill:{name}", doc, m, registry=r)
+
+        label = {"model_name": model_name}
+        self.running = gauge("num_requests_running", "Sequences in the running batch.").labels(**label)
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.").labels(**label)
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).").labels(**label)
+        self.prefix_queries = counter("prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.").labels(**label)
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(**label)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(**label)
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(**label)
+        self.preemptions = counter("num_preemptions", "Requests preempted to free KV cache blocks.").labels(**label)
+        self._success = counter("request_success", "Finished requests by finish reason.", m + ["finished_reason"])
+        self._model = model_name
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name=model_name, finished_reason=reason)  # export zeros from the start
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.",
+                              _LATENCY_BUCKETS).labels(**label)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a sequence.",
+                             _ITL_BUCKETS).labels(**label)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS).labels(**label)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                                    _LATENCY_BUCKETS).labels(**label)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
+                                      _LATENCY_BUCKETS).labels(**label)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to finish.",
+                                     _LATENCY_BUCKETS).labels(**label)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens processed per engine step.",
+                                          _TOKEN_BUCKETS).labels(**label)
+        step_time = histogram("step_time_seconds", "Engine step time by phase.", _STEP_BUCKETS, m + ["phase"])
+        self.step_phase = {p: step_time.labels(model_name=model_name, phase=p) for p in STEP_PHASES}
+        self._last = {"queries": 0, "hits": 0, "preemptions": 0, "generation": 0}
+
+    # ---- observer (engine thread) ---------------------------------------------------------
+    def on_iteration(self, engine: LLMEngine, step: StepStats | None, inter_token_s: list[float]) -> None:
+        sched, kv = engine.scheduler, engine.kv
+        self.running.set(sched.num_running)
+        self.waiting.set(sched.num_waiting)
+        self.kv_usage.set(kv.usage)
+        self._add(self.prefix_queries, "queries", kv.stats.queries)
+        self._add(self.prefix_hits, "hits", kv.stats.hits)
+        self._add(self.preemptions, "preemptions", sched.num_preemptions)
+        self._add(self.generation_tokens, "generation", engine.stats.generation_tokens)
+        for s in inter_token_s:
+            self.itl.observe(s)
+        if step is not None and step.num_tokens > 0:
+            self.iteration_tokens.observe(step.num_tokens)
+            for phase in STEP_PHASES:
+                self.step_phase[phase].observe(getattr(step, f"{phase}_s"))
+
+    def _add(self, counter: Counter, key: str, total: int) -> None:
+        delta = total - self._last[key]
+        if delta > 0:
+            counter.inc(delta)
+        self._last[key] = total
+
+    def on_request_finished(self, r: FinishedRequest) -> None:
+        self._success.labels(model_name=self._model, finished_reason=r.finish_reason).inc()
+        self.prompt_tokens.inc(r.num_prompt_tokens)
+        self.e2e.observe(max(0.0, r.finished_time - r.arrival_time))
+        if r.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, r.first_scheduled_time - r.arrival_time))
+        if r.first_token_time is not None:
+            self.ttft.observe(max(0.0, r.first_token_time - r.arrival_time))
+            self.decode_time.observe(max(0.0, r.finished_time - r.first_token_time))
+            if r.first_scheduled_time is not None:
+                self.prefill_time.observe(max(0.0, r.first_token_time - r.first_scheduled_time))
+
+    # ---- exposition -----------------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

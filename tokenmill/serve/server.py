@@ -1,0 +1,127 @@
+"""Run the app under uvicorn, with a graceful drain on SIGTERM / Ctrl-C.
+
+Drain: stop listening, answer new requests on open connections with 503, let in-flight requests finish
+for up to --drain-timeout seconds, then abort the rest (their streams get an error event) and exit 0.
+A second signal exits at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import uvicorn
+
+from tokenmill.engine.async_engine import EngineError
+from tokenmill.serve.state import ServerState
+
+log = logging.getLogger("tokenmill.serve")
+
+
+@dataclass
+class ListenConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    access_log: bool = True
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_requested = False
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # Unlike uvicorn's handler, do not re-raise the signal after shutdown: a drained server exits 0.
+        if self._drain_requested or self._loop is None or not self.started:
+            self.force_exit = self._drain_requested  # a second signal: stop now
+            self.should_exit = True
+            return
+        self._drain_requested = True
+        log.info("received %s: draining (up to %g s)", signal.Signals(sig).name, self.state.settings.drain_timeout_s)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        engine = self.state.engine
+        engine.begin_drain()
+        for server in getattr(self, "servers", []):
+            server.close()  # no new connections; open ones get 503 for new requests
+        if not await engine.wait_idle(self.state.settings.drain_timeout_s):
+            log.warning("drain timeout: aborting %d request(s)", engine.num_in_flight)
+            engine.abort_all(EngineError("the server is shutting down; the request was aborted.", 503,
+                                         "shutting_down"))
+            await engine.wait_idle(5.0)
+        self.should_exit = True
+
+
+def run_server(state: ServerState, listen: ListenConfig, app) -> None:
+    config = uvicorn.Config(
+        app,
+        host=listen.host,
+        port=listen.port,
+        log_level=listen.log_level,
+        access_log=listen.access_log,
+        # Only a backstop: the drain has already finished or aborted every request by then.
+        timeout_graceful_shutdown=10,
+        timeout_keep_alive=5,
+    )
+    DrainingServer(config, state).run()
+
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_names(args) -> list[str]:
+    if args.served_model_name:
+        return list(args.served_model_name)
+    given = args.model or args.model_pos
+    return [given] if given else [DEFAULT_SERVED_NAME]
+
+
+def serve_main(args, engine_kwargs: dict) -> int:
+    """`tokenmill serve`: load the model, then serve until SIGTERM / Ctrl-C."""
+    from tokenmill.engine.async_engine import AsyncLLMEngine
+    from tokenmill.llm import LLM
+    from tokenmill.serve.app import build_app
+    from tokenmill.serve.chat import load_chat_template
+    from tokenmill.serve.metrics import ServerMetrics
+    from tokenmill.serve.state import ServerSettings
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}.")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be non-negative, got {args.max_waiting_requests}.")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be non-negative, got {args.drain_timeout}.")
+    settings = ServerSettings(
+        served_model_names=served_names(args),
+        model_path=engine_kwargs["model"],
+        api_key=args.api_key or None,
+        chat_template=load_chat_template(args.chat_template),
+        max_waiting_requests=args.max_waiting_requests,
+        max_request_body_bytes=args.max_request_body_bytes,
+        drain_timeout_s=args.drain_timeout,
+        max_logprobs=args.max_logprobs,
+    )
+    logging.basicConfig(level=getattr(logging, args.uvicorn_log_level.upper(), logging.INFO),
+                        format="%(levelname)s %(name)s: %(message)s")
+    engine = LLM(**engine_kwargs).engine
+    metrics = ServerMetrics(settings.served_model_names[0])
+    state = ServerState(AsyncLLMEngine(engine, metrics), settings, metrics)
+    log.info("model %s loaded in %.1f s; max_model_len %d, %d KV blocks of %d tokens", settings.model_path,
+             engine.load_time_s, engine.max_model_len, engine.kv.num_blocks, engine.kv.block_size)
+    listen = ListenConfig(args.host, args.port, args.uvicorn_log_level, not args.disable_uvicorn_access_log)
+    run_server(state, listen, build_app(state))
+    return 0

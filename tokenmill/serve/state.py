@@ -1,0 +1,75 @@
+"""What every route handler needs: the async engine, the settings, metrics, and a tokenizer thread."""
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.serve.errors import APIError
+from tokenmill.serve.metrics import ServerMetrics
+from tokenmill.serve.sampling import Limits
+
+MiB = 1 << 20
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    model_path: str = ""
+    api_key: str | None = None
+    chat_template: str | None = None
+    max_waiting_requests: int | None = None  # None: no limit
+    max_request_body_bytes: int = 4 * MiB
+    drain_timeout_s: float = 30.0
+    max_logprobs: int = 20
+    retry_after_s: int = 1
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    settings: ServerSettings
+    metrics: ServerMetrics
+    # Tokenizing and chat templates run here, one at a time, so a long prompt never stalls the event loop.
+    executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-tokenize"))
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_names[0]
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.engine.max_model_len, self.engine.vocab_size, self.settings.max_logprobs)
+
+    def check_model(self, requested: str | None) -> str:
+        if requested is None or requested in self.settings.served_model_names:
+            return self.model_name
+        raise APIError(404, f"The model `{requested}` does not exist.", "model", "model_not_found")
+
+    def check_capacity(self) -> None:
+        """503 while draining, or when the waiting queue is at --max-waiting-requests."""
+        retry = {"Retry-After": str(self.settings.retry_after_s)}
+        if self.engine.draining:
+            raise APIError(503, "The server is shutting down and accepts no new requests.", None, "shutting_down",
+                           headers=retry)
+        if not self.engine.is_alive:
+            raise APIError(503, "The engine is not running.", None, "engine_dead")
+        limit = self.settings.max_waiting_requests
+        if limit is not None and self.engine.num_waiting >= limit:
+            raise APIError(503, f"The server is overloaded: {self.engine.num_waiting} requests are already waiting "
+                                f"(limit {limit}). Please retry later.", None, "overloaded", headers=retry)
+
+    async def run_blocking(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        return await self.run_blocking(lambda: tok(text, add_special_tokens=add_special_tokens).input_ids)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        return await self.run_blocking(self.engine.tokenizer.decode, ids)
