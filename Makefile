@@ -1,10 +1,11 @@
-# tokenmill: `make test` runs the tests, `make demo` answers one chat on the embedded model.
+# tokenmill: `make serve` serves the embedded model on http://127.0.0.1:8000, `make test` runs the tests,
+# `make demo` answers one chat on the embedded model.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo bench clean
+.PHONY: test test-fast demo serve bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +27,10 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m tokenmill chat --once "What is the capital of France?"
+
+# The OpenAI-compatible server on the embedded model; Ctrl-C drains and stops it.
+serve: $(STAMP)
+	$(PY) -m tokenmill serve --host 127.0.0.1 --port 8000
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py

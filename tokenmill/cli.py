@@ -1,4 +1,4 @@
-"""The `tokenmill` command line: `generate` and `chat` on a local model (vLLM's flag names).
+"""The `tokenmill` command line: `generate`, `chat` and `serve` on a local model (vLLM's flag names).
 
 Each subcommand is an `add_<name>_parser(subparsers)` that registers its flags and a `cmd_<name>(args)`
 that runs it. Shared flags come from `add_engine_args` / `engine_kwargs` (-> LLM(...) kwargs) and
@@ -305,6 +305,45 @@ def cmd_chat(args: argparse.Namespace) -> int:
         reply(line)
 
 
+# ---- serve -----------------------------------------------------------------------------------
+def add_serve_parser(subparsers) -> None:
+    import os
+
+    p = subparsers.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.",
+                              description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, "
+                                          "/v1/models, /tokenize, /detokenize, /health, /version, /metrics.")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: %(default)s).")
+    g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: %(default)s).")
+    g.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+                   help="Require 'Authorization: Bearer KEY' on /v1/* (default: $TOKENMILL_API_KEY, else none).")
+    g.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="Model name(s) clients use; the first one is reported back "
+                        "(default: the MODEL argument, or SmolLM2-135M-Instruct for the embedded model).")
+    g.add_argument("--chat-template", metavar="FILE_OR_TEXT",
+                   help="Jinja chat template (a file or the text) to use instead of the model's.")
+    g.add_argument("--max-waiting-requests", type=int, metavar="N",
+                   help="Answer 503 with Retry-After once N sequences are waiting (default: no limit).")
+    g.add_argument("--max-request-body-bytes", type=parse_bytes, default=4 << 20, metavar="SIZE",
+                   help="Largest request body accepted, e.g. 4M; larger ones get 413 (default: 4M).")
+    g.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="On SIGTERM, how long in-flight requests may run before they are aborted (default: %(default)s).")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="Most logprobs / top_logprobs a request may ask for (default: %(default)s).")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="Log level of the server (default: %(default)s).")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="Do not log every HTTP request.")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.serve.server import serve_main
+
+    return serve_main(args, engine_kwargs(args))
+
+
 # ---- entry point -----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference on PyTorch.")
@@ -312,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_generate_parser(subparsers)
     add_chat_parser(subparsers)
+    add_serve_parser(subparsers)
     return parser
 
 
