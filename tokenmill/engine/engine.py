@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -32,6 +33,14 @@ class StepStats:
     detokenize_s: float = 0.0
     num_tokens: int = 0
     num_requests: int = 0
+    num_sampled: int = 0
+    kv_tokens: int = 0  # cached tokens read by attention (sum of context lengths)
+    attn_pairs: int = 0  # (query, key) pairs computed by attention
+    end_time: float = 0.0  # perf_counter at the end of the step
+
+    @property
+    def busy_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s + self.detokenize_s
 
 
 @dataclass
@@ -45,9 +54,13 @@ class EngineStats:
     num_tokens: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    idle_s: float = 0.0  # time the serving loop waited with nothing to do
     last: StepStats = field(default_factory=StepStats)
+    history: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent non-empty steps
 
     def add(self, s: StepStats) -> None:
+        if s.num_tokens:
+            self.history.append(s)
         self.steps += 1
         self.schedule_s += s.schedule_s
         self.prepare_s += s.prepare_s
@@ -212,6 +225,8 @@ class LLMEngine:
         st.forward_s = self.runner.last_forward_s
         st.num_tokens = sched.num_tokens
         st.num_requests = len(sched.scheduled)
+        st.kv_tokens = self.runner.last_kv_tokens
+        st.attn_pairs = self.runner.last_attn_pairs
         touched: dict[str, RequestGroup] = {}
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
@@ -260,6 +275,7 @@ class LLMEngine:
                     group.cumulative_logprob[idx] += lp[i]
                 self._check_stop(req, tok, group.detoks[idx])
             self.stats.generation_tokens += len(sampled)
+            st.num_sampled = len(sampled)
             st.detokenize_s = time.perf_counter() - t3
 
         outputs = []
@@ -267,6 +283,7 @@ class LLMEngine:
             outputs.append(self._make_output(group))
             if group.finished:
                 self.groups.pop(group.request_id, None)
+        st.end_time = time.perf_counter()
         self.stats.add(st)
         return outputs
 

@@ -111,6 +111,9 @@ class ModelRunner:
             offset += n
 
         T = offset
+        # For the roofline: keys each new token attends to (causal pairs) and KV tokens read.
+        self.last_attn_pairs = sum(n * st + n * (n + 1) // 2 for st, n in zip(starts, lens))
+        self.last_kv_tokens = sum(st + n for st, n in zip(starts, lens))
         q_len = torch.tensor(lens, dtype=torch.long)
         start_pos = torch.tensor(starts, dtype=torch.long)
         q_start = torch.cumsum(q_len, 0) - q_len

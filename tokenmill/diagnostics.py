@@ -1,0 +1,224 @@
+"""Where the time goes: per-step timings against this machine's measured peaks (a roofline).
+
+For a window of engine steps we know the time split (schedule, prepare, forward, sample, detokenize,
+idle), the tokens processed and the attention work. From the model's shape we know the FLOPs and the
+bytes those steps must move at least (weights once per step, the KV cache they read and write). With
+the machine's peak FLOP/s and memory bandwidth — measured once by a short calibration and cached —
+the minimum time is max(FLOPs / peak, bytes / bandwidth). A run whose busy time is far above that
+minimum is overhead-bound (Python, small kernels, inefficient kernels); otherwise it is compute- or
+bandwidth-bound, whichever term is larger.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+CALIBRATION_VERSION = 1
+# Below this share of busy time explained by the roofline, the run is called overhead-bound.
+ROOFLINE_SHARE_FOR_BOUND = 0.3
+
+
+@dataclass
+class Peaks:
+    flops: float  # FLOP/s of a large GEMM in the compute dtype
+    bandwidth: float  # bytes/s of a streaming read
+    dtype: str
+    threads: int
+    device: str
+    measured_at: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _cache_file() -> Path:
+    root = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+    return root / "calibration.json"
+
+
+def _key(device: str, dtype: torch.dtype) -> str:
+    return f"v{CALIBRATION_VERSION}|{device}|{_cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{dtype}"
+
+
+def measure_peaks(device: str = "cpu", dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> Peaks:
+    """Best of a few timed runs: a square GEMM for FLOP/s, a sum over a large tensor for bandwidth."""
+    dev = torch.device(device)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    n = 1024 if dev.type == "cpu" else 8192
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    a @ b
+    while True:
+        sync()
+        t = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t)
+        if time.perf_counter() > deadline:
+            break
+    flops = 2 * n**3 / best
+    nbytes = (256 << 20) if dev.type == "cpu" else (2 << 30)
+    x = torch.ones(nbytes // 4, device=dev)
+    x.sum()
+    best = float("inf")
+    deadline = time.perf_counter() + seconds
+    while True:
+        sync()
+        t = time.perf_counter()
+        x.sum()
+        sync()
+        best = min(best, time.perf_counter() - t)
+        if time.perf_counter() > deadline:
+            break
+    return Peaks(flops=flops, bandwidth=nbytes / best, dtype=str(dtype), threads=torch.get_num_threads(),
+                 device=str(dev), measured_at=time.time())
+
+
+def load_or_measure_peaks(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Peaks:
+    """Calibrate once per machine / thread count / torch version; later starts read the cache."""
+    f = _cache_file()
+    key = _key(device, dtype)
+    try:
+        cached = json.loads(f.read_text())
+        if key in cached:
+            return Peaks(**cached[key])
+    except (OSError, ValueError, TypeError):
+        cached = {}
+    peaks = measure_peaks(device, dtype)
+    try:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        cached[key] = peaks.as_dict()
+        f.write_text(json.dumps(cached, indent=1))
+    except OSError:
+        pass
+    return peaks
+
+
+@dataclass
+class ModelCost:
+    """What one step of this model must compute and move, from its shape."""
+
+    matmul_params: int  # weights used in GEMMs per token (layers + LM head)
+    weight_bytes: int  # all weights, read once per step
+    kv_bytes_per_token: int  # K and V of one token over all layers
+    attn_flops_per_pair: int  # QK^T and PV over all layers for one (query, key) pair
+    lm_head_params: int
+
+    @classmethod
+    def from_engine(cls, engine) -> "ModelCost":
+        from tokenmill.layers.attention import Attention
+        from tokenmill.layers.linear import Linear
+
+        model = engine.model
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
+        cfg = engine.hf_config
+        lm_head = cfg.vocab_size * cfg.hidden_size
+        tied = bool(getattr(model, "tie_word_embeddings", False))
+        matmul = linear + (lm_head if tied else 0)  # an untied head is a Linear already
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        attn = [m for m in model.modules() if isinstance(m, Attention)]
+        elem = engine.runner.kv_dtype.itemsize
+        kv_per_token = sum(2 * a.num_kv_heads * a.head_dim * elem for a in attn)
+        attn_flops = sum(4 * a.num_heads * a.head_dim for a in attn)
+        return cls(matmul, weight_bytes, kv_per_token, attn_flops, lm_head)
+
+    def step_flops(self, num_tokens: int, num_sampled: int, attn_pairs: int) -> float:
+        # The LM head only runs on sampled positions; the rest of the GEMMs on every token.
+        body = self.matmul_params - self.lm_head_params
+        return 2.0 * (body * num_tokens + self.lm_head_params * num_sampled) + self.attn_flops_per_pair * attn_pairs
+
+    def step_bytes(self, num_tokens: int, kv_tokens: int) -> float:
+        return self.weight_bytes + self.kv_bytes_per_token * (kv_tokens + num_tokens)
+
+
+def diagnose(steps: Iterable, cost: ModelCost, peaks: Peaks, idle_s: float = 0.0) -> dict:
+    """Summarise a window of StepStats: the time split, achieved rates, and the verdict."""
+    steps = list(steps)
+    split = {k: sum(getattr(s, f"{k}_s") for s in steps)
+             for k in ("schedule", "prepare", "forward", "sample", "detokenize")}
+    busy = sum(split.values())
+    total = busy + idle_s
+    flops = sum(cost.step_flops(s.num_tokens, s.num_sampled, s.attn_pairs) for s in steps)
+    nbytes = sum(cost.step_bytes(s.num_tokens, s.kv_tokens) for s in steps)
+    tokens = sum(s.num_tokens for s in steps)
+    forward = split["forward"]
+    t_compute = flops / peaks.flops if peaks.flops else 0.0
+    t_memory = nbytes / peaks.bandwidth if peaks.bandwidth else 0.0
+    roofline = max(t_compute, t_memory)
+    if not steps or busy <= 0:
+        verdict, reason = "idle", "no steps recorded"
+    elif roofline < ROOFLINE_SHARE_FOR_BOUND * busy:
+        verdict = "overhead-bound"
+        outside = (busy - forward) / busy
+        where = ("mostly outside the forward pass (scheduling, input preparation, sampling, detokenizing)"
+                 if outside > 0.5 else "mostly inside the forward pass: kernels run far below the machine's peaks "
+                 "(small GEMMs, per-op overhead, memory-inefficient kernels)")
+        reason = (f"compute and memory traffic at peak would explain only {100 * roofline / busy:.0f}% of the busy "
+                  f"time; the rest is {where}")
+    elif t_compute >= t_memory:
+        verdict, reason = "compute-bound", f"FLOPs need {t_compute:.3f} s at peak vs {t_memory:.3f} s for the bytes"
+    else:
+        verdict, reason = "bandwidth-bound", f"bytes need {t_memory:.3f} s at peak vs {t_compute:.3f} s for the FLOPs"
+    return {
+        "steps": len(steps),
+        "tokens": tokens,
+        "time_s": {**split, "idle": idle_s, "busy": busy, "total": total},
+        "time_share": {k: (v / total if total else 0.0) for k, v in {**split, "idle": idle_s}.items()},
+        "tokens_per_step": tokens / len(steps) if steps else 0.0,
+        "achieved": {
+            "flops_per_s": flops / forward if forward else 0.0,
+            "bytes_per_s": nbytes / forward if forward else 0.0,
+            "flops_share_of_peak": (flops / forward) / peaks.flops if forward and peaks.flops else 0.0,
+            "bandwidth_share_of_peak": (nbytes / forward) / peaks.bandwidth if forward and peaks.bandwidth else 0.0,
+        },
+        "roofline": {"compute_s": t_compute, "memory_s": t_memory, "share_of_busy": roofline / busy if busy else 0.0},
+        "peaks": peaks.as_dict(),
+        "verdict": verdict,
+        "reason": reason,
+    }
+
+
+def engine_diagnostics(engine, last_n: int | None = None) -> dict:
+    """Diagnose the engine's recent steps (all kept history by default)."""
+    steps = list(engine.stats.history)
+    if last_n:
+        steps = steps[-last_n:]
+    peaks = load_or_measure_peaks(str(engine.runner.device), engine.model.compute_dtype)
+    return diagnose(steps, ModelCost.from_engine(engine), peaks, idle_s=engine.stats.idle_s)
+
+
+def format_report(d: dict) -> str:
+    t = d["time_s"]
+    lines = [f"where the time went ({d['steps']} steps, {d['tokens']} tokens, {d['tokens_per_step']:.1f} tokens/step):"]
+    for k in ("schedule", "prepare", "forward", "sample", "detokenize", "idle"):
+        lines.append(f"  {k:<11} {t[k]:8.3f} s  {100 * d['time_share'][k]:5.1f}%")
+    a, p = d["achieved"], d["peaks"]
+    lines.append(f"  achieved in forward: {a['flops_per_s'] / 1e9:.1f} GFLOP/s ({100 * a['flops_share_of_peak']:.0f}% of "
+                 f"{p['flops'] / 1e9:.0f} peak), {a['bytes_per_s'] / 1e9:.1f} GB/s ({100 * a['bandwidth_share_of_peak']:.0f}% "
+                 f"of {p['bandwidth'] / 1e9:.0f} peak)")
+    lines.append(f"  verdict: {d['verdict']} — {d['reason']}")
+    return "\n".join(lines)
