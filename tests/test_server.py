@@ -269,6 +269,15 @@ def test_disconnect_mid_stream_frees_kv(server, http):
     assert server.metric("tokenmill:num_requests_running") == 0
 
 
+def test_disconnect_while_waiting_for_non_stream_response_aborts(server):
+    aborted = server.metric('tokenmill:request_success_total{finished_reason="abort"}')
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_LEN - 16, "n": 4, **EXACT}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url("/v1/completions"), json=body, headers=server.headers, timeout=0.3)
+    assert server.wait_metric("tokenmill:kv_cache_usage_perc", 0, 1.0) == 0
+    assert server.wait_metric('tokenmill:request_success_total{finished_reason="abort"}', aborted + 1, 1) == aborted + 1
+
+
 def test_event_loop_stays_responsive(server, http):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "n": 8, **EXACT}
 

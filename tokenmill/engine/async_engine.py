@@ -346,10 +346,13 @@ class AsyncLLMEngine:
             return
         try:
             out = self.engine.abort_request(request_id)
-        except Exception:
+            self._emit(tracked, out, batches, [], error=error, force_final=True)
+        except Exception:  # still tell the caller, or it would wait forever
             log.exception("abort of %s failed", request_id)
-            out = None
-        self._emit(tracked, out, batches, [], error=error, force_final=True)
+            self._tracked.pop(request_id, None)
+            failed = RequestDelta(request_id, tracked.tag, [], True, len(tracked.group.prompt_token_ids),
+                                  error=error or EngineError("the request failed in the engine.", 500, "engine_error"))
+            batches[tracked.loop].items.append((tracked.queue, failed))
 
     def _abort_everything(self, error: EngineError, batches: dict) -> None:
         for request_id in list(self._tracked):
