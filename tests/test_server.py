@@ -171,6 +171,16 @@ def test_batch_of_token_prompts(client, http):
     assert r.choices[2].text == single.choices[0].text
 
 
+def test_logit_bias_and_vllm_extras_reach_the_sampler(client, http):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, logprobs=0,
+                                  extra_body={"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1,
+                                              "min_tokens": 5, "priority": 1, **EXACT})
+    assert r.usage.completion_tokens == 5
+    forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logit_bias={"42": 100},
+                                       extra_body=EXACT)
+    assert forced.choices[0].text == http.post("/detokenize", json={"tokens": [42] * 4}).json()["prompt"]
+
+
 def test_prefix_cache_hits_show_in_usage(client):
     prompt = "Paged attention stores keys and values in fixed-size blocks. " * 3
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
