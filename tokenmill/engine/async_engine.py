@@ -10,7 +10,6 @@ No torch here.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 import time
@@ -148,7 +147,6 @@ class AsyncLLMEngine:
         self._draining = False
         self._stopped = False
         self._thread: threading.Thread | None = None
-        self._ids = itertools.count()
         self.num_engine_errors = 0
 
     # ---- facts about the model, safe to read from any thread -----------------------------
@@ -212,9 +210,6 @@ class AsyncLLMEngine:
         self._post(_AbortAll(error))
 
     # ---- requests (call these from an event loop) ----------------------------------------
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}"
-
     def add_request(
         self,
         request_id: str,
