@@ -14,7 +14,7 @@ from tiny import make_tiny_model
 pytestmark = pytest.mark.timeout(120)
 
 MODEL = "tiny"
-DRAIN_TIMEOUT = 0.5
+DRAIN_TIMEOUT = 1.0
 # A model slow enough (about 5 ms a token here) that a long request outlives the drain timeout.
 SLOW = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
             num_key_value_heads=4)
@@ -68,7 +68,7 @@ def test_overload_gets_503_with_retry_after(server):
 def test_sigterm_drains_then_exits(server):
     with httpx.Client(base_url=server.base_url, timeout=30) as a_client, \
             httpx.Client(base_url=server.base_url, timeout=30) as b_client:
-        with a_client.stream("POST", "/v1/completions", json=body(20, logprobs=0)) as a, \
+        with a_client.stream("POST", "/v1/completions", json=body(10, logprobs=0)) as a, \
                 b_client.stream("POST", "/v1/completions", json=body(LONG)) as b:
             a_events = events(a)
             next(a_events)
