@@ -21,6 +21,12 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None  # vLLM's name: explicit number of KV blocks
     enable_prefix_caching: bool = True
     kv_cache_memory_fraction: float = 0.25  # of available RAM when no byte budget is given
+    # KV offloading: evicted prefix blocks go to host memory, then (past its budget) to files on disk.
+    kv_offload_bytes: int = 0  # host tier budget; 0 with no dir: off
+    kv_offload_dir: str | None = None  # disk tier: a folder for block files (a subfolder per engine)
+    kv_offload_disk_bytes: int | None = None  # disk tier budget; None: unbounded
+    kv_offload_group_blocks: int = 8  # blocks per disk file
+    kv_offload_min_blocks: int | None = None  # shortest chain worth loading; None: measured at start-up
 
 
 @dataclass
@@ -53,5 +59,9 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.scheduler.max_num_batched_tokens}."
             )
+        if self.cache.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must not be negative, got {self.cache.kv_offload_bytes}.")
+        if (self.cache.kv_offload_bytes or self.cache.kv_offload_dir) and not self.cache.enable_prefix_caching:
+            raise ValueError("kv_offload_bytes / kv_offload_dir need prefix caching (enable_prefix_caching=True).")
         if self.scheduler.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.scheduler.policy!r}.")

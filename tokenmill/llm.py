@@ -23,6 +23,10 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         num_gpu_blocks_override: int | None = None,
         enable_prefix_caching: bool = True,
+        kv_offload_bytes: int = 0,
+        kv_offload_dir: str | None = None,
+        kv_offload_disk_bytes: int | None = None,
+        kv_offload_min_blocks: int | None = None,
         scheduling_policy: str = "fcfs",
         seed: int = 0,
         device: str = "cpu",
@@ -34,6 +38,10 @@ class LLM:
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 num_gpu_blocks_override=num_gpu_blocks_override,
                 enable_prefix_caching=enable_prefix_caching,
+                kv_offload_bytes=kv_offload_bytes,
+                kv_offload_dir=kv_offload_dir,
+                kv_offload_disk_bytes=kv_offload_disk_bytes,
+                kv_offload_min_blocks=kv_offload_min_blocks,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, policy=scheduling_policy

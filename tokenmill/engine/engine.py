@@ -14,6 +14,7 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.executor.kv_transfer import build_offload
 from tokenmill.executor.model_runner import ModelRunner
 from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
@@ -31,6 +32,7 @@ class StepStats:
     forward_s: float = 0.0  # the model's forward pass and logits
     sample_s: float = 0.0
     detokenize_s: float = 0.0
+    offload_s: float = 0.0  # KV tier saves/loads before the forward pass
     num_tokens: int = 0
     num_requests: int = 0
     num_sampled: int = 0
@@ -40,7 +42,7 @@ class StepStats:
 
     @property
     def busy_s(self) -> float:
-        return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s + self.detokenize_s
+        return self.schedule_s + self.offload_s + self.prepare_s + self.forward_s + self.sample_s + self.detokenize_s
 
 
 @dataclass
@@ -51,6 +53,7 @@ class EngineStats:
     forward_s: float = 0.0
     sample_s: float = 0.0
     detokenize_s: float = 0.0
+    offload_s: float = 0.0
     num_tokens: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -68,6 +71,7 @@ class EngineStats:
         self.num_tokens += s.num_tokens
         self.sample_s += s.sample_s
         self.detokenize_s += s.detokenize_s
+        self.offload_s += s.offload_s
         self.last = s
 
 
@@ -106,7 +110,11 @@ class LLMEngine:
         self.tokenizer = tokenizer or load_tokenizer(mc.model, mc.tokenizer)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.runner = ModelRunner(self.model, config.cache, self.max_model_len, config.device)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        # Lower KV tiers (host, disk): bookkeeping in the manager, copies in `transfer`, run before each forward.
+        offload, self.transfer = build_offload(config.cache, self.runner)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, offload
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.sampler = Sampler()
         eos = set(generation_eos_ids(mc.model))
@@ -216,6 +224,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         st.schedule_s = t1 - t0
+        if self.transfer is not None:
+            st.offload_s = self._run_transfers(sched)
         if not sched:
             self.stats.add(st)
             return []
@@ -286,6 +296,17 @@ class LLMEngine:
         st.end_time = time.perf_counter()
         self.stats.add(st)
         return outputs
+
+    def _run_transfers(self, sched) -> float:
+        """Saves, spills and loads of the lower KV tiers, before the forward pass reads or overwrites
+        blocks. Returns the seconds spent."""
+        ops = self.kv.take_transfer_ops()
+        if not ops:
+            return 0.0
+        failed = self.transfer.run(ops)
+        if failed:
+            self.scheduler.recompute_failed_loads(sched, self.kv.loads_failed(failed))
+        return self.transfer.stats.last_ops_s
 
     def _banned(self, req: Request) -> list[int]:
         if req.num_output_tokens >= req.params.min_tokens:

@@ -4,6 +4,15 @@ A block holds `block_size` consecutive tokens of one sequence. A full block is n
 sha256(parent hash, its token ids, extra keys): equal names mean equal KV, so requests share it.
 Free blocks wait in an LRU queue; a free block that still has a hash can be revived by a cache hit
 until it is taken for new tokens (eviction).
+
+Why sha256: a name collision would hand a request another prompt's KV, silently. Python's hash() is
+64 bits and, for ints, trivially collidable; sha256 over a compact encoding (the parent's 32-byte
+digest, the token ids as little-endian int64, then the extra keys) is collision-safe and costs about
+a microsecond per block, far below the forward pass that computes the block.
+
+With offloading (`offload`, see kv_offload.py), a named block that is evicted is saved to the host
+tier first, and a prefix chain that leaves the device pool continues into the host and disk tiers:
+those blocks are loaded into fresh device blocks instead of being recomputed.
 """
 from __future__ import annotations
 
@@ -12,11 +21,14 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from tokenmill.engine.kv_offload import LoadOp, OffloadTiers
 from tokenmill.engine.request import Request
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
-    # sha256 over a compact encoding: collision-safe (unlike Python's hash) and ~1 µs per block.
+    """Name of a full block. `extra_keys` (ints, strings, bytes: e.g. an adapter name, an image hash)
+    separate equal token ids whose KV differs. Token bytes have a fixed length per block, so the
+    fields cannot run into each other."""
     h = hashlib.sha256(parent or b"\0")
     h.update(array("q", token_ids).tobytes())
     if extra_keys:
@@ -43,9 +55,14 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, offload: OffloadTiers | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}.")
+        if offload is not None and not enable_prefix_caching:
+            raise ValueError("KV offloading needs prefix caching: blocks are found again by their prefix hash.")
+        self.offload = offload
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -74,7 +91,7 @@ class KVCacheManager:
         while (len(req.block_hashes) + 1) * bs <= num_tokens:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if req.block_hashes else None
-            req.block_hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs]))
+            req.block_hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs], req.extra_keys))
 
     def get_computed_blocks(self, req: Request) -> list[int]:
         """Longest chain of cached blocks for req's tokens. At least the last token is always left to
@@ -91,12 +108,37 @@ class KVCacheManager:
             hit.append(block_id)
         return hit
 
+    def get_offloaded_chain(self, req: Request, num_device_blocks: int) -> list[bytes]:
+        """Hashes that continue req's device hit (`num_device_blocks` long) in the host/disk tiers, cut
+        to the prefix whose load beats recomputing it. Like a device hit, never covers the last token."""
+        if self.offload is None or not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return []
+        self._update_hashes(req, req.num_tokens - 1)
+        chain: list[bytes] = []
+        tiers: list[str] = []
+        for h in req.block_hashes[num_device_blocks : (req.num_tokens - 1) // self.block_size]:
+            tier = None if h in self.cached else self.offload.tier_of(h)
+            if tier is None:
+                break
+            chain.append(h)
+            tiers.append(tier)
+        return chain[: self.offload.blocks_worth_loading(tiers)] if chain else []
+
     # ---- allocation ----------------------------------------------------------------------
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
-        """Make req's block table cover num_computed(+cached) + num_new_tokens tokens.
-        Returns False and changes nothing when the pool cannot supply the blocks."""
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        computed_blocks: list[int] | None = None,
+        offloaded: list[bytes] | None = None,
+    ) -> bool:
+        """Make req's block table cover num_computed(+cached) + num_new_tokens tokens. `computed_blocks`
+        (device hits) are shared; `offloaded` hashes (from get_offloaded_chain) get fresh blocks that
+        the transfer executor fills before the forward pass. Returns False and changes nothing when
+        the pool cannot supply the blocks."""
         computed_blocks = computed_blocks or []
-        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
+        offloaded = offloaded or []
+        num_computed = req.num_computed_tokens + (len(computed_blocks) + len(offloaded)) * self.block_size
         need = self.blocks_needed(num_computed + num_new_tokens) - len(req.block_ids) - len(computed_blocks)
         # Reviving a free cached block takes it out of the free queue too.
         revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
@@ -109,7 +151,17 @@ class KVCacheManager:
             block.ref_count += 1
         req.block_ids.extend(computed_blocks)
         req.num_computed_tokens = num_computed
-        for _ in range(max(need, 0)):
+        if offloaded:
+            # Pinned first: the evictions below save blocks to the host tier and must not spill these.
+            self.offload.pin(offloaded)
+            for h in offloaded:
+                block_id = self._take_free_block()
+                # Named now, like blocks computed this step: its content lands before any attention reads it.
+                self.blocks[block_id].hash = h
+                self.cached[h] = block_id
+                self.offload.load(h, block_id)
+                req.block_ids.append(block_id)
+        for _ in range(max(need - len(offloaded), 0)):
             req.block_ids.append(self._take_free_block())
         if self.enable_prefix_caching:
             self._cache_full_blocks(req, num_computed + num_new_tokens)
@@ -121,6 +173,8 @@ class KVCacheManager:
         if block.hash is not None:
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
+                if self.offload is not None:
+                    self.offload.save(block_id, block.hash)  # runs before this step's forward overwrites it
             block.hash = None
             self.stats.evictions += 1
         block.ref_count = 1
@@ -161,6 +215,38 @@ class KVCacheManager:
         self.stats.queries += num_prompt_tokens
         self.stats.hits += num_hit_tokens
 
+    def unrecord_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        """Take back a query whose hit turned out not to be one (a failed load): it is asked again."""
+        self.stats.queries -= num_prompt_tokens
+        self.stats.hits -= num_hit_tokens
+
+    # ---- offloading ----------------------------------------------------------------------
+    def take_transfer_ops(self) -> list:
+        """This step's saves/spills/loads, in the order they must run (before the forward pass)."""
+        return self.offload.take_ops() if self.offload is not None else []
+
+    def loads_failed(self, ops: list[LoadOp]) -> set[int]:
+        """These loads came back corrupt: forget the hashes everywhere. Returns the device blocks that
+        hold no valid KV; every request holding one must be recomputed from there (see the scheduler)."""
+        bad = set()
+        for op in ops:
+            block = self.blocks[op.block_id]
+            if block.hash == op.hash:
+                if self.cached.get(op.hash) == op.block_id:
+                    del self.cached[op.hash]
+                block.hash = None
+            self.offload.load_failed(op.hash)
+            bad.add(op.block_id)
+        return bad
+
+    def unname_from(self, req: Request, index: int) -> None:
+        """Drop the names of req's blocks from `index` on (content not written, or not trusted)."""
+        for block_id in req.block_ids[index:]:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash = None
+
     def reset_prefix_cache(self) -> bool:
         """Drop all hashes of free blocks. Returns False if blocks are in use (their hashes stay)."""
         for block_id in self.free_queue:
@@ -168,6 +254,8 @@ class KVCacheManager:
             if block.hash is not None:
                 self.cached.pop(block.hash, None)
                 block.hash = None
+        if self.offload is not None:
+            self.offload.clear()
         return len(self.free_queue) == self.num_blocks
 
     def check_invariants(self) -> None:
@@ -177,3 +265,5 @@ class KVCacheManager:
             assert (block.ref_count == 0) == (block.block_id in self.free_queue), block
         for h, b in self.cached.items():
             assert self.blocks[b].hash == h
+        if self.offload is not None:
+            self.offload.check_invariants()

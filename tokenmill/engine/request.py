@@ -38,6 +38,7 @@ class Request:
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks, in order
+    extra_keys: tuple = ()  # mixed into every block hash: reserved for adapters (LoRA) and multimodal inputs
     stop_reason: int | str | None = None
     index: int = 0  # which of the group's n sequences
     group: object = field(default=None, repr=False)  # the engine's RequestGroup

@@ -23,6 +23,8 @@ from tokenmill.engine.request import Request, RequestStatus
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens), in batch order
     preempted: list[Request] = field(default_factory=list)
+    recorded: list[Request] = field(default_factory=list)  # first admissions: their prefix query was counted
+    reloaded: list[Request] = field(default_factory=list)  # taken back because a KV load failed: wait again
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +122,31 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.add(req)
 
+    def recompute_failed_loads(self, out: SchedulerOutput, bad_blocks: set[int]) -> None:
+        """Some loaded blocks (kv.loads_failed) hold no valid KV. Requests admitted this step with such a
+        block in their cached prefix leave the batch and wait at the front; the lookup at their next
+        admission stops before the bad block, so those tokens are recomputed."""
+        keep = []
+        for req, n in out.scheduled:
+            bs = self.kv.block_size
+            cached = req.block_ids[: req.num_computed_tokens // bs]
+            first_bad = next((i for i, b in enumerate(cached) if b in bad_blocks), None)
+            if first_bad is None:
+                keep.append((req, n))
+                continue
+            # Blocks from the bad one on were loaded, or named for tokens this step will not compute now.
+            self.kv.unname_from(req, first_bad)
+            self.running.remove(req)
+            self.kv.free(req)
+            if req in out.recorded:
+                out.recorded.remove(req)
+                self.kv.unrecord_query(req.num_prompt_tokens, req.num_cached_tokens)
+                req.num_cached_tokens = -1
+            req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
+            self.waiting.add(req)
+            out.reloaded.append(req)
+        out.scheduled = keep
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -148,15 +175,20 @@ class Scheduler:
         # Admit waiting requests, unless this step already had to preempt.
         while budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs and not out.preempted:
             req = self.waiting.peek()
-            computed = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
-            num_cached = len(computed) * self.kv.block_size
+            computed, offloaded = [], []
+            if req.num_computed_tokens == 0:
+                computed = self.kv.get_computed_blocks(req)
+                offloaded = self.kv.get_offloaded_chain(req, len(computed))
+            # Cached tokens, whether shared on the device or loaded from a lower tier, cost no budget.
+            num_cached = (len(computed) + len(offloaded)) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(req, n, computed):
+            if not self.kv.allocate_slots(req, n, computed, offloaded):
                 break
             self.waiting.pop()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
                 self.kv.record_query(req.num_prompt_tokens, num_cached)
+                out.recorded.append(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
