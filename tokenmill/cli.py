@@ -345,6 +345,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # ---- entry point -----------------------------------------------------------------------------
+def add_bench_parser(subparsers) -> None:
+    from tokenmill.bench.offline import add_offline_parsers
+    from tokenmill.bench.serve_bench import add_bench_parsers
+
+    bench_sub = add_bench_parsers(subparsers)  # bench serve, bench compare
+    add_offline_parsers(bench_sub, add_engine_args, engine_kwargs)  # bench throughput, bench latency
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: LLM inference on PyTorch.")
     parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
@@ -352,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(subparsers)
     add_chat_parser(subparsers)
     add_serve_parser(subparsers)
+    add_bench_parser(subparsers)
     return parser
 
 

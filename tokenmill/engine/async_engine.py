@@ -273,7 +273,9 @@ class AsyncLLMEngine:
         while stop is None:
             with self._cond:
                 while not self._commands and not engine.has_unfinished_requests():
+                    idle_from = time.perf_counter()
                     self._cond.wait()
+                    engine.stats.idle_s += time.perf_counter() - idle_from  # for "where the time goes"
                 commands, self._commands = self._commands, []
             batches: dict[asyncio.AbstractEventLoop, _Batch] = defaultdict(_Batch)
             for cmd in commands:
