@@ -23,6 +23,7 @@ VARIANTS = {
     "llama-linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "llama-yarn-rope": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                     "original_max_position_embeddings": 128}}),
+    "llama-dynamic-rope": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
     "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "mistral-sliding": ("mistral", {}),
     "qwen2-bias": ("qwen2", {}),
