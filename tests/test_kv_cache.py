@@ -3,7 +3,10 @@
 Unit tests pin the documented behaviour (allocation, prefix hits, LRU eviction, stats); a hypothesis
 state machine drives random add / step / preempt / abort sequences and checks, after every operation,
 the ref counts, the free pool and - through a shadow "KV content" model - that a prefix hit never
-hands a request a block whose content belongs to other tokens.
+hands a request a block whose content belongs to other tokens. With offloading on, the same machine
+runs the host/disk tier ops on shadow contents (tests/kv_shadow.py), corrupts disk files, and checks
+that every host slot and disk block holds what its hash names and that loads only ever fill a block
+with the request's own tokens' KV.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kv_shadow import ShadowTransfer
 from tokenmill.engine.kv_cache import KVCacheManager, hash_block
+from tokenmill.engine.kv_offload import OffloadTiers
 from tokenmill.engine.request import Request
 from tokenmill.sampling_params import SamplingParams
 
@@ -46,7 +51,10 @@ def refcounts(kv: KVCacheManager) -> list[int]:
 
 
 def snapshot(kv: KVCacheManager, *reqs: Request):
+    off = kv.offload
+    tiers = None if off is None else (dict(off.host), dict(off.disk_index), list(off.ops), set(off.pinned), repr(off.stats))
     return (
+        tiers,
         refcounts(kv),
         [b.hash for b in kv.blocks],
         list(kv.free_queue),
@@ -409,9 +417,22 @@ class KVMachine(RuleBasedStateMachine):
         num_blocks=st.integers(3, 16),
         block_size=st.integers(1, 4),
         caching=st.sampled_from([True, True, True, False]),  # mostly on
+        offload=st.one_of(
+            st.none(),
+            st.fixed_dictionaries(dict(
+                host_slots=st.integers(1, 5),
+                disk=st.booleans(),
+                group_blocks=st.integers(1, 3),
+                disk_budget_blocks=st.sampled_from([None, None, 2, 5]),
+                min_chain_blocks=st.sampled_from([1, 1, 2]),
+            )),
+        ),
     )
-    def setup(self, num_blocks, block_size, caching):
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+    def setup(self, num_blocks, block_size, caching, offload):
+        tiers = OffloadTiers(**offload) if offload and caching else None
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, offload=tiers)
+        self.transfer = ShadowTransfer()
+        self.seen: list[Request] = []  # every request, for the hash -> token chain map
         self.live: list[Request] = []
         self.waiting: list[Request] = []
         self.content: dict[int, dict[int, int]] = {}  # block id -> slot -> prefix key written there
@@ -425,27 +446,54 @@ class KVMachine(RuleBasedStateMachine):
         for p in range(start, stop):
             self.content.setdefault(req.block_ids[p // bs], {})[p % bs] = keys[p]
 
+    def _run_ops(self):
+        return self.transfer.run(self.kv.take_transfer_ops(), self.content)
+
     def _try_admit(self, req: Request, chunk: int) -> bool:
         kv = self.kv
         assert req.block_ids == [] and req.num_computed_tokens == 0
+        if req not in self.seen:
+            self.seen.append(req)
         hit = kv.get_computed_blocks(req)
-        assert len(hit) * kv.block_size < req.num_tokens, "a hit must leave the last token to compute"
+        loads = kv.get_offloaded_chain(req, len(hit))
+        assert (len(hit) + len(loads)) * kv.block_size < req.num_tokens, "a hit must leave the last token to compute"
         assert len(hit) == len(set(hit))
+        if not kv.enable_prefix_caching or req.params.prompt_logprobs is not None or kv.offload is None:
+            assert loads == []
         if not kv.enable_prefix_caching or req.params.prompt_logprobs is not None:
             assert hit == []
+        # The offloaded chain continues the device hit, block by block, and is not on the device.
+        assert loads == req.block_hashes[len(hit) : len(hit) + len(loads)]
+        for h in loads:
+            assert h in kv.offload and h not in kv.cached
         # Every hit block already holds the KV of exactly this request's tokens.
         keys = prefix_keys(req.token_ids)
         for i, b in enumerate(hit):
             for s in range(kv.block_size):
                 assert self.content.get(b, {}).get(s) == keys[i * kv.block_size + s], "wrong block hit"
-        cached = len(hit) * kv.block_size
+        cached = (len(hit) + len(loads)) * kv.block_size
         n = min(req.num_tokens - cached, chunk)
         before = snapshot(kv, req, *self.live)
-        if not kv.allocate_slots(req, n, hit):
+        if not kv.allocate_slots(req, n, hit, loads):
             assert snapshot(kv, req, *self.live) == before
             return False
         assert req.num_computed_tokens == cached
         assert req.block_ids[: len(hit)] == hit
+        failed = self._run_ops()
+        if failed:
+            # A corrupt disk block: drop it everywhere, take the request back; it recomputes next time.
+            bad = kv.loads_failed(failed)
+            first_bad = min(req.block_ids.index(b) for b in bad)
+            assert len(hit) <= first_bad < len(hit) + len(loads)
+            for h in (op.hash for op in failed):
+                assert h not in kv.cached and h not in kv.offload
+            kv.unname_from(req, first_bad)
+            kv.free(req)
+            assert self._run_ops() == []  # deletes of files with nothing left in them
+            return False
+        for i in range(len(hit), len(hit) + len(loads)):  # loaded blocks hold this request's KV
+            for s in range(kv.block_size):
+                assert self.content[req.block_ids[i]][s] == keys[i * kv.block_size + s], "wrong block loaded"
         self._write(req, cached, cached + n)
         req.num_computed_tokens += n
         return True
@@ -480,6 +528,7 @@ class KVMachine(RuleBasedStateMachine):
         before = snapshot(self.kv, *self.live)
         if self.kv.allocate_slots(req, n):
             assert req.num_computed_tokens == start
+            assert self._run_ops() == []  # saves only: evicted blocks are copied before being overwritten
             self._write(req, start, start + n)
             req.num_computed_tokens += n
         else:
@@ -521,6 +570,53 @@ class KVMachine(RuleBasedStateMachine):
         assert self.kv.reset_prefix_cache() is all_free
         for b in self.kv.free_queue:
             assert self.kv.blocks[b].hash is None
+        self._run_ops()
+        if self.kv.offload is not None:
+            assert not self.kv.offload.host and not self.kv.offload.files
+
+    @precondition(lambda self: self.seen)
+    @rule(data=st.data(), chunk=st.integers(1, 24), cut=st.integers(0, 3))
+    def repeat(self, data, chunk, cut):
+        """A new request with the tokens of an earlier one (a resent conversation), maybe shortened."""
+        gone = [r for r in self.seen if r not in self.live]  # evicted ones come back through the lower tiers
+        old = data.draw(st.sampled_from(gone or self.seen))
+        tokens = old.token_ids[: max(1, old.num_tokens - cut)]
+        req = make_req(tokens)
+        if self._try_admit(req, chunk):
+            self.live.append(req)
+        else:
+            self.waiting.append(req)
+
+    @rule(size=st.integers(1, 64))
+    def churn(self, size):
+        """Unrelated content passes through the pool: cached blocks are evicted (and saved, with offloading)."""
+        self.tok += 1
+        req = make_req([100 + self.tok] * max(1, min(size, self.kv.num_blocks * self.kv.block_size)))
+        if self._try_admit(req, size):
+            self.kv.unname_from(req, 0)  # so that it does not crowd the lower tiers when evicted in turn
+            self.kv.free(req)
+        self.seen.remove(req)
+
+    @precondition(lambda self: self.seen)
+    @rule(data=st.data(), chunk=st.integers(1, 24), finish=st.booleans(), cut=st.integers(0, 3),
+          corrupt=st.integers(0, 3))
+    def churn_then_repeat(self, data, chunk, finish, cut, corrupt):
+        """(Finish a live request,) evict every free block, (corrupt every disk file,) then resend an
+        earlier sequence: its prefix comes back from the lower tiers, or is recomputed."""
+        if finish and self.live:
+            req = data.draw(st.sampled_from(self.live))
+            self.live.remove(req)
+            self.kv.free(req)
+        self.churn(self.kv.num_free_blocks * self.kv.block_size)
+        if corrupt == 0 and self.kv.offload is not None:
+            self.transfer.corrupt.update(self.kv.offload.files)
+        self.repeat(data, chunk, cut)
+
+    @precondition(lambda self: self.kv.offload is not None and self.kv.offload.files)
+    @rule(data=st.data())
+    def corrupt_file(self, data):
+        """Flip bytes in a disk file: its loads fail their checksum from now on."""
+        self.transfer.corrupt.add(data.draw(st.sampled_from(sorted(self.kv.offload.files))))
 
     # -- invariants (checked after every rule) --
     @invariant()
@@ -564,12 +660,24 @@ class KVMachine(RuleBasedStateMachine):
         if not kv.enable_prefix_caching:
             assert kv.cached == {} and all(b.hash is None for b in kv.blocks)
         # Every named block (held or free) was named for one chain, and its content still matches it.
+        chain_of = {h: tuple(r.token_ids[: (i + 1) * bs]) for r in self.seen for i, h in enumerate(r.block_hashes)}
         for h, b in kv.cached.items():
-            assert self.shadow[b][0] == h
-            chain = self.shadow[b][1]
+            chain = self.shadow[b][1] if self.shadow.get(b, (None,))[0] == h else chain_of[h]
             keys = prefix_keys(chain)
             for s in range(bs):
                 assert self.content[b][s] == keys[len(chain) - bs + s]
+        # Every host slot and every (uncorrupted) disk block holds the KV its hash names.
+        off = kv.offload
+        if off is not None:
+            assert not off.ops and not off.pinned, "ops left unrun"
+            for h, slot in off.host.items():
+                keys = prefix_keys(chain_of[h])
+                assert self.transfer.host[slot] == {s: keys[len(keys) - bs + s] for s in range(bs)}
+            for h, (file_id, i) in off.disk_index.items():
+                assert file_id not in self.transfer.deleted
+                if file_id not in self.transfer.corrupt:
+                    keys = prefix_keys(chain_of[h])
+                    assert self.transfer.files[file_id][i] == {s: keys[len(keys) - bs + s] for s in range(bs)}
 
     def teardown(self):
         if not hasattr(self, "kv"):
@@ -583,6 +691,10 @@ class KVMachine(RuleBasedStateMachine):
         self.kv.check_invariants()
         assert self.kv.reset_prefix_cache() is True
         assert self.kv.cached == {}
+        self._run_ops()
+        if self.kv.offload is not None:
+            assert not self.kv.offload.host and not self.kv.offload.files and self.kv.offload.disk_blocks == 0
+            self.kv.offload.check_invariants()
 
 
 KVMachine.TestCase.settings = settings(
@@ -592,3 +704,30 @@ KVMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestKVMachine = KVMachine.TestCase
+
+
+class KVOffloadMachine(KVMachine):
+    """The same machine, always with a small host tier spilling to disk: long chains cross both tiers."""
+
+    @initialize(
+        num_blocks=st.integers(6, 16),
+        block_size=st.integers(1, 2),
+        offload=st.fixed_dictionaries(dict(
+            host_slots=st.integers(1, 4),
+            disk=st.just(True),
+            group_blocks=st.integers(1, 3),
+            disk_budget_blocks=st.sampled_from([None, None, 3, 8]),
+            min_chain_blocks=st.sampled_from([1, 1, 2]),
+        )),
+    )
+    def setup(self, num_blocks, block_size, offload):
+        KVMachine.setup.hypothesis_stateful_initialize_rule.function(self, num_blocks, block_size, True, offload)
+
+
+KVOffloadMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestKVOffloadMachine = KVOffloadMachine.TestCase

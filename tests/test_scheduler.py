@@ -4,7 +4,9 @@ A small driver stands in for the engine: it runs schedule(), advances num_comput
 scheduled counts, "samples" a deterministic token for every request whose tokens are all computed,
 and finishes requests at max_tokens. Unit tests pin the scheduling policy; a hypothesis test runs
 random workloads (pool sizes, budgets, caps, priorities, aborts) and checks the invariants after
-every step, liveness, and that every request ends with exactly its expected tokens.
+every step, liveness, and that every request ends with exactly its expected tokens. Some workloads
+run with host/disk KV tiers (ops applied to shadow contents, tests/kv_shadow.py), some with every
+disk file corrupt: failed loads take the request back and it recomputes.
 """
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kv_shadow import ShadowTransfer
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache import KVCacheManager
+from tokenmill.engine.kv_offload import OffloadTiers
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, WaitingQueue
 from tokenmill.sampling_params import SamplingParams
@@ -35,8 +39,9 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
     return toks[len(prompt) :]
 
 
-def make_sched(num_blocks=64, block_size=4, budget=64, max_seqs=8, policy="fcfs", caching=True, max_model_len=64):
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+def make_sched(num_blocks=64, block_size=4, budget=64, max_seqs=8, policy="fcfs", caching=True, max_model_len=64,
+               offload: OffloadTiers | None = None):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, offload=offload)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy)
     return Scheduler(cfg, kv, max_model_len), kv
 
@@ -399,6 +404,11 @@ def workloads(draw):
     max_seqs = draw(st.integers(1, 6))
     policy = draw(st.sampled_from(["fcfs", "priority"]))
     caching = draw(st.sampled_from([True, True, False]))
+    offload = None
+    if caching and draw(st.booleans()):
+        offload = dict(host_slots=draw(st.integers(1, 4)), disk=draw(st.booleans()),
+                       group_blocks=draw(st.integers(1, 3)), min_chain_blocks=draw(st.integers(1, 2)))
+    corrupt = draw(st.sampled_from([False, False, True]))
     n = draw(st.integers(1, 8))
     reqs = []
     for _ in range(n):
@@ -413,21 +423,23 @@ def workloads(draw):
                 prompt=prompt,
                 max_tokens=max_tokens,
                 priority=draw(st.integers(0, 2)),
-                arrival_step=draw(st.integers(0, 4)),
+                arrival_step=draw(st.one_of(st.integers(0, 4), st.integers(0, 40))),  # late: after evictions
                 arrival=float(draw(st.integers(0, 8))),  # ties on purpose
                 prompt_logprobs=draw(st.integers(0, 9)) == 0,
                 abort_step=draw(st.one_of(st.none(), st.none(), st.integers(0, 30))),
             )
         )
     return dict(bs=bs, mml=mml, num_blocks=num_blocks, budget=budget, max_seqs=max_seqs,
-                policy=policy, caching=caching, reqs=reqs)
+                policy=policy, caching=caching, offload=offload, corrupt=corrupt, reqs=reqs)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads(w):
     bs, mml = w["bs"], w["mml"]
-    sched, kv = make_sched(w["num_blocks"], bs, w["budget"], w["max_seqs"], w["policy"], w["caching"], mml)
+    offload = OffloadTiers(**w["offload"]) if w["offload"] else None
+    sched, kv = make_sched(w["num_blocks"], bs, w["budget"], w["max_seqs"], w["policy"], w["caching"], mml, offload)
+    transfer = ShadowTransfer()
     budget = w["budget"]
     reqs = []
     for i, spec in enumerate(w["reqs"]):
@@ -490,6 +502,21 @@ def test_random_workloads(w):
                     assert r.num_computed_tokens == 0
         assert list(sched.waiting) == sorted(sched.waiting, key=key)
 
+        # The tier ops run before the forward pass; a failed load takes its requests back out.
+        if w["corrupt"] and offload is not None:
+            transfer.corrupt.update(offload.files)
+        failed = transfer.run(kv.take_transfer_ops(), content)
+        if failed:
+            before = list(out.scheduled)
+            sched.recompute_failed_loads(out, kv.loads_failed(failed))
+            assert out.reloaded and len(out.scheduled) + len(out.reloaded) == len(before)
+            for r in out.reloaded:
+                assert r.block_ids == [] and r.num_computed_tokens == 0 and r in list(sched.waiting)
+                assert r.num_cached_tokens == -1 or r.num_preemptions > 0  # first admission: asked again
+            check_state(sched)
+        else:
+            assert not out.reloaded
+
         # The "forward pass": write the KV of the scheduled positions, then every running request
         # must read back its own tokens' KV (catches a prefix hit on the wrong block, or a write
         # into a block someone else shares).
@@ -504,6 +531,11 @@ def test_random_workloads(w):
             assert len(r.block_ids) <= -(-mml // bs)
             for p, k in enumerate(prefix_keys(r.token_ids[: r.num_computed_tokens])):
                 assert content[r.block_ids[p // bs]][p % bs] == k
+        # Every named block, held or free, holds the KV of the token chain its name stands for.
+        chain_of = {h: r.token_ids[: (i + 1) * bs] for r in reqs for i, h in enumerate(r.block_hashes)}
+        for h, b in kv.cached.items():
+            keys = prefix_keys(chain_of[h])
+            assert [content.get(b, {}).get(s) for s in range(bs)] == keys[-bs:], "named block with other KV"
         # Sample.
         for r, n in out.scheduled:
             if r.num_computed_tokens == r.num_tokens:
