@@ -331,6 +331,36 @@ def test_prefix_hit_skips_cached_tokens_and_records_stats():
     assert (p, 10) in out.scheduled and p.num_cached_tokens == 0
 
 
+def test_lower_tier_hits_cost_no_budget_and_priority_keeps_its_meaning():
+    from tokenmill.engine.kv_offload import LoadOp
+
+    tiers = OffloadTiers(host_slots=8, min_chain_blocks=1)
+    sched, kv = make_sched(num_blocks=6, block_size=4, budget=6, policy="priority", offload=tiers)
+    a = make_req(range(13), max_tokens=1)
+    sched.add_request(a)
+    run_to_completion(sched)
+    b = make_req([50] * 23, max_tokens=1)  # the whole pool: a's three named blocks are evicted (saved)
+    sched.add_request(b)
+    run_to_completion(sched)
+    assert set(a.block_hashes[:3]) <= set(tiers.host) and not any(h in kv.cached for h in a.block_hashes[:3])
+    kv.take_transfer_ops()
+    # Two waiting: an uncached one of priority 0 and a fully host-cached one of priority 1.
+    hi = make_req([60] * 5, max_tokens=1, priority=0, arrival=100)
+    lo = make_req(range(13), max_tokens=1, priority=1, arrival=50)
+    sched.add_request(lo)
+    sched.add_request(hi)
+    out = sched.schedule()
+    # Priority first (5 of the 6 tokens), then the cached one costs only its last token.
+    assert ids(out) == [(hi.request_id, 5), (lo.request_id, 1)]
+    assert lo.num_cached_tokens == 12 and lo.num_computed_tokens == 12
+    loads = [op for op in kv.take_transfer_ops() if isinstance(op, LoadOp)]
+    assert [op.hash for op in loads] == a.block_hashes[:3] and [op.block_id for op in loads] == lo.block_ids[:3]
+    assert tiers.stats.host_loads == 3
+    advance(sched, out)
+    run_to_completion(sched)
+    assert lo.output_token_ids == expected_output(list(range(13)), 1)
+
+
 # ---- finish / abort ------------------------------------------------------------------------
 
 
