@@ -86,3 +86,17 @@ def test_engine_report_on_tiny_model(tmp_path, monkeypatch):
     assert r["tokens"] == 3 * 4 + 3 * 3  # three 4-token prompts, then 3 decode steps of 3 requests
     assert r["verdict"] in ("compute-bound", "bandwidth-bound", "overhead-bound")
     assert "verdict:" in d.format_report(r)
+
+
+def test_steps_carry_the_idle_time_before_them():
+    from tokenmill.engine.engine import EngineStats
+
+    stats = EngineStats()
+    stats.idle_s = 5.0  # waiting for the first request
+    stats.add(step(4, 1, 0.1))
+    stats.add(StepStats())  # an empty step stays out of the history; the idle after it still counts
+    stats.idle_s += 0.3
+    stats.add(step(1, 1, 0.1))
+    stats.add(step(1, 1, 0.1))
+    stats.idle_s += 7.0  # after the last step: no step carries it yet
+    assert [s.idle_before_s for s in stats.history] == pytest.approx([5.0, 0.3, 0.0])

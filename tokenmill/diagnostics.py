@@ -159,7 +159,7 @@ def diagnose(steps: Iterable, cost: ModelCost, peaks: Peaks, idle_s: float = 0.0
     """Summarise a window of StepStats: the time split, achieved rates, and the verdict."""
     steps = list(steps)
     split = {k: sum(getattr(s, f"{k}_s") for s in steps)
-             for k in ("schedule", "prepare", "forward", "sample", "detokenize")}
+             for k in ("schedule", "offload", "prepare", "forward", "sample", "detokenize")}
     busy = sum(split.values())
     total = busy + idle_s
     flops = sum(cost.step_flops(s.num_tokens, s.num_sampled, s.attn_pairs) for s in steps)
@@ -174,8 +174,9 @@ def diagnose(steps: Iterable, cost: ModelCost, peaks: Peaks, idle_s: float = 0.0
     elif roofline < ROOFLINE_SHARE_FOR_BOUND * busy:
         verdict = "overhead-bound"
         outside = (busy - forward) / busy
-        where = ("mostly outside the forward pass (scheduling, input preparation, sampling, detokenizing)"
-                 if outside > 0.5 else "mostly inside the forward pass: kernels run far below the machine's peaks "
+        where = ("mostly outside the forward pass (scheduling, KV transfers, input preparation, sampling, "
+                 "detokenizing)" if outside > 0.5 else
+                 "mostly inside the forward pass: kernels run far below the machine's peaks "
                  "(small GEMMs, per-op overhead, memory-inefficient kernels)")
         reason = (f"compute and memory traffic at peak would explain only {100 * roofline / busy:.0f}% of the busy "
                   f"time; the rest is {where}")
@@ -208,13 +209,16 @@ def engine_diagnostics(engine, last_n: int | None = None) -> dict:
     if last_n:
         steps = steps[-last_n:]
     peaks = load_or_measure_peaks(str(engine.runner.device), engine.model.compute_dtype)
-    return diagnose(steps, ModelCost.from_engine(engine), peaks, idle_s=engine.stats.idle_s)
+    # Idle time between the window's steps only: not the wait before its first step (start-up, an
+    # earlier quiet spell) nor the one after its last, which belong to no run in the window.
+    idle_s = sum(s.idle_before_s for s in steps[1:])
+    return diagnose(steps, ModelCost.from_engine(engine), peaks, idle_s=idle_s)
 
 
 def format_report(d: dict) -> str:
     t = d["time_s"]
     lines = [f"where the time went ({d['steps']} steps, {d['tokens']} tokens, {d['tokens_per_step']:.1f} tokens/step):"]
-    for k in ("schedule", "prepare", "forward", "sample", "detokenize", "idle"):
+    for k in ("schedule", "offload", "prepare", "forward", "sample", "detokenize", "idle"):
         lines.append(f"  {k:<11} {t[k]:8.3f} s  {100 * d['time_share'][k]:5.1f}%")
     a, p = d["achieved"], d["peaks"]
     lines.append(f"  achieved in forward: {a['flops_per_s'] / 1e9:.1f} GFLOP/s ({100 * a['flops_share_of_peak']:.0f}% of "

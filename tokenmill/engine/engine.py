@@ -39,6 +39,7 @@ class StepStats:
     kv_tokens: int = 0  # cached tokens read by attention (sum of context lengths)
     attn_pairs: int = 0  # (query, key) pairs computed by attention
     end_time: float = 0.0  # perf_counter at the end of the step
+    idle_before_s: float = 0.0  # serving-loop idle time since the previous step in the history
 
     @property
     def busy_s(self) -> float:
@@ -60,9 +61,11 @@ class EngineStats:
     idle_s: float = 0.0  # time the serving loop waited with nothing to do
     last: StepStats = field(default_factory=StepStats)
     history: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent non-empty steps
+    _idle_seen: float = 0.0  # idle_s when the last step entered the history
 
     def add(self, s: StepStats) -> None:
         if s.num_tokens:
+            s.idle_before_s, self._idle_seen = self.idle_s - self._idle_seen, self.idle_s
             self.history.append(s)
         self.steps += 1
         self.schedule_s += s.schedule_s
