@@ -117,11 +117,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        return await create_completion(state, await parse_body(raw, CompletionRequest), raw)
+        arrival = time.monotonic()  # before the body is parsed and the prompt tokenized: both are latency
+        return await create_completion(state, await parse_body(raw, CompletionRequest), raw, arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        return await create_chat_completion(state, await parse_body(raw, ChatCompletionRequest), raw)
+        arrival = time.monotonic()
+        return await create_chat_completion(state, await parse_body(raw, ChatCompletionRequest), raw, arrival)
 
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, created=created, root=state.settings.model_path,

@@ -34,7 +34,8 @@ async def chat_prompt(state: ServerState, req, add_generation_prompt: bool = Tru
     return text, ids
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request):
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request,
+                                 arrival_time: float | None = None):
     model = state.check_model(req.model)
     if req.response_format is not None and req.response_format.type != "text":
         raise bad_request(f"response_format type {req.response_format.type!r} is not supported yet.",
@@ -42,7 +43,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     text, ids = await chat_prompt(state, req, req.add_generation_prompt, req.continue_final_message)
     params = build_sampling_params(req, len(ids), state.limits)
     state.check_capacity()
-    sub = Submission(state.engine, [ids], [text], [params], req.priority)
+    sub = Submission(state.engine, [ids], [text], [params], req.priority, arrival_time)
     sub.start()
     if req.stream:
         return SSEResponse(_stream(state, req, sub, model))

@@ -40,7 +40,8 @@ async def _prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[st
     return ids, texts
 
 
-async def create_completion(state: ServerState, req: CompletionRequest, raw: Request):
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request,
+                            arrival_time: float | None = None):
     model = state.check_model(req.model)
     if req.suffix:
         raise bad_request("suffix is not supported.", "suffix")
@@ -51,7 +52,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     if req.echo:  # echo needs the prompt as text, also when it came as token ids
         texts = [t if t is not None else await state.detokenize(ids) for t, ids in zip(texts, prompt_ids)]
     state.check_capacity()
-    sub = Submission(state.engine, prompt_ids, texts, params, req.priority)
+    sub = Submission(state.engine, prompt_ids, texts, params, req.priority, arrival_time)
     sub.start()
     if req.stream:
         return SSEResponse(_stream(state, req, sub, model))

@@ -65,7 +65,7 @@ class Submission:
     """
 
     def __init__(self, engine: AsyncLLMEngine, prompts: list[list[int]], texts: list[str | None],
-                 params: list[SamplingParams], priority: int = 0) -> None:
+                 params: list[SamplingParams], priority: int = 0, arrival_time: float | None = None) -> None:
         self.engine = engine
         self.n = params[0].n
         self.prompts = [PromptState(ids, text) for ids, text in zip(prompts, texts)]
@@ -75,7 +75,8 @@ class Submission:
         self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         base = random_id("req")
         self.request_ids = [f"{base}-{p}" for p in range(len(prompts))]
-        self.arrival_time = time.monotonic()
+        # When the HTTP request arrived (time.monotonic()): the server's TTFT and E2E latency start here.
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
 
     def start(self) -> None:
         for p, (prompt, params) in enumerate(zip(self.prompts, self.params)):
