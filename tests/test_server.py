@@ -312,6 +312,7 @@ def test_event_loop_stays_responsive(server, http):
 METRICS = [
     "tokenmill:num_requests_running", "tokenmill:num_requests_waiting", "tokenmill:kv_cache_usage_perc",
     "tokenmill:prefix_cache_queries_total", "tokenmill:prefix_cache_hits_total", "tokenmill:prompt_tokens_total",
+    "tokenmill:prefix_cache_evictions_total",
     "tokenmill:generation_tokens_total", "tokenmill:num_preemptions_total",
     'tokenmill:request_success_total{finished_reason="stop"}',
     'tokenmill:request_success_total{finished_reason="length"}',

@@ -58,6 +58,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="Exact number of KV cache blocks; overrides --kv-cache-memory-bytes.")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="Reuse KV cache blocks of shared prompt prefixes (default: on).")
+    g.add_argument("--kv-offload-bytes", type=parse_bytes, default=0, metavar="SIZE",
+                   help="Host-memory tier for KV blocks evicted from the pool, e.g. 2G; a later request with "
+                        "the same prefix loads them back instead of recomputing (default: 0, off).")
+    g.add_argument("--kv-offload-dir", metavar="DIR",
+                   help="Disk tier below the host tier: evicted host blocks are written here, checksummed "
+                        "(default: none).")
+    g.add_argument("--kv-offload-disk-bytes", type=parse_bytes, metavar="SIZE",
+                   help="Budget of the disk tier (default: unbounded).")
+    g.add_argument("--kv-offload-min-blocks", type=int, metavar="N",
+                   help="Load offloaded prefixes back only for chains of at least N blocks (default: the "
+                        "break-even length measured at start-up).")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="Order in which waiting requests are admitted (default: %(default)s).")
     g.add_argument("--seed", type=int, default=0,
@@ -83,6 +94,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         enable_prefix_caching=args.enable_prefix_caching,
+        kv_offload_bytes=args.kv_offload_bytes,
+        kv_offload_dir=args.kv_offload_dir,
+        kv_offload_disk_bytes=args.kv_offload_disk_bytes,
+        kv_offload_min_blocks=args.kv_offload_min_blocks,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
         device=args.device,

@@ -49,6 +49,14 @@ class ServerMetrics:
         self.prefix_queries = counter("prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.").labels(**label)
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(**label)
+        self.prefix_evictions = counter("prefix_cache_evictions",
+                                        "Cached KV blocks reused for other content.").labels(**label)
+        self.offload_saves = counter("kv_offload_saves", "KV blocks copied from the pool to the host tier.").labels(**label)
+        self.offload_spills = counter("kv_offload_spills", "KV blocks written from the host tier to disk.").labels(**label)
+        offload_loads = counter("kv_offload_loads", "KV blocks loaded back instead of recomputed.", m + ["tier"])
+        self.offload_loads = {t: offload_loads.labels(model_name=model_name, tier=t) for t in ("host", "disk")}
+        self.offload_failures = counter("kv_offload_load_failures",
+                                        "Disk KV blocks that failed their checksum or were missing (recomputed).").labels(**label)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(**label)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(**label)
         self.preemptions = counter("num_preemptions", "Requests preempted to free KV cache blocks.").labels(**label)
@@ -71,7 +79,8 @@ class ServerMetrics:
                                           _TOKEN_BUCKETS).labels(**label)
         step_time = histogram("step_time_seconds", "Engine step time by phase.", _STEP_BUCKETS, m + ["phase"])
         self.step_phase = {p: step_time.labels(model_name=model_name, phase=p) for p in STEP_PHASES}
-        self._last = {"queries": 0, "hits": 0, "preemptions": 0, "generation": 0}
+        self._last = {"queries": 0, "hits": 0, "preemptions": 0, "generation": 0, "evictions": 0,
+                      "saves": 0, "spills": 0, "host_loads": 0, "disk_loads": 0, "load_failures": 0}
 
     # ---- observer (engine thread) ---------------------------------------------------------
     def on_iteration(self, engine: LLMEngine, step: StepStats | None, inter_token_s: list[float]) -> None:
@@ -81,6 +90,15 @@ class ServerMetrics:
         self.kv_usage.set(kv.usage)
         self._add(self.prefix_queries, "queries", kv.stats.queries)
         self._add(self.prefix_hits, "hits", kv.stats.hits)
+        self._add(self.prefix_evictions, "evictions", kv.stats.evictions)
+        offload = getattr(kv, "offload", None)
+        if offload is not None:
+            o = offload.stats
+            self._add(self.offload_saves, "saves", o.saves)
+            self._add(self.offload_spills, "spills", o.spills)
+            self._add(self.offload_loads["host"], "host_loads", o.host_loads)
+            self._add(self.offload_loads["disk"], "disk_loads", o.disk_loads)
+            self._add(self.offload_failures, "load_failures", o.load_failures)
         self._add(self.preemptions, "preemptions", sched.num_preemptions)
         self._add(self.generation_tokens, "generation", engine.stats.generation_tokens)
         for s in inter_token_s:
