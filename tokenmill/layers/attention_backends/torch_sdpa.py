@@ -1,7 +1,8 @@
 """Reference paged-attention backend on torch SDPA (CPU, or any device).
 
-Requests are split into two groups, decodes (one query each) and prompt chunks; each group is
-one padded SDPA call whose keys are gathered from the paged cache through the block tables.
+Requests are split into groups, decodes (one query each) and prompt chunks of similar length (within
+a factor of 2); each group is one padded SDPA call whose keys are gathered from the paged cache
+through the block tables.
 A boolean mask gives causality within a chunk, the cached prefix before it, the per-request
 KV length and, per layer, the sliding window. Splitting the groups keeps a long prompt chunk from
 padding every decode row to its length.
@@ -52,11 +53,16 @@ class TorchSDPABackend(AttentionBackend):
     def build_metadata(self, layout: BatchLayout, block_size: int, device: torch.device) -> SDPAMetadata:
         is_decode = layout.query_len == 1
         groups = []
-        for sel in (is_decode, ~is_decode):
-            idx = sel.nonzero().flatten()
-            if idx.numel() == 0:
-                continue
-            groups.append(self._group(layout, idx, block_size, device))
+        decodes = is_decode.nonzero().flatten()
+        if decodes.numel():
+            groups.append(self._group(layout, decodes, block_size, device))
+        chunks = (~is_decode).nonzero().flatten()
+        if chunks.numel():
+            # Prefix-cache hits put short prompt tails next to long uncomputed prompts; one group would
+            # pad every tail to the longest chunk. Chunks within a factor of 2 of each other share a group.
+            bucket = torch.log2(layout.query_len[chunks].double()).ceil().long()
+            for b in bucket.unique().tolist():
+                groups.append(self._group(layout, chunks[bucket == b], block_size, device))
         return SDPAMetadata(slot_mapping=layout.slot_mapping.to(device), groups=groups)
 
     @staticmethod
