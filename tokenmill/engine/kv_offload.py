@@ -252,7 +252,7 @@ class OffloadTiers:
         return self.free_slots.pop() if self.free_slots else None
 
     def _evict_host_group(self) -> None:
-        victims = [h for h in itertools.islice((h for h in self.host if h not in self.pinned), self.group_blocks)]
+        victims = list(itertools.islice((h for h in self.host if h not in self.pinned), self.group_blocks))
         if not victims:
             return
         spill = [h for h in victims if h not in self.disk_index] if self.use_disk else []
