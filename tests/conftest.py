@@ -3,6 +3,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One intra-op thread: the test models are tiny, and on a busy 2-core machine two OpenMP threads make
+# every GEMM wait for the slower core (parity tests went from ~1 s to ~37 s under load).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
