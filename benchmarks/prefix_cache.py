@@ -10,6 +10,11 @@ off, where caching's work (hashing, lookups) happens, as a share of the wall tim
 
     python benchmarks/prefix_cache.py                       # the issue's shape (a few minutes on 2 cores)
     python benchmarks/prefix_cache.py --num-requests 16 --distinct-requests 4 --rounds 2   # quick look
+    python benchmarks/prefix_cache.py --offload             # also: KV offloading to host and disk
+    python benchmarks/prefix_cache.py --offload-only        # only that
+
+--offload: a device pool too small for the 4 system prompts, requests one at a time cycling through
+them (so an LRU pool always misses); TTFT with recompute vs the host tier vs the disk tier.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import argparse
 import gc
 import random
 import statistics
+import tempfile
 import time
 
 WORDS = ("the model serves many users at once with paged attention and continuous batching of requests "
@@ -79,11 +85,17 @@ def main() -> None:
     ap.add_argument("--distinct-requests", type=int, default=4, help="requests per round at 0%% hit rate")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved on/off rounds at 0%% hit rate")
     ap.add_argument("--repeats", type=int, default=1, help="shared-prefix runs per setting (fresh prompts)")
+    ap.add_argument("--offload", action="store_true", help="also measure KV offloading (host and disk tiers)")
+    ap.add_argument("--offload-only", action="store_true", help="only the offloading measurement")
+    ap.add_argument("--offload-requests", type=int, default=12, help="sequential requests in the offload test")
     args = ap.parse_args()
 
     from tokenmill import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True)
+    if args.offload_only:
+        offload_section(args, params)
+        return
     llms = {}
     for name, caching in (("on", True), ("off", False)):
         t = time.perf_counter()
@@ -138,6 +150,47 @@ def main() -> None:
           f"caching's own work is {100 * extra:+.2f}% of the wall time")
     del llms
     gc.collect()
+    if args.offload:
+        offload_section(args, params)
+
+
+def offload_section(args, params) -> None:
+    from tokenmill import LLM
+
+    bs = 16
+    # One max-length request must fit; beyond that, room for about half the system prompts.
+    per_system = -(-(args.system_len + args.question_len + args.output_len) // bs)
+    pool = max(-(-args.max_model_len // bs), per_system * max(args.num_systems // 2, 1) + per_system // 2)
+    print(f"\noffload: a pool of {pool} blocks, {args.offload_requests} requests one at a time cycling through "
+          f"{args.num_systems} system prompts of {args.system_len} tokens")
+    tmp = tempfile.mkdtemp(prefix="tokenmill-bench-")
+    setups = {
+        "recompute": {},
+        "host tier": dict(kv_offload_bytes=1 << 30),
+        "disk tier": dict(kv_offload_bytes=1, kv_offload_dir=tmp),  # host holds one staging group only
+    }
+    base = None
+    for name, kw in setups.items():
+        llm = LLM(args.model, max_model_len=args.max_model_len, num_gpu_blocks_override=pool, **kw)
+        tok = llm.get_tokenizer()
+        a = argparse.Namespace(**{**vars(args), "num_requests": args.offload_requests})
+        prompts = shared_prefix_prompts(tok, a, seed=7)
+        llm.generate(prompts[: args.num_systems], params, use_tqdm=False)  # every system prompt seen once
+        ttft = []
+        for p in prompts:
+            ttft.append(measure(llm, [p], params)["ttft_p50"])
+        mean = statistics.mean(ttft)
+        base = base or mean
+        off = llm.engine.kv.offload
+        extra = ""
+        if off is not None:
+            st = off.stats
+            extra = (f"  loads host {st.host_loads} disk {st.disk_loads}, saves {st.saves}, spills {st.spills}, "
+                     f"break-even {off.break_even_blocks}")
+        print(f"  {name:<10} TTFT mean {mean:6.3f} s ({base / mean:5.1f}x)  cached tokens/request "
+              f"{llm.engine.kv.stats.hits / max(llm.engine.kv.stats.queries, 1) * 100:5.1f}%{extra}")
+        del llm
+        gc.collect()
 
 
 if __name__ == "__main__":
