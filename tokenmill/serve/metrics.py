@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from tokenmill.engine.engine import LLMEngine, StepStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-STEP_PHASES = ("schedule", "prepare", "forward", "sample", "detokenize")
+STEP_PHASES = ("schedule", "offload", "prepare", "forward", "sample", "detokenize")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
