@@ -3,7 +3,7 @@ tokenmill/engine/kv_offload.py on "contents" (a name for the KV written in each 
 tensors, so a test can check that every block, host slot and disk block holds what its hash says."""
 from __future__ import annotations
 
-from tokenmill.engine.kv_offload import DeleteFileOp, LoadOp, SaveOp, SpillOp
+from tokenmill.core.kv_offload import DeleteFileOp, LoadOp, SaveOp, SpillOp
 
 
 class ShadowTransfer:

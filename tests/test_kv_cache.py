@@ -24,9 +24,9 @@ from hypothesis.stateful import (
 )
 
 from kv_shadow import ShadowTransfer
-from tokenmill.engine.kv_cache import KVCacheManager, hash_block
-from tokenmill.engine.kv_offload import OffloadTiers
-from tokenmill.engine.request import Request
+from tokenmill.core.kv_cache import KVCacheManager, hash_block
+from tokenmill.core.kv_offload import OffloadTiers
+from tokenmill.core.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 BS = 4

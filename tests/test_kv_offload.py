@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
-from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.kv_offload import (
+from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.kv_offload import (
     DISK,
     HOST,
     DeleteFileOp,
@@ -18,7 +18,7 @@ from tokenmill.engine.kv_offload import (
     SpillOp,
     TransferCosts,
 )
-from tokenmill.engine.request import Request
+from tokenmill.core.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 BS = 4

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tokenmill.engine.kv_offload import DeleteFileOp, LoadOp, SaveOp, SpillOp
+from tokenmill.core.kv_offload import DeleteFileOp, LoadOp, SaveOp, SpillOp
 from tokenmill.executor import kv_disk
 from tokenmill.executor.kv_transfer import KVTransfer
 

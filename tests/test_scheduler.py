@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from kv_shadow import ShadowTransfer
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.kv_offload import OffloadTiers
-from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import Scheduler, WaitingQueue
+from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.kv_offload import OffloadTiers
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import Scheduler, WaitingQueue
 from tokenmill.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -332,7 +332,7 @@ def test_prefix_hit_skips_cached_tokens_and_records_stats():
 
 
 def test_lower_tier_hits_cost_no_budget_and_priority_keeps_its_meaning():
-    from tokenmill.engine.kv_offload import LoadOp
+    from tokenmill.core.kv_offload import LoadOp
 
     tiers = OffloadTiers(host_slots=8, min_chain_blocks=1)
     sched, kv = make_sched(num_blocks=6, block_size=4, budget=6, policy="priority", offload=tiers)

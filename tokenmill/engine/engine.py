@@ -11,9 +11,9 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import Scheduler
 from tokenmill.executor.kv_transfer import build_offload
 from tokenmill.executor.model_runner import ModelRunner
 from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput

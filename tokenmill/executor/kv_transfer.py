@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from tokenmill.config import CacheConfig
-from tokenmill.engine.kv_offload import (
+from tokenmill.core.kv_offload import (
     DeleteFileOp,
     LoadOp,
     OffloadTiers,
@@ -28,7 +28,7 @@ from tokenmill.engine.kv_offload import (
     TransferCosts,
     TransferOp,
 )
-from tokenmill.engine.request import Request
+from tokenmill.core.request import Request
 from tokenmill.executor import kv_disk
 from tokenmill.sampling_params import SamplingParams
 

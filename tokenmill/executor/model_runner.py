@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import CacheConfig
-from tokenmill.engine.request import Request
+from tokenmill.core.request import Request
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.attention_backends.base import BatchLayout
 from tokenmill.layers.attention_backends.torch_sdpa import TorchSDPABackend
