@@ -1,28 +1,62 @@
-"""What an attention backend gets from the model runner, once per step."""
+"""The contract between the model runner and an attention backend.
+
+Once per step the runner builds a `BatchLayout` (tensors only) and calls `build_metadata`; every
+attention layer then calls `forward`, which writes this step's K/V into the layer's paged cache and
+attends. The backend allocates the caches in the layout it prefers and owns their initialisation.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenmill.layers.attention import Attention
 
 
 @dataclass
 class BatchLayout:
     """The packed batch as the runner builds it (request order; prompt chunks and decodes mixed)."""
 
-    query_start: torch.Tensor  # [B] offset of each request's first new token in the packed batch
-    query_len: torch.Tensor  # [B] new tokens per request
-    kv_len: torch.Tensor  # [B] tokens in the cache after this step (cached prefix + new)
-    block_tables: list[list[int]]  # per request
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token (block * block_size + offset)
+    query_start: torch.Tensor  # [B] long, offset of each request's first new token in the packed batch
+    query_len: torch.Tensor  # [B] long, new tokens per request (1 = decode)
+    kv_len: torch.Tensor  # [B] long, tokens in the cache after this step (cached prefix + new)
+    block_table: torch.Tensor  # [B, max_blocks] int64/int32, padded with 0 past each request's blocks
+    slot_mapping: torch.Tensor  # [T] long, cache slot of each new token (block * block_size + offset)
     num_tokens: int
+    max_query_len: int
+    max_kv_len: int
 
 
 class AttentionBackend:
-    name = "base"
+    name: str = "base"
 
-    def build_metadata(self, layout: BatchLayout, block_size: int, device: torch.device):
+    @classmethod
+    def supports(cls, device: torch.device) -> bool:
+        return False
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+
+    def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         raise NotImplementedError
 
-    def forward(self, q, k_cache, v_cache, meta, sliding_window: int | None, scale: float) -> torch.Tensor:
+    def bytes_per_block(self, layers: list[Attention], dtype: torch.dtype) -> int:
+        """K and V bytes of one block over all layers, for sizing the pool."""
+        per_layer = (torch.Size(self.kv_cache_shape(1, a.num_kv_heads, a.head_dim)).numel() for a in layers)
+        return 2 * sum(per_layer) * dtype.itemsize
+
+    def allocate_kv_cache(self, layers: list[Attention], num_blocks: int, dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def mark_initialized(self, block_ids: torch.Tensor) -> None:
+        """Blocks filled from outside a forward pass (KV transfer): lazy initialisation must keep them."""
+
+    def build_metadata(self, layout: BatchLayout) -> Any:
+        raise NotImplementedError
+
+    def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hk, D]. Writes k/v into the layer's cache, then attends: [T, H, D]."""
         raise NotImplementedError

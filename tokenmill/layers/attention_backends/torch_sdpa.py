@@ -10,11 +10,16 @@ padding every decode row to its length.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.attention_backends.base import AttentionBackend, BatchLayout
+from tokenmill.layers.attention_backends.registry import register_backend
+
+if TYPE_CHECKING:
+    from tokenmill.layers.attention import Attention
 
 
 @dataclass
@@ -43,39 +48,84 @@ class SDPAGroup:
 
 @dataclass
 class SDPAMetadata:
-    slot_mapping: torch.Tensor
+    slot_mapping: torch.Tensor  # [T] on the backend's device
     groups: list[SDPAGroup]
 
 
+@register_backend
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
 
-    def build_metadata(self, layout: BatchLayout, block_size: int, device: torch.device) -> SDPAMetadata:
+    @classmethod
+    def supports(cls, device: torch.device) -> bool:
+        return True
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        super().__init__(block_size, device)
+        self.layers: list[Attention] = []
+        self.initialized = torch.zeros(0, dtype=torch.bool)  # [num_blocks] on CPU: zeroed or written from outside
+        self.num_uninitialized = 0
+
+    def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, self.block_size, num_kv_heads, head_dim)
+
+    def allocate_kv_cache(self, layers: list[Attention], num_blocks: int, dtype: torch.dtype) -> None:
+        for a in layers:
+            shape = self.kv_cache_shape(num_blocks, a.num_kv_heads, a.head_dim)
+            # Not zeroed here (4 GiB of memset takes seconds): build_metadata zeroes each block on first use.
+            a.k_cache = torch.empty(shape, dtype=dtype, device=self.device)
+            a.v_cache = torch.empty(shape, dtype=dtype, device=self.device)
+            a.backend = self
+        self.layers = list(layers)
+        self.initialized = torch.zeros(num_blocks, dtype=torch.bool)
+        self.num_uninitialized = num_blocks
+
+    def mark_initialized(self, block_ids: torch.Tensor) -> None:
+        ids = block_ids.to("cpu", torch.long).flatten()
+        self.initialized[ids] = True
+        self.num_uninitialized = int((~self.initialized).sum())
+
+    def _zero_new_blocks(self, block_table: torch.Tensor) -> None:
+        """Unwritten slots are read (and masked) by attention; NaN garbage there would survive the
+        mask, so every block a step references (padding block 0 included) is zeroed the first time."""
+        if self.num_uninitialized == 0:
+            return
+        ids = block_table.to("cpu", torch.long).flatten()
+        fresh = ids[~self.initialized[ids]]
+        if fresh.numel() == 0:
+            return
+        fresh = fresh.unique()
+        dev_ids = fresh.to(self.device)
+        for a in self.layers:
+            a.k_cache.index_fill_(0, dev_ids, 0)
+            a.v_cache.index_fill_(0, dev_ids, 0)
+        self.initialized[fresh] = True
+        self.num_uninitialized -= fresh.numel()
+
+    def build_metadata(self, layout: BatchLayout) -> SDPAMetadata:
+        self._zero_new_blocks(layout.block_table)
         is_decode = layout.query_len == 1
         groups = []
         decodes = is_decode.nonzero().flatten()
         if decodes.numel():
-            groups.append(self._group(layout, decodes, block_size, device))
+            groups.append(self._group(layout, decodes))
         chunks = (~is_decode).nonzero().flatten()
         if chunks.numel():
             # Prefix-cache hits put short prompt tails next to long uncomputed prompts; one group would
             # pad every tail to the longest chunk. Chunks within a factor of 2 of each other share a group.
             bucket = torch.log2(layout.query_len[chunks].double()).ceil().long()
             for b in bucket.unique().tolist():
-                groups.append(self._group(layout, chunks[bucket == b], block_size, device))
-        return SDPAMetadata(slot_mapping=layout.slot_mapping.to(device), groups=groups)
+                groups.append(self._group(layout, chunks[bucket == b]))
+        return SDPAMetadata(slot_mapping=layout.slot_mapping.to(self.device, torch.long), groups=groups)
 
-    @staticmethod
-    def _group(layout: BatchLayout, idx: torch.Tensor, block_size: int, device) -> SDPAGroup:
+    def _group(self, layout: BatchLayout, idx: torch.Tensor) -> SDPAGroup:
+        device, bs = self.device, self.block_size
         q_start = layout.query_start[idx]
         q_len = layout.query_len[idx]
         kv_len = layout.kv_len[idx]
         Q = int(q_len.max())
-        num_blocks = -(-int(kv_len.max()) // block_size)
-        tables = torch.zeros(len(idx), num_blocks, dtype=torch.long)
-        for row, i in enumerate(idx.tolist()):
-            ids = layout.block_tables[i][:num_blocks]
-            tables[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        num_blocks = -(-int(kv_len.max()) // bs)
+        tables = layout.block_table[idx, :num_blocks].long()
         ar = torch.arange(Q)
         valid = ar.unsqueeze(0) < q_len.unsqueeze(1)
         token_index = torch.where(valid, q_start.unsqueeze(1) + ar, 0)
@@ -86,27 +136,46 @@ class TorchSDPABackend(AttentionBackend):
             flat_index=token_index[valid].to(device),
             block_tables=tables.to(device),
             q_pos=q_pos.to(device),
-            key_pos=torch.arange(num_blocks * block_size, device=device),
+            key_pos=torch.arange(num_blocks * bs, device=device),
             all_valid=bool(valid.all()),
         )
 
-    def forward(self, q, k_cache, v_cache, meta: SDPAMetadata, sliding_window: int | None, scale: float) -> torch.Tensor:
-        """q: [T, H, D]; caches: [num_blocks, block_size, Hk, D]. Returns [T, H, D]."""
+    def forward(self, layer: Attention, q, k, v, meta: SDPAMetadata) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hk, D]; caches: [num_blocks, block_size, Hk, D]. Returns [T, H, D]."""
+        k_cache, v_cache = layer.k_cache, layer.v_cache
+        num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
-        num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
         for g in meta.groups:
             B, NB = g.block_tables.shape
             Q = g.token_index.shape[1]
             qg = q.index_select(0, g.token_index.view(-1)).view(B, Q, num_heads, -1).transpose(1, 2)  # [B, H, Q, D]
             # index_select over whole blocks is ~4x faster than advanced indexing on CPU.
             flat = g.block_tables.view(-1)
-            kg = k_cache.index_select(0, flat).view(B, -1, num_kv_heads, k_cache.shape[-1]).transpose(1, 2).to(q.dtype)
-            vg = v_cache.index_select(0, flat).view(B, -1, num_kv_heads, v_cache.shape[-1]).transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(
-                qg, kg, vg, attn_mask=g.mask(sliding_window), scale=scale, enable_gqa=num_heads != num_kv_heads
-            ).transpose(1, 2)  # [B, Q, H, D]
+            kg = k_cache.index_select(0, flat).view(B, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+            vg = v_cache.index_select(0, flat).view(B, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+            mask = g.mask(layer.sliding_window)
+            if layer.logits_soft_cap is None:
+                o = F.scaled_dot_product_attention(
+                    qg, kg, vg, attn_mask=mask, scale=layer.scale, enable_gqa=num_heads != num_kv_heads
+                )
+            else:
+                o = _soft_capped_attention(qg, kg, vg, mask, layer.scale, layer.logits_soft_cap)
+            o = o.transpose(1, 2)  # [B, Q, H, D]
             if g.all_valid:
                 out.index_copy_(0, g.flat_index, o.flatten(0, 1))
             else:
                 out.index_copy_(0, g.flat_index, o[g.valid])
         return out
+
+
+def _soft_capped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
+    """SDPA has no soft cap (cap * tanh(scores / cap), as Gemma 2 uses), so attend in plain torch."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v)
