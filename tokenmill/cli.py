@@ -1,20 +1,20 @@
 """The `tokenmill` command line: `generate`, `chat` and `serve` on a local model (vLLM's flag names).
 
 Each subcommand is an `add_<name>_parser(subparsers)` that registers its flags and a `cmd_<name>(args)`
-that runs it. Shared flags come from `add_engine_args` / `engine_kwargs` (-> LLM(...) kwargs) and
-`add_sampling_args` / `sampling_params` (-> SamplingParams).
+that runs it. Shared flags come from `add_engine_args` / `engine_kwargs` (generated from EngineArgs;
+-> LLM(...) kwargs) and `add_sampling_args` / `sampling_params` (-> SamplingParams).
 """
 from __future__ import annotations
 
 import argparse
 import itertools
-import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from tokenmill import __version__
+from tokenmill.engine_args import EngineArgs, parse_bytes
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -25,83 +25,17 @@ DEFAULT_MAX_TOKENS = 256
 
 
 # ---- shared flags ----------------------------------------------------------------------------
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
-
-
-def parse_bytes(text: str) -> int:
-    """'1073741824', '512M', '2G', '1.5GiB' -> bytes (K/M/G/T are powers of 1024)."""
-    m = _SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use a byte count or a number with K, M, G or T")
-    power = "kmgt".find(m.group(2).lower()) + 1 if m.group(2) else 0
-    return int(float(m.group(1)) * 1024**power)
-
-
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("model_pos", nargs="?", metavar="MODEL",
-                   help="Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
-    g.add_argument("--model", help="Same as the positional MODEL.")
-    g.add_argument("--tokenizer", help="Tokenizer folder (default: the model's).")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="Weight dtype; auto keeps the model's dtype where this device computes in it, else float32.")
-    g.add_argument("--max-model-len", type=int,
-                   help="Context length: prompt plus output tokens (default: the model's max_position_embeddings).")
-    g.add_argument("--block-size", type=int, default=16, help="Tokens per KV cache block (default: %(default)s).")
-    g.add_argument("--max-num-seqs", type=int, default=256,
-                   help="Most sequences running in one step (default: %(default)s).")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="Most tokens processed in one step (default: %(default)s).")
-    g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, metavar="SIZE",
-                   help="KV cache size, e.g. 512M or 2G (default: a share of free memory).")
-    g.add_argument("--num-gpu-blocks-override", type=int, metavar="N",
-                   help="Exact number of KV cache blocks; overrides --kv-cache-memory-bytes.")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="Reuse KV cache blocks of shared prompt prefixes (default: on).")
-    g.add_argument("--kv-offload-bytes", type=parse_bytes, default=0, metavar="SIZE",
-                   help="Host-memory tier for KV blocks evicted from the pool, e.g. 2G; a later request with "
-                        "the same prefix loads them back instead of recomputing (default: 0, off).")
-    g.add_argument("--kv-offload-dir", metavar="DIR",
-                   help="Disk tier below the host tier: evicted host blocks are written here, checksummed "
-                        "(default: none).")
-    g.add_argument("--kv-offload-disk-bytes", type=parse_bytes, metavar="SIZE",
-                   help="Budget of the disk tier (default: unbounded).")
-    g.add_argument("--kv-offload-min-blocks", type=int, metavar="N",
-                   help="Load offloaded prefixes back only for chains of at least N blocks (default: the "
-                        "break-even length measured at start-up).")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="Order in which waiting requests are admitted (default: %(default)s).")
-    g.add_argument("--seed", type=int, default=0,
-                   help="Seed of the engine's global random generator; with it a run is reproducible "
-                        "(default: %(default)s). See also --sampling-seed.")
-    g.add_argument("--device", default="cpu", help="Torch device, e.g. cpu or cuda (default: %(default)s).")
+    EngineArgs.add_cli_args(parser)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """Keyword arguments for LLM(...) from the engine flags; resolves the model path."""
     from tokenmill.model.default import resolve_model
 
-    if args.model and args.model_pos and args.model != args.model_pos:
-        raise ValueError(f"two different models given: {args.model_pos!r} and --model {args.model!r}.")
-    return dict(
-        model=resolve_model(args.model or args.model_pos),
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        enable_prefix_caching=args.enable_prefix_caching,
-        kv_offload_bytes=args.kv_offload_bytes,
-        kv_offload_dir=args.kv_offload_dir,
-        kv_offload_disk_bytes=args.kv_offload_disk_bytes,
-        kv_offload_min_blocks=args.kv_offload_min_blocks,
-        scheduling_policy=args.scheduling_policy,
-        seed=args.seed,
-        device=args.device,
-    )
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.model = resolve_model(engine_args.model)
+    return asdict(engine_args)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -186,21 +120,23 @@ def stream(engine: LLMEngine, prompt: str | list[int], params: SamplingParams,
     """
     rid = f"cli-{next(_request_ids)}"
     start = time.perf_counter()
-    group = engine.add_request(rid, prompt, params)
+    state = engine.add_request(rid, prompt, params)
+    out = engine.output_processor
     aborted = False
     try:
-        while not group.finished:
+        while not state.finished:
             engine.step()
             if write is not None:
-                delta = group.detoks[0].get_delta(finished=group.finished)
-                if delta:
-                    write(delta)
+                for seq in out.make_delta(state, 0, []).sequences:
+                    if seq.index == 0 and seq.text:
+                        write(seq.text)
     except KeyboardInterrupt:
         engine.abort_request(rid)
         aborted = True
     seconds = time.perf_counter() - start
-    num_tokens = sum(c.num_output_tokens for c in group.children)
-    return StreamResult([d.output_text for d in group.detoks], num_tokens, seconds, aborted)
+    final = out.make_output(state)
+    num_tokens = sum(len(o.token_ids) for o in final.outputs)
+    return StreamResult([o.text for o in final.outputs], num_tokens, seconds, aborted)
 
 
 def chat_prompt(engine: LLMEngine, messages: list[dict]) -> list[int]:
@@ -349,6 +285,10 @@ def add_serve_parser(subparsers) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="Log level of the server (default: %(default)s).")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="Do not log every HTTP request.")
+    g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="Run the engine core (scheduler + model) in its own process, so HTTP parsing and "
+                        "(de)tokenization never hold the step loop's GIL; --no-engine-core-process runs it in a "
+                        "thread of the server process (default: on).")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 

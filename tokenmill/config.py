@@ -1,7 +1,11 @@
-"""Engine configuration: plain dataclasses, no torch."""
+"""Engine configuration: plain dataclasses, no torch. `EngineArgs` (engine_args.py) fills them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+EXECUTOR_BACKENDS = ("uni", "mp")
 
 
 @dataclass
@@ -17,10 +21,12 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     block_size: int = 16
-    kv_cache_memory_bytes: int | None = None  # None: a fraction of free RAM on CPU
+    kv_cache_dtype: str = "auto"  # auto: the weights' storage dtype
+    kv_cache_memory_bytes: int | None = None  # None: sized from free memory (the two fractions below)
     num_gpu_blocks_override: int | None = None  # vLLM's name: explicit number of KV blocks
     enable_prefix_caching: bool = True
-    kv_cache_memory_fraction: float = 0.25  # of available RAM when no byte budget is given
+    kv_cache_memory_fraction: float = 0.25  # CPU: of available RAM when no byte budget is given
+    gpu_memory_utilization: float = 0.9  # CUDA: of device memory for weights + activations + KV, as in vLLM
     # KV offloading: evicted prefix blocks go to host memory, then (past its budget) to files on disk.
     kv_offload_bytes: int = 0  # host tier budget; 0 with no dir: off
     kv_offload_dir: str | None = None  # disk tier: a folder for block files (a subfolder per engine)
@@ -40,6 +46,15 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # uni | mp; None: uni for one worker, else mp
+
+    def __post_init__(self) -> None:
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass
@@ -49,19 +64,49 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
+    attention_backend: str | None = None  # None: the device's default backend
 
     def validate(self) -> None:
-        if self.cache.block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {self.cache.block_size}.")
-        if self.scheduler.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.scheduler.max_num_seqs}.")
-        if self.scheduler.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be at least 1, got {self.scheduler.max_num_batched_tokens}."
-            )
-        if self.cache.kv_offload_bytes < 0:
-            raise ValueError(f"kv_offload_bytes must not be negative, got {self.cache.kv_offload_bytes}.")
-        if (self.cache.kv_offload_bytes or self.cache.kv_offload_dir) and not self.cache.enable_prefix_caching:
+        m, c, s, p = self.model, self.cache, self.scheduler, self.parallel
+        _at_least(1, max_model_len=m.max_model_len, block_size=c.block_size,
+                  kv_cache_memory_bytes=c.kv_cache_memory_bytes, num_gpu_blocks_override=c.num_gpu_blocks_override,
+                  max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                  kv_offload_group_blocks=c.kv_offload_group_blocks, tensor_parallel_size=p.tensor_parallel_size,
+                  pipeline_parallel_size=p.pipeline_parallel_size)
+        _at_least(0, kv_offload_bytes=c.kv_offload_bytes, kv_offload_disk_bytes=c.kv_offload_disk_bytes,
+                  kv_offload_min_blocks=c.kv_offload_min_blocks)
+        for name, value in (("kv_cache_memory_fraction", c.kv_cache_memory_fraction),
+                            ("gpu_memory_utilization", c.gpu_memory_utilization)):
+            if not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value}.")
+        if c.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}; got {c.kv_cache_dtype!r}.")
+        if (c.kv_offload_bytes or c.kv_offload_dir) and not c.enable_prefix_caching:
             raise ValueError("kv_offload_bytes / kv_offload_dir need prefix caching (enable_prefix_caching=True).")
-        if self.scheduler.policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.scheduler.policy!r}.")
+        if s.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {s.policy!r}.")
+        if p.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be 'uni' or 'mp', got {p.distributed_executor_backend!r}."
+            )
+        if p.distributed_executor_backend == "uni" and p.world_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one worker; world size {p.world_size} needs 'mp'."
+            )
+        # The parallelism issue lifts these two.
+        if p.tensor_parallel_size > 1:
+            raise ValueError(
+                f"tensor parallelism (tensor_parallel_size={p.tensor_parallel_size}) is not yet supported."
+            )
+        if p.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"pipeline parallelism (pipeline_parallel_size={p.pipeline_parallel_size}) is not yet supported."
+            )
+
+
+def _at_least(low: int, **values: int | None) -> None:
+    """Raise for the first value below `low`; None means "not set" and passes."""
+    for name, value in values.items():
+        if value is not None and value < low:
+            rule = f"be at least {low}" if low else "not be negative"
+            raise ValueError(f"{name} must {rule}, got {value}.")

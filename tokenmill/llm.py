@@ -2,53 +2,62 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+import numbers
+from typing import Any, Sequence, Union
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine_args import EngineArgs
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
+# vLLM's prompt shapes: text, token ids, {"prompt": text} (TextPrompt), {"prompt_token_ids": ids} (TokensPrompt).
+PromptType = Union[str, list[int], dict]
+
+
+def parse_prompts(prompts: PromptType | Sequence[PromptType]) -> list[tuple[str | None, list[int] | None]]:
+    """One prompt or a list of them (shapes may mix) -> [(text, None) or (None, token ids)]."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and isinstance(prompts[0], numbers.Integral)):
+        prompts = [prompts]
+    return [_parse_prompt(p, i) for i, p in enumerate(prompts)]
+
+
+def _parse_prompt(prompt: PromptType, index: int) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown:
+            raise ValueError(f"prompt {index}: unsupported key(s) {sorted(unknown)}; "
+                             "give {'prompt': text} or {'prompt_token_ids': [ids]}.")
+        if len(prompt) != 1:
+            raise ValueError(f"prompt {index}: a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids', "
+                             f"got {sorted(prompt) or 'neither'}.")
+        if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise ValueError(f"prompt {index}: 'prompt' must be a string, got {type(prompt['prompt']).__name__}.")
+            return prompt["prompt"], None
+        return None, _token_ids(prompt["prompt_token_ids"], index)
+    if isinstance(prompt, (list, tuple)):
+        return None, _token_ids(prompt, index)
+    raise ValueError(f"prompt {index}: expected text, a list of token ids, {{'prompt': text}} or "
+                     f"{{'prompt_token_ids': [ids]}}; got {type(prompt).__name__}.")
+
+
+def _token_ids(ids: Any, index: int) -> list[int]:
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError(f"prompt {index}: token ids must be a non-empty list of ints, got {ids!r:.80}.")
+    bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+    if bad:
+        raise ValueError(f"prompt {index}: token ids must be ints, got {bad[0]!r} ({type(bad[0]).__name__}).")
+    return [int(t) for t in ids]
+
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        kv_cache_memory_bytes: int | None = None,
-        num_gpu_blocks_override: int | None = None,
-        enable_prefix_caching: bool = True,
-        kv_offload_bytes: int = 0,
-        kv_offload_dir: str | None = None,
-        kv_offload_disk_bytes: int | None = None,
-        kv_offload_min_blocks: int | None = None,
-        scheduling_policy: str = "fcfs",
-        seed: int = 0,
-        device: str = "cpu",
-    ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                num_gpu_blocks_override=num_gpu_blocks_override,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_offload_bytes=kv_offload_bytes,
-                kv_offload_dir=kv_offload_dir,
-                kv_offload_disk_bytes=kv_offload_disk_bytes,
-                kv_offload_min_blocks=kv_offload_min_blocks,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, policy=scheduling_policy
-            ),
-            device=device,
-        )
-        self.engine = LLMEngine(config)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`kwargs` are EngineArgs fields (tokenmill/engine_args.py), e.g. max_model_len=2048, block_size=16."""
+        self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.engine = LLMEngine(self.engine_args.create_engine_config())
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -56,14 +65,12 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[list[int]] | list[int],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -74,9 +81,10 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities.")
         ids = []
         try:
-            for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            for i, ((text, token_ids), params) in enumerate(zip(prompts, sampling_params)):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, params, priority=priority[i] if priority else 0)
+                self.engine.add_request(rid, text, params, prompt_token_ids=token_ids,
+                                        priority=priority[i] if priority else 0)
                 ids.append(rid)
         except Exception:
             for rid in ids:

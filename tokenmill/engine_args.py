@@ -1,0 +1,200 @@
+"""EngineArgs: every engine setting once, with vLLM's name and its help text.
+
+The argparse flags (`add_cli_args`) and the `LLM(**kwargs)` keywords are generated from these fields, and
+`create_engine_config` maps them onto the per-area dataclasses of config.py, in one place. A new setting
+is a field here (its CLI flag and LLM keyword follow), a field in config.py and a line in
+`create_engine_config`; tests/test_engine_args.py fails until all three exist.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import types
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, Callable, Sequence, get_type_hints
+
+from tokenmill.config import (
+    DTYPES,
+    EXECUTOR_BACKENDS,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512M', '2G', '1.5GiB' -> bytes (K/M/G/T are powers of 1024)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use a byte count or a number with K, M, G or T")
+    power = "kmgt".find(m.group(2).lower()) + 1 if m.group(2) else 0
+    return int(float(m.group(1)) * 1024**power)
+
+
+def _arg(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, choices: Sequence[str] | None = None,
+         metavar: str | None = None, short: str | None = None, positional: bool = False) -> Any:
+    """A field whose metadata says how it appears on the command line; `parse` defaults to the field's type."""
+    meta = dict(help=help, parse=parse, choices=choices, metavar=metavar, short=short, positional=positional)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineArgs:
+    # model
+    model: str | None = _arg(
+        ModelConfig.model, "Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).",
+        positional=True)
+    tokenizer: str | None = _arg(ModelConfig.tokenizer, "Tokenizer folder (default: the model's).")
+    dtype: str = _arg(ModelConfig.dtype, "Weight dtype; auto keeps the model's dtype where this device computes in it, "
+                      "else float32 (default: %(default)s).", choices=DTYPES)
+    max_model_len: int | None = _arg(
+        ModelConfig.max_model_len,
+        "Context length: prompt plus output tokens (default: the model's max_position_embeddings).")
+    seed: int = _arg(ModelConfig.seed, "Seed of the engine's global random generator; with it a run is reproducible "
+                     "(default: %(default)s). See also --sampling-seed.")
+    device: str = _arg(EngineConfig.device, "Torch device, e.g. cpu or cuda (default: %(default)s).")
+    attention_backend: str | None = _arg(
+        EngineConfig.attention_backend, "Attention backend by registry name, e.g. torch_sdpa (default: the "
+        "device's default).", metavar="NAME")
+    # KV cache
+    block_size: int = _arg(CacheConfig.block_size, "Tokens per KV cache block (default: %(default)s).")
+    kv_cache_dtype: str = _arg(CacheConfig.kv_cache_dtype, "KV cache dtype; auto: the weights' storage dtype "
+                               "(default: %(default)s).", choices=DTYPES)
+    enable_prefix_caching: bool = _arg(CacheConfig.enable_prefix_caching,
+                                       "Reuse KV cache blocks of shared prompt prefixes (default: on).")
+    kv_cache_memory_bytes: int | None = _arg(
+        CacheConfig.kv_cache_memory_bytes, "KV cache size, e.g. 512M or 2G (default: sized from free memory, see "
+        "--kv-cache-memory-fraction and --gpu-memory-utilization).", parse=parse_bytes, metavar="SIZE")
+    kv_cache_memory_fraction: float = _arg(
+        CacheConfig.kv_cache_memory_fraction, "On CPU, the fraction of available RAM the KV cache takes when no "
+        "--kv-cache-memory-bytes is given (default: %(default)s).", metavar="FRACTION")
+    gpu_memory_utilization: float = _arg(
+        CacheConfig.gpu_memory_utilization, "On CUDA, the fraction of GPU memory for weights, activations and the "
+        "KV cache, as in vLLM (default: %(default)s).", metavar="FRACTION")
+    num_gpu_blocks_override: int | None = _arg(
+        CacheConfig.num_gpu_blocks_override, "Exact number of KV cache blocks; overrides --kv-cache-memory-bytes.",
+        metavar="N")
+    kv_offload_bytes: int = _arg(
+        CacheConfig.kv_offload_bytes, "Host-memory tier for KV blocks evicted from the pool, e.g. 2G; a later "
+        "request with the same prefix loads them back instead of recomputing (default: 0, off).",
+        parse=parse_bytes, metavar="SIZE")
+    kv_offload_dir: str | None = _arg(
+        CacheConfig.kv_offload_dir, "Disk tier below the host tier: evicted host blocks are written here, "
+        "checksummed (default: none).", metavar="DIR")
+    kv_offload_disk_bytes: int | None = _arg(
+        CacheConfig.kv_offload_disk_bytes, "Budget of the disk tier (default: unbounded).", parse=parse_bytes,
+        metavar="SIZE")
+    kv_offload_group_blocks: int = _arg(CacheConfig.kv_offload_group_blocks,
+                                        "KV blocks per disk-tier file (default: %(default)s).", metavar="N")
+    kv_offload_min_blocks: int | None = _arg(
+        CacheConfig.kv_offload_min_blocks, "Load offloaded prefixes back only for chains of at least N blocks "
+        "(default: the break-even length measured at start-up).", metavar="N")
+    # scheduler
+    max_num_seqs: int = _arg(SchedulerConfig.max_num_seqs, "Most sequences running in one step (default: %(default)s).")
+    max_num_batched_tokens: int = _arg(SchedulerConfig.max_num_batched_tokens,
+                                       "Most tokens processed in one step (default: %(default)s).")
+    scheduling_policy: str = _arg(SchedulerConfig.policy, "Order in which waiting requests are admitted; priority "
+                                  "honours each request's priority, lower first (default: %(default)s).",
+                                  choices=SCHEDULING_POLICIES)
+    # parallelism
+    tensor_parallel_size: int = _arg(ParallelConfig.tensor_parallel_size,
+                                     "Tensor-parallel workers; above 1 is not yet supported (default: %(default)s).",
+                                     metavar="N", short="-tp")
+    pipeline_parallel_size: int = _arg(ParallelConfig.pipeline_parallel_size,
+                                       "Pipeline-parallel stages; above 1 is not yet supported (default: "
+                                       "%(default)s).", metavar="N", short="-pp")
+    distributed_executor_backend: str | None = _arg(
+        ParallelConfig.distributed_executor_backend, "How workers run: uni in this process, mp one process each "
+        "(default: uni for one worker, else mp).", choices=EXECUTOR_BACKENDS)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """EngineArgs(**kwargs), with an unknown keyword named and the closest field suggested."""
+        names = [f.name for f in fields(cls)]
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else "; see tokenmill.engine_args.EngineArgs."
+                raise TypeError(f"unexpected engine keyword argument {key!r}{hint}")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        g = parser.add_argument_group("engine")
+        hints = get_type_hints(cls)
+        for f in fields(cls):
+            meta = f.metadata
+            if meta["positional"]:
+                g.add_argument(f"{f.name}_pos", nargs="?", metavar=f.name.upper(), help=meta["help"])
+                g.add_argument(f"--{_flag(f)}", help=f"Same as the positional {f.name.upper()}.")
+                continue
+            names = [meta["short"]] if meta["short"] else []
+            names.append(f"--{_flag(f)}")
+            kind = _base_type(hints[f.name])
+            if kind is bool:
+                g.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=meta["help"])
+            else:
+                g.add_argument(*names, dest=f.name, type=meta["parse"] or kind, default=f.default,
+                               choices=meta["choices"], metavar=meta["metavar"], help=meta["help"])
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        values = {}
+        for f in fields(cls):
+            value = getattr(args, f.name)
+            if f.metadata["positional"]:
+                given = getattr(args, f"{f.name}_pos")
+                if value and given and value != given:
+                    raise ValueError(f"two different {f.name}s given: {given!r} and --{_flag(f)} {value!r}.")
+                value = value or given
+            values[f.name] = value
+        return cls(**values)
+
+    def create_engine_config(self) -> EngineConfig:
+        config = EngineConfig(
+            model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+                              max_model_len=self.max_model_len, seed=self.seed),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_dtype=self.kv_cache_dtype,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_offload_bytes=self.kv_offload_bytes,
+                kv_offload_dir=self.kv_offload_dir,
+                kv_offload_disk_bytes=self.kv_offload_disk_bytes,
+                kv_offload_group_blocks=self.kv_offload_group_blocks,
+                kv_offload_min_blocks=self.kv_offload_min_blocks,
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      policy=self.scheduling_policy),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    pipeline_parallel_size=self.pipeline_parallel_size,
+                                    distributed_executor_backend=self.distributed_executor_backend),
+            device=self.device,
+            attention_backend=self.attention_backend,
+        )
+        config.validate()
+        return config
+
+
+def _flag(f: Field) -> str:
+    return f.name.replace("_", "-")
+
+
+def _base_type(hint: Any) -> type:
+    """int | None -> int."""
+    if isinstance(hint, types.UnionType):
+        (hint,) = [t for t in hint.__args__ if t is not type(None)]
+    return hint
