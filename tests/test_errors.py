@@ -175,20 +175,20 @@ def test_engine_recovers_after_a_failing_step(llm, monkeypatch):
     prompts = [[7, 8, 9, 10], [11, 12, 13]]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     runner = llm.engine.runner
-    real = runner.execute
+    real = runner.execute_model
     calls = {"n": 0}
 
-    def flaky(scheduled):
+    def flaky(batch):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("simulated device failure")
-        return real(scheduled)
+        return real(batch)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(runner, "execute_model", flaky)
     with pytest.raises(RuntimeError, match="simulated"):
         llm.generate(prompts, sp, use_tqdm=False)
     assert_idle(llm)  # in-flight requests were aborted and their blocks freed
-    monkeypatch.setattr(runner, "execute", real)
+    monkeypatch.setattr(runner, "execute_model", real)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == expected
 
 

@@ -131,15 +131,16 @@ class ModelCost:
     @classmethod
     def from_engine(cls, engine) -> "ModelCost":
         from tokenmill.layers.attention import Attention
-        from tokenmill.layers.linear import Linear
+        from tokenmill.layers.linear import LinearBase
 
         model = engine.model
-        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
+        # GEMM work from each layer's logical shape, not its stored weight (packed quantized weights
+        # hold fewer elements than the GEMM multiplies); the LM head is not a LinearBase.
+        linear = sum(m.input_size * m.output_size for m in model.modules() if isinstance(m, LinearBase))
         cfg = engine.hf_config
         lm_head = cfg.vocab_size * cfg.hidden_size
-        tied = bool(getattr(model, "tie_word_embeddings", False))
-        matmul = linear + (lm_head if tied else 0)  # an untied head is a Linear already
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        matmul = linear + lm_head
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # as stored: packed is small
         attn = [m for m in model.modules() if isinstance(m, Attention)]
         elem = engine.runner.kv_dtype.itemsize
         kv_per_token = sum(2 * a.num_kv_heads * a.head_dim * elem for a in attn)
@@ -203,16 +204,18 @@ def diagnose(steps: Iterable, cost: ModelCost, peaks: Peaks, idle_s: float = 0.0
     }
 
 
-def engine_diagnostics(engine, last_n: int | None = None) -> dict:
-    """Diagnose the engine's recent steps (all kept history by default)."""
-    steps = list(engine.stats.history)
+def engine_diagnostics(core, last_n: int | None = None) -> dict:
+    """Diagnose an EngineCore's (or an LLMEngine's) recent steps (all kept history by default)."""
+    core = getattr(core, "core", core)
+    steps = list(core.stats.history)
     if last_n:
         steps = steps[-last_n:]
-    peaks = load_or_measure_peaks(str(engine.runner.device), engine.model.compute_dtype)
+    info = core.info
+    peaks = load_or_measure_peaks(info.device, getattr(torch, info.compute_dtype))
     # Idle time between the window's steps only: not the wait before its first step (start-up, an
     # earlier quiet spell) nor the one after its last, which belong to no run in the window.
     idle_s = sum(s.idle_before_s for s in steps[1:])
-    return diagnose(steps, ModelCost.from_engine(engine), peaks, idle_s=idle_s)
+    return diagnose(steps, info.model_cost, peaks, idle_s=idle_s)
 
 
 def format_report(d: dict) -> str:

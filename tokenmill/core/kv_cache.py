@@ -21,8 +21,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from tokenmill.engine.kv_offload import LoadOp, OffloadTiers
-from tokenmill.engine.request import Request
+from tokenmill.core.kv_offload import LoadOp, OffloadTiers
+from tokenmill.core.request import Request
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
@@ -131,15 +131,18 @@ class KVCacheManager:
         num_new_tokens: int,
         computed_blocks: list[int] | None = None,
         offloaded: list[bytes] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> bool:
         """Make req's block table cover num_computed(+cached) + num_new_tokens tokens. `computed_blocks`
         (device hits) are shared; `offloaded` hashes (from get_offloaded_chain) get fresh blocks that
-        the transfer executor fills before the forward pass. Returns False and changes nothing when
-        the pool cannot supply the blocks."""
+        the transfer executor fills before the forward pass. `num_lookahead_tokens` more slots are
+        reserved for speculative drafts. Returns False and changes nothing when the pool cannot supply
+        the blocks."""
         computed_blocks = computed_blocks or []
         offloaded = offloaded or []
         num_computed = req.num_computed_tokens + (len(computed_blocks) + len(offloaded)) * self.block_size
-        need = self.blocks_needed(num_computed + num_new_tokens) - len(req.block_ids) - len(computed_blocks)
+        need = (self.blocks_needed(num_computed + num_new_tokens + num_lookahead_tokens)
+                - len(req.block_ids) - len(computed_blocks))
         # Reviving a free cached block takes it out of the free queue too.
         revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         if need + revived > len(self.free_queue):
@@ -210,6 +213,18 @@ class KVCacheManager:
                 self.free_queue[block_id] = None
         req.block_ids = []
         req.num_computed_tokens = 0
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free req's tail blocks beyond those `num_tokens` tokens need: slots written by rejected
+        speculative drafts. Such blocks hold no accepted token, so they were never named."""
+        keep = self.blocks_needed(num_tokens)
+        while len(req.block_ids) > keep:
+            block = self.blocks[req.block_ids.pop()]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = None
 
     def record_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.stats.queries += num_prompt_tokens

@@ -41,7 +41,8 @@ class Request:
     extra_keys: tuple = ()  # mixed into every block hash: reserved for adapters (LoRA) and multimodal inputs
     stop_reason: int | str | None = None
     index: int = 0  # which of the group's n sequences
-    group: object = field(default=None, repr=False)  # the engine's RequestGroup
+    seed: int | None = None  # this sequence's own sampling seed (params.seed + index)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -50,6 +51,9 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        # What the worker holds of this request (see core/batch.py): None until sent, and again after a
+        # preemption; else (tokens, blocks) it has.
+        self.sent: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,3 +82,22 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+
+@dataclass
+class EngineCoreRequest:
+    """A sequence as the processor hands it to the engine core (picklable: it may cross to the core process)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_time: float = 0.0
+    index: int = 0
+    seed: int | None = None
+
+    def to_request(self) -> Request:
+        return Request(self.request_id, self.prompt_token_ids, self.params, self.max_tokens, self.eos_token_ids,
+                       self.priority, self.arrival_time, index=self.index, seed=self.seed)

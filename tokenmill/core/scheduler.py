@@ -15,8 +15,10 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.kv_cache import KVCacheManager
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.core.batch import CachedRequestData, ModelRunnerOutput, NewRequestData, ScheduledBatch
+from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.outputs import EngineCoreOutput
+from tokenmill.core.request import Request, RequestStatus
 
 
 @dataclass
@@ -25,6 +27,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     recorded: list[Request] = field(default_factory=list)  # first admissions: their prefix query was counted
     reloaded: list[Request] = field(default_factory=list)  # taken back because a KV load failed: wait again
+    spec: dict[str, list[int]] = field(default_factory=dict)  # drafts scheduled for verification, by request id
 
     @property
     def num_tokens(self) -> int:
@@ -81,10 +84,16 @@ class Scheduler:
         self.waiting = WaitingQueue(use_priority=config.policy == "priority")
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_lookahead_tokens = getattr(config, "num_lookahead_tokens", 0)
+        self.prompt_tokens = 0  # prompt tokens computed (cache hits excluded)
+        self.generation_tokens = 0
+        self.requests: dict[str, Request] = {}  # unfinished, by id
+        self._forget: list[str] = []  # requests the worker holds and must drop at the next batch
 
     # ---- request lifecycle ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
         self.waiting.add(req)
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
@@ -96,6 +105,8 @@ class Scheduler:
             self.waiting.remove(req)
         if req.block_ids:
             self.kv.free(req)
+        self._unsend(req)
+        self.requests.pop(req.request_id, None)
         req.status = status
         req.finished_time = time.monotonic()
 
@@ -114,9 +125,16 @@ class Scheduler:
     def _victim_key(self, req: Request) -> tuple:
         return self.waiting.key(req)
 
+    def _unsend(self, req: Request) -> None:
+        if req.sent is not None:
+            self._forget.append(req.request_id)
+            req.sent = None
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        self._unsend(req)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -138,6 +156,8 @@ class Scheduler:
             self.kv.unname_from(req, first_bad)
             self.running.remove(req)
             self.kv.free(req)
+            self._unsend(req)
+            out.spec.pop(req.request_id, None)
             if req in out.recorded:
                 out.recorded.remove(req)
                 self.kv.unrecord_query(req.num_prompt_tokens, req.num_cached_tokens)
@@ -160,7 +180,9 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(req.num_uncomputed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            spec = self._drafts(req, budget - n) if n == 1 else []
+            n += len(spec)
+            while not self.kv.allocate_slots(req, n, num_lookahead_tokens=self.num_lookahead_tokens):
                 candidates = [r for r in self.running if id(r) not in scheduled]
                 victim = max(candidates, key=self._victim_key)
                 self._preempt(victim)
@@ -170,6 +192,8 @@ class Scheduler:
             else:
                 scheduled[id(req)] = n
                 out.scheduled.append((req, n))
+                if spec:
+                    out.spec[req.request_id] = spec
                 budget -= n
 
         # Admit waiting requests, unless this step already had to preempt.
@@ -196,3 +220,103 @@ class Scheduler:
             out.scheduled.append((req, n))
             budget -= n
         return out
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """The drafts worth verifying: within the token budget, max_tokens and max_model_len."""
+        if not req.spec_token_ids:
+            return []
+        room = min(budget, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+        return req.spec_token_ids[: max(room, 0)]
+
+    # ---- the step contract ---------------------------------------------------------------
+    def build_batch(self, out: SchedulerOutput) -> ScheduledBatch:
+        """The picklable step for the workers: new requests in full, the others as diffs."""
+        b = ScheduledBatch(finished_req_ids=self._forget)
+        self._forget = []
+        for req, n in out.scheduled:
+            rid = req.request_id
+            start = req.num_computed_tokens
+            spec = out.spec.get(rid)
+            b.req_ids.append(rid)
+            b.num_scheduled_tokens.append(n)
+            if spec:
+                b.spec_token_ids[rid] = spec
+                b.num_sample_rows.append(len(spec) + 1)
+            else:
+                b.num_sample_rows.append(1 if start + n >= req.num_tokens else 0)
+            if req.sent is None:
+                b.new_requests.append(NewRequestData(
+                    rid, list(req.token_ids), req.num_prompt_tokens, list(req.block_ids), start, req.params,
+                    req.seed, tuple(sorted(req.eos_token_ids))))
+            else:
+                ntok, nblk = req.sent
+                nblk = min(nblk, len(req.block_ids))
+                b.cached_requests.append(CachedRequestData(
+                    rid, req.token_ids[ntok:], req.block_ids[nblk:], start, len(req.block_ids)))
+            req.sent = (len(req.token_ids), len(req.block_ids))
+            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+                b.prompt_logprob_ranges[rid] = (start, min(n, req.num_prompt_tokens - 1 - start))
+        return b
+
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance every scheduled request by what the step computed and accepted: any number of new
+        tokens per request. KV slots of rejected drafts are rolled back (their blocks freed); stop
+        tokens, max_tokens and max_model_len finish requests and free their blocks."""
+        sampled = dict(zip(result.req_ids, result.sampled_token_ids))
+        outputs: list[EngineCoreOutput] = []
+        now = time.monotonic()
+        for req, n in out.scheduled:
+            if req.status != RequestStatus.RUNNING:
+                continue  # finished while the step ran (an abort)
+            rid = req.request_id
+            spec = out.spec.get(rid, ())
+            new = sampled.get(rid, [])
+            rejected = len(spec) - max(len(new) - 1, 0) if spec else 0
+            before = req.num_computed_tokens
+            req.num_computed_tokens = before + n - rejected
+            self.prompt_tokens += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - min(before, req.num_prompt_tokens))
+            req.spec_token_ids = []
+            prompt_lps = result.prompt_logprobs.get(rid)
+            if not new and prompt_lps is None:
+                continue
+            accepted, status = self._append(req, new)
+            if rejected:
+                self.kv.trim(req, req.num_tokens + self.num_lookahead_tokens)
+            self.generation_tokens += len(accepted)
+            if accepted and req.first_token_time is None:
+                req.first_token_time = now
+            if status is not None:
+                self.finish_request(req, status)
+            lps = result.logprobs.get(rid)
+            outputs.append(EngineCoreOutput(
+                rid, accepted, lps[: len(accepted)] if lps is not None else None, prompt_lps,
+                req.status.value if req.finished else None, req.stop_reason, max(req.num_cached_tokens, 0),
+                req.first_scheduled_time, req.first_token_time, req.finished_time))
+        return outputs
+
+    def _append(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """Append tokens until one finishes the request. Stop strings are the output processor's job."""
+        p = req.params
+        for i, tok in enumerate(tokens):
+            req.append_token(tok)
+            status = None
+            if req.num_output_tokens >= p.min_tokens:
+                if not p.ignore_eos and tok in req.eos_token_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+                elif tok in p.stop_token_ids:
+                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+            if status is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                return tokens[: i + 1], status
+        return tokens, None
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus, stop_reason=None) -> None:
+        """Finish requests by id wherever they are (aborts, and stop strings found by the output processor)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if stop_reason is not None:
+                req.stop_reason = stop_reason
+            self.finish_request(req, status)

@@ -28,7 +28,7 @@ from tokenmill.core.kv_offload import (
     TransferCosts,
     TransferOp,
 )
-from tokenmill.core.request import Request
+from tokenmill.core.batch import NewRequestData, ScheduledBatch
 from tokenmill.executor import kv_disk
 from tokenmill.sampling_params import SamplingParams
 
@@ -205,9 +205,9 @@ def calibrate(runner, transfer: KVTransfer, num_blocks: int = 8, repeats: int = 
     n = max(2, min(num_blocks, runner.num_blocks, transfer.host.shape[0]))
 
     def forward(k: int) -> None:
-        req = Request("calibration", [0] * (k * bs), SamplingParams(max_tokens=1), max_tokens=1)
-        req.block_ids = list(range(k))
-        runner.execute([(req, k * bs)])
+        rid = "calibration"
+        new = NewRequestData(rid, [0] * (k * bs), k * bs, list(range(k)), 0, SamplingParams(max_tokens=1), None)
+        runner.execute_model(ScheduledBatch([rid], [k * bs], [1], [new], finished_req_ids=[rid]))
 
     if n > transfer.host.shape[0] or n > runner.num_blocks:
         return TransferCosts(recompute_per_block=0.0)  # too small to measure: never load
@@ -240,13 +240,24 @@ def calibrate(runner, transfer: KVTransfer, num_blocks: int = 8, repeats: int = 
         finally:
             os.remove(transfer.path(calib_id))
     transfer.stats = TransferStats()
+    runner.execute_model(ScheduledBatch(finished_req_ids=["calibration"]))  # the runner forgets it
     return costs
 
 
-def build_offload(cache: CacheConfig, runner) -> tuple[OffloadTiers | None, KVTransfer | None]:
-    """The lower KV tiers the config asks for, or (None, None)."""
+@dataclass
+class OffloadSpec:
+    """What the worker's transfer executor can hold; the core builds its OffloadTiers from it."""
+
+    host_slots: int
+    disk: bool
+    costs: TransferCosts | None
+
+
+def build_transfer(cache: CacheConfig, runner) -> tuple[KVTransfer, OffloadSpec] | None:
+    """The worker side of the lower KV tiers the config asks for (host buffer, disk folder, measured
+    costs), or None."""
     if not cache.kv_offload_bytes and cache.kv_offload_dir is None:
-        return None, None
+        return None
     if not cache.enable_prefix_caching:
         raise ValueError("kv_offload_bytes / kv_offload_dir need prefix caching (enable_prefix_caching=True).")
     bpb = runner.bytes_per_block
@@ -257,23 +268,25 @@ def build_offload(cache: CacheConfig, runner) -> tuple[OffloadTiers | None, KVTr
         raise ValueError(
             f"kv_offload_bytes={cache.kv_offload_bytes} holds no block of {bpb} bytes; raise it or set kv_offload_dir."
         )
-    caches = [t for a in runner.attn_layers for t in (a.k_cache, a.v_cache)]
-    transfer = KVTransfer(caches, slots, cache.kv_offload_dir)
-    costs = None
-    if cache.kv_offload_min_blocks is None:
-        costs = calibrate(runner, transfer)
-    disk_budget = None if cache.kv_offload_disk_bytes is None else cache.kv_offload_disk_bytes // bpb
+    transfer = KVTransfer(runner.kv_caches(), slots, cache.kv_offload_dir)
+    costs = calibrate(runner, transfer) if cache.kv_offload_min_blocks is None else None
+    log.info("KV offload: host tier %d blocks (%.1f MiB)%s%s", slots, slots * bpb / 2**20,
+             f", disk tier in {transfer.dir}" if transfer.dir else "", f"; measured {costs}" if costs else "")
+    return transfer, OffloadSpec(slots, transfer.writer is not None, costs)
+
+
+def build_tiers(cache: CacheConfig, spec: OffloadSpec | None, bytes_per_block: int) -> OffloadTiers | None:
+    """The core side: bookkeeping of the host/disk tiers the worker holds."""
+    if spec is None:
+        return None
+    disk_budget = None if cache.kv_offload_disk_bytes is None else cache.kv_offload_disk_bytes // bytes_per_block
     tiers = OffloadTiers(
-        host_slots=slots,
-        disk=transfer.writer is not None,
+        host_slots=spec.host_slots,
+        disk=spec.disk,
         group_blocks=cache.kv_offload_group_blocks,
         disk_budget_blocks=disk_budget,
         min_chain_blocks=cache.kv_offload_min_blocks,
-        costs=costs,
+        costs=spec.costs,
     )
-    log.info(
-        "KV offload: host tier %d blocks (%.1f MiB)%s; break-even chain length %s%s",
-        slots, slots * bpb / 2**20, f", disk tier in {transfer.dir}" if transfer.dir else "",
-        tiers.break_even_blocks, f" (measured: {costs})" if costs else "",
-    )
-    return tiers, transfer
+    log.info("KV offload: break-even chain length %s", tiers.break_even_blocks)
+    return tiers

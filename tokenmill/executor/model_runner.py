@@ -1,146 +1,125 @@
-"""Turns a scheduled batch into tensors, runs one forward pass, returns the logits the sampler needs."""
+"""Runs one ScheduledBatch: tensors -> one forward pass over the packed batch -> logits -> sampled tokens.
+
+The runner never sees the scheduler's objects: it keeps its own request states (input_batch.py),
+updated from the batch's diffs, and returns a picklable ModelRunnerOutput.
+"""
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import dataclass
 
 import torch
 
-from tokenmill.config import CacheConfig
-from tokenmill.core.request import Request
+from tokenmill.core.batch import ModelRunnerOutput, PromptLogprobs, ScheduledBatch, StepTimings
+from tokenmill.executor.input_batch import InputBatch, StepInputs
 from tokenmill.layers.attention import Attention
-from tokenmill.layers.attention_backends.base import BatchLayout
-from tokenmill.layers.attention_backends.torch_sdpa import TorchSDPABackend
+from tokenmill.layers.attention_backends.base import AttentionBackend
+from tokenmill.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 4 << 30  # like vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4 GiB)
-
-
-def available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-@dataclass
-class ForwardOutput:
-    logits: torch.Tensor  # [num sampled requests, V] float32, in `sample_requests` order
-    sample_requests: list[Request]
-    prompt_logits: dict[int, tuple[torch.Tensor, int]]  # id(req) -> (logits of chunk positions [n, V], first position)
-
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: CacheConfig, max_model_len: int, device: str = "cpu") -> None:
+    def __init__(self, model: torch.nn.Module, vocab_size: int, block_size: int, device: torch.device,
+                 backend: AttentionBackend) -> None:
         self.model = model
-        self.device = torch.device(device)
-        self.block_size = cache.block_size
-        self.max_model_len = max_model_len
-        self.backend = TorchSDPABackend()
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.device = device
+        self.backend = backend
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        kv_dtype = next(model.parameters()).dtype
-        self.kv_dtype = kv_dtype
-        per_block = sum(2 * self.block_size * a.num_kv_heads * a.head_dim for a in self.attn_layers) * kv_dtype.itemsize
-        self.bytes_per_block = per_block
-        if cache.num_gpu_blocks_override is not None:
-            num_blocks = cache.num_gpu_blocks_override
-            source = "num_gpu_blocks_override"
-        else:
-            budget = cache.kv_cache_memory_bytes
-            if budget is None:
-                budget = min(DEFAULT_CPU_KV_BYTES, int(available_memory_bytes() * cache.kv_cache_memory_fraction))
-            num_blocks = budget // per_block
-            source = "kv_cache_memory_bytes"
-        need = -(-max_model_len // self.block_size)
-        if num_blocks < need:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens ({num_blocks * self.block_size} tokens), "
-                f"fewer than one request of max_model_len={max_model_len} tokens needs ({need} blocks, "
-                f"{need * per_block} bytes). Raise {source} or lower max_model_len."
-            )
+        self.input_batch = InputBatch(block_size, device)
+        self.sampler = Sampler()
+        self.num_blocks = 0
+        self.kv_dtype: torch.dtype | None = None
+
+    def block_bytes(self, kv_dtype: torch.dtype) -> int:
+        """K and V of one block over all layers."""
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim for a in self.attn_layers) * kv_dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_bytes(self.kv_dtype)
+
+    def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
+        self.backend.allocate_kv_cache(self.attn_layers, num_blocks, kv_dtype)
         self.num_blocks = num_blocks
-        self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) have been zeroed
-        for a in self.attn_layers:
-            shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-            # Not zeroed here (4 GiB of memset takes seconds): each block is zeroed on first use.
-            a.k_cache = torch.empty(shape, dtype=kv_dtype, device=self.device)
-            a.v_cache = torch.empty(shape, dtype=kv_dtype, device=self.device)
-            a.backend = self.backend
-        log.info("KV cache: %d blocks x %d tokens, %.1f MiB", num_blocks, self.block_size, num_blocks * per_block / 2**20)
+        self.kv_dtype = kv_dtype
 
-    def _zero_new_blocks(self, upto: int) -> None:
-        """Unwritten slots are read (and masked) by attention; NaN garbage there would survive the
-        mask, so zero blocks before first use. The pool hands out never-used blocks in id order."""
-        if upto <= self.zeroed_blocks:
-            return
-        for a in self.attn_layers:
-            a.k_cache[self.zeroed_blocks : upto].zero_()
-            a.v_cache[self.zeroed_blocks : upto].zero_()
-        self.zeroed_blocks = upto
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Every layer's K and V pool, each indexed by block on its first dimension."""
+        return [t for a in self.attn_layers for t in (a.k_cache, a.v_cache)]
 
+    # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]]) -> ForwardOutput:
-        t_start = time.perf_counter()
-        ids: list[int] = []
-        starts: list[int] = []
-        lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sample_reqs: list[Request] = []
-        prompt_rows: list[tuple[Request, int, int, int]] = []  # (req, first packed row, rows, first position)
-        offset = 0
-        for req, n in scheduled:
-            start = req.num_computed_tokens
-            ids.extend(req.token_ids[start : start + n])
-            starts.append(start)
-            lens.append(n)
-            tables.append(req.block_ids)
-            if start + n == req.num_tokens:
-                sample_rows.append(offset + n - 1)
-                sample_reqs.append(req)
-            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
-                rows = min(n, req.num_prompt_tokens - 1 - start)
-                prompt_rows.append((req, offset, rows, start))
-            offset += n
-
-        T = offset
-        # For the roofline: keys each new token attends to (causal pairs) and KV tokens read.
-        self.last_attn_pairs = sum(n * st + n * (n + 1) // 2 for st, n in zip(starts, lens))
-        self.last_kv_tokens = sum(st + n for st, n in zip(starts, lens))
-        q_len = torch.tensor(lens, dtype=torch.long)
-        start_pos = torch.tensor(starts, dtype=torch.long)
-        q_start = torch.cumsum(q_len, 0) - q_len
-        req_idx = torch.repeat_interleave(torch.arange(len(lens)), q_len)
-        positions = torch.arange(T) - q_start[req_idx] + start_pos[req_idx]
-        max_nb = max(len(t) for t in tables)
-        table = torch.zeros(len(tables), max_nb, dtype=torch.long)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        bs = self.block_size
-        self._zero_new_blocks(int(table.max()) + 1)
-        slots = table[req_idx, positions // bs] * bs + positions % bs
-        layout = BatchLayout(
-            query_start=q_start, query_len=q_len, kv_len=start_pos + q_len, block_tables=tables,
-            slot_mapping=slots, num_tokens=T,
-        )
-        meta = self.backend.build_metadata(layout, bs, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        t_prepared = time.perf_counter()
-        hidden = self.model(input_ids, positions.to(self.device), meta)
-
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)])
-        prompt_logits = {}
-        for req, row, rows, first_pos in prompt_rows:
-            prompt_logits[id(req)] = (self.model.compute_logits(hidden[row : row + rows]), first_pos)
+    def execute_model(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        self.input_batch.update(batch)
+        if not batch:
+            return ModelRunnerOutput()
+        inp = self.input_batch.prepare(batch)
+        meta = self.backend.build_metadata(inp.layout)
+        t1 = time.perf_counter()
+        hidden = self.model(inp.input_ids, inp.positions, meta)
+        logits = self.model.compute_logits(hidden[inp.sample_rows]) if inp.sample_rows.numel() else None
+        prompt_lps = self._prompt_logprobs(hidden, inp)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        self.last_prepare_s = t_prepared - t_start
-        self.last_forward_s = time.perf_counter() - t_prepared
-        return ForwardOutput(logits=logits, sample_requests=sample_reqs, prompt_logits=prompt_logits)
+        t2 = time.perf_counter()
+        out = self._sample(logits, inp) if logits is not None else ModelRunnerOutput()
+        out.prompt_logprobs = prompt_lps
+        out.timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2, inp.kv_tokens, inp.attn_pairs)
+        return out
+
+    def _sample(self, logits: torch.Tensor, inp: StepInputs) -> ModelRunnerOutput:
+        params, prompts, outputs, gens, banned = [], [], [], [], []
+        for r, rows, spec in zip(inp.requests, inp.rows_per_request, inp.spec):
+            out_ids = r.token_ids[r.num_prompt_tokens:]
+            ban = r.banned_tokens()
+            for j in range(rows):
+                params.append(r.params)
+                prompts.append(r.token_ids[: r.num_prompt_tokens])
+                outputs.append(out_ids + spec[:j] if j else out_ids)
+                gens.append(r.generator)
+                banned.append(ban)
+        meta = SamplingMetadata.build(params, prompts, outputs, gens, banned, self.vocab_size, self.device)
+        sampled = self.sampler(logits, meta)
+        tokens = sampled.token_ids.tolist()
+        lp = None
+        if sampled.logprobs is not None:
+            lp = (sampled.logprobs.tolist(), sampled.ranks.tolist(), sampled.top_ids.tolist(),
+                  sampled.top_logprobs.tolist())
+        result = ModelRunnerOutput()
+        row = 0
+        for r, rows, spec in zip(inp.requests, inp.rows_per_request, inp.spec):
+            if not rows:
+                continue
+            got = tokens[row : row + rows]
+            if spec:
+                # Greedy verification: keep drafts while they equal what the model samples at their
+                # position, then the model's own token. For a single proposed token per position
+                # (q a point mass) this is exactly rejection sampling: accept with p(d), else draw
+                # from p without d.
+                accepted = 0
+                while accepted < len(spec) and got[accepted] == spec[accepted]:
+                    accepted += 1
+                got = got[: accepted + 1]
+            result.req_ids.append(r.req_id)
+            result.sampled_token_ids.append(got)
+            if lp is not None and r.params.logprobs is not None:
+                k = r.params.logprobs
+                result.logprobs[r.req_id] = [
+                    (lp[0][i], lp[1][i], lp[2][i][:k], lp[3][i][:k]) for i in range(row, row + len(got))]
+            row += rows
+        return result
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> dict[str, PromptLogprobs]:
+        out = {}
+        for r, row, rows, first_pos in inp.prompt_rows:
+            logits = self.model.compute_logits(hidden[row : row + rows])
+            k = r.params.prompt_logprobs
+            targets = r.token_ids[first_pos + 1 : first_pos + 1 + rows]
+            lp, top_lp, top_ids, ranks = compute_logprobs(logits, torch.tensor(targets, device=logits.device), max(k, 1))
+            out[r.req_id] = PromptLogprobs(first_pos, targets, lp.tolist(), ranks.tolist(),
+                                           top_ids[:, :k].tolist(), top_lp[:, :k].tolist())
+        return out

@@ -1,0 +1,102 @@
+"""EngineCore: the scheduler and the executor, one step at a time. It runs in the caller's process
+(`LLM`, or a thread of the server) or in a process of its own (core_proc.py). It sees token ids only:
+tokenizing, detokenizing and stop strings belong to the processor and output processor."""
+from __future__ import annotations
+
+import logging
+import time
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.outputs import EngineCoreOutputs, SchedulerStats
+from tokenmill.core.request import EngineCoreRequest, RequestStatus
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.engine.stats import EngineStats, StepStats
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        from tokenmill.executor.executor import Executor
+        from tokenmill.executor.kv_transfer import build_tiers
+
+        config.validate()
+        self.config = config
+        self.executor = Executor.create(config)
+        info = self.info = self.executor.info
+        offload = build_tiers(config.cache, info.offload, info.bytes_per_block)
+        self.kv = KVCacheManager(info.num_blocks, info.block_size, config.cache.enable_prefix_caching, offload)
+        self.scheduler = Scheduler(config.scheduler, self.kv, info.max_model_len)
+        self.stats = EngineStats()
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use.")
+        self.scheduler.add_request(req.to_request())
+
+    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+                       stop_reason: int | str | None = None) -> None:
+        self.scheduler.finish_requests(request_ids, status, stop_reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        st = StepStats()
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        st.schedule_s = time.perf_counter() - t0
+        ops = self.kv.take_transfer_ops()
+        if ops:
+            # Saves, spills and loads of the lower KV tiers run before the forward reads or overwrites blocks.
+            failed, st.offload_s = self.executor.transfer_kv(ops)
+            if failed:
+                self.scheduler.recompute_failed_loads(out, self.kv.loads_failed(failed))
+        if not out:
+            self.stats.add(st)
+            return EngineCoreOutputs([], None, self.scheduler_stats(), self.stats.idle_s)
+        batch = self.scheduler.build_batch(out)
+        result = self.executor.execute_model(batch)
+        t1 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(out, result)
+        t = result.timings
+        st.schedule_s += time.perf_counter() - t1
+        st.prepare_s, st.forward_s, st.sample_s = t.prepare_s, t.forward_s, t.sample_s
+        st.kv_tokens, st.attn_pairs = t.kv_tokens, t.attn_pairs
+        st.num_tokens = batch.num_tokens
+        st.num_requests = len(batch)
+        st.num_sampled = sum(len(o.new_token_ids) for o in outputs)
+        st.end_time = time.perf_counter()
+        self.stats.prompt_tokens = self.scheduler.prompt_tokens
+        self.stats.generation_tokens = self.scheduler.generation_tokens
+        self.stats.add(st)
+        return EngineCoreOutputs(outputs, st, self.scheduler_stats(), self.stats.idle_s)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        kv, sched = self.kv, self.scheduler
+        offload = None
+        if kv.offload is not None:
+            o = kv.offload.stats
+            offload = {"saves": o.saves, "spills": o.spills, "host_loads": o.host_loads,
+                       "disk_loads": o.disk_loads, "load_failures": o.load_failures}
+        return SchedulerStats(sched.num_running, sched.num_waiting, kv.usage, kv.stats.queries, kv.stats.hits,
+                              kv.stats.evictions, sched.num_preemptions, sched.prompt_tokens,
+                              sched.generation_tokens, offload)
+
+    # ---- utility calls (also reachable over IPC) ----------------------------------------
+    def diagnostics(self, last_n: int | None = None) -> dict:
+        from tokenmill.diagnostics import engine_diagnostics
+
+        return engine_diagnostics(self, last_n)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def check_health(self) -> None:
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,282 @@
+"""OutputProcessor: the one place that turns the core's token ids into what callers see.
+
+It owns each request's detokenizers, logprobs, stop strings, `RequestOutput`s and streaming deltas. The
+offline engine, the async engine (server) and the CLI consume only what it returns. Stop strings are
+found here, on the caller's side; the request is then finished in the core with an abort that carries
+the stop reason (tokens the core made meanwhile are dropped). No torch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from tokenmill.core.batch import PromptLogprobs, TokenLogprobs
+from tokenmill.core.outputs import EngineCoreOutput
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+class EngineError(Exception):
+    """A request failed in the engine; `status` is the HTTP status it maps to."""
+
+    def __init__(self, message: str, status: int = 500, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+
+
+@dataclass
+class SequenceDelta:
+    """What one of a request's n sequences produced since the previous delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once the sequence is done
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestDelta:
+    request_id: str
+    tag: int  # the caller's label, e.g. which prompt of a batch this request serves
+    sequences: list[SequenceDelta]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # once, with the first generated token
+    error: EngineError | None = None
+
+
+@dataclass
+class FinishedRequest:
+    """Timings of a finished request, for metrics (monotonic seconds)."""
+
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    finish_reason: str
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float
+
+
+@dataclass(eq=False)
+class SequenceState:
+    index: int
+    child_id: str
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    sent: int = 0  # tokens already streamed
+    done: bool = False  # final delta streamed
+    last_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class RequestState:
+    """A user request: n sequences sharing one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[SequenceState]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    sink: Any = None  # the async engine's delivery target (queue, loop, tag)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    @property
+    def child_ids(self) -> list[str]:
+        return [s.child_id for s in self.seqs]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self._children: dict[str, tuple[RequestState, SequenceState]] = {}
+        self.decode_token = lru_cache(maxsize=1 << 16)(lambda t: tokenizer.decode([t]))
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float, child_ids: list[str], sink: Any = None) -> RequestState:
+        seqs = [SequenceState(i, cid, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                              logprobs=[] if params.logprobs is not None else None)
+                for i, cid in enumerate(child_ids)]
+        state = RequestState(request_id, prompt, prompt_token_ids, params, arrival_time, seqs,
+                             [None] if params.prompt_logprobs is not None else None, sink=sink)
+        self.requests[request_id] = state
+        for s in seqs:
+            self._children[s.child_id] = (state, s)
+        return state
+
+    def remove(self, request_id: str) -> RequestState | None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            for cid in state.child_ids:
+                self._children.pop(cid, None)
+        return state
+
+    def abort(self, request_id: str) -> RequestState | None:
+        """Finish every unfinished sequence with "abort"; returns the state (still registered)."""
+        state = self.requests.get(request_id)
+        if state is not None:
+            now = time.monotonic()
+            for s in state.seqs:
+                if not s.finished:
+                    s.finish_reason, s.finished_time = "abort", now
+        return state
+
+    # ---- one step's outputs --------------------------------------------------------------
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestState], list[tuple[str, str]]]:
+        """Apply the core's outputs. Returns the requests that changed (in order) and the sequences a
+        stop string finished, as (child id, stop string), for the caller to finish in the core."""
+        touched: dict[str, RequestState] = {}
+        stops: list[tuple[str, str]] = []
+        for o in outputs:
+            entry = self._children.get(o.request_id)
+            if entry is None:
+                continue
+            state, seq = entry
+            if seq.finished:
+                continue  # a stop string finished it; the core had not heard yet
+            touched[state.request_id] = state
+            if seq.index == 0:
+                state.num_cached_tokens = o.num_cached_tokens
+            seq.first_scheduled_time = o.first_scheduled_time
+            seq.first_token_time = o.first_token_time
+            if o.prompt_logprobs is not None and seq.index == 0 and state.prompt_logprobs is not None:
+                self._record_prompt_logprobs(state, o.prompt_logprobs)
+            stop = self._append(state, seq, o)
+            if stop is not None:
+                seq.finish_reason, seq.stop_reason, seq.finished_time = "stop", stop, time.monotonic()
+                stops.append((seq.child_id, stop))
+            elif o.finished:
+                seq.finish_reason, seq.stop_reason, seq.finished_time = o.finish_reason, o.stop_reason, o.finished_time
+        return list(touched.values()), stops
+
+    def _append(self, state: RequestState, seq: SequenceState, o: EngineCoreOutput) -> str | None:
+        p = state.params
+        last = len(o.new_token_ids) - 1
+        for i, tok in enumerate(o.new_token_ids):
+            seq.token_ids.append(tok)
+            if seq.logprobs is not None and o.new_logprobs is not None:
+                self._record_logprobs(seq, tok, o.new_logprobs[i], p.logprobs)
+            if i == last and o.finish_reason == "stop":
+                return None  # EOS or a stop token: not part of the text
+            # As in vLLM, stop strings count only once min_tokens tokens have been generated.
+            stop = seq.detok.update([tok], check_stop=len(seq.token_ids) > p.min_tokens)
+            if stop is not None:
+                return stop
+        return None
+
+    def _record_logprobs(self, seq: SequenceState, tok: int, lp: TokenLogprobs, k: int) -> None:
+        logprob, rank, top_ids, top_lps = lp
+        entry = {tok: Logprob(logprob, rank, self.decode_token(tok))}
+        for j, (tid, tlp) in enumerate(zip(top_ids[:k], top_lps[:k])):
+            if tid not in entry:
+                entry[tid] = Logprob(tlp, j + 1, self.decode_token(tid))
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += logprob
+
+    def _record_prompt_logprobs(self, state: RequestState, p: PromptLogprobs) -> None:
+        done = len(state.prompt_logprobs)  # entries recorded so far (position 0 has none)
+        for r, tok in enumerate(p.token_ids):
+            if p.first_pos + 1 + r < done:
+                continue  # recomputed after a preemption
+            entry = {tok: Logprob(p.logprobs[r], p.ranks[r], self.decode_token(tok))}
+            for j, (tid, tlp) in enumerate(zip(p.top_ids[r], p.top_logprobs[r])):
+                if tid not in entry:
+                    entry[tid] = Logprob(tlp, j + 1, self.decode_token(tid))
+            state.prompt_logprobs.append(entry)
+
+    # ---- what callers see ----------------------------------------------------------------
+    def make_output(self, state: RequestState) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detok.output_text,
+                token_ids=list(s.token_ids),
+                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in state.seqs
+        ]
+        first = state.seqs[0]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs,
+            outputs=outs,
+            finished=state.finished,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=RequestMetrics(state.arrival_time, first.first_scheduled_time, first.first_token_time,
+                                   first.finished_time),
+        )
+
+    def make_delta(self, state: RequestState, tag: int, itl: list[float], error: EngineError | None = None,
+                   force_final: bool = False) -> RequestDelta:
+        """What changed since the last delta; with force_final every sequence ends (an abort)."""
+        now = time.monotonic()
+        seqs: list[SequenceDelta] = []
+        for s in state.seqs:
+            if s.done:
+                continue
+            finished = s.finished or force_final
+            start, end = s.sent, len(s.token_ids)
+            ids = s.token_ids[start:]
+            text = s.detok.get_delta(finished=finished)
+            if not ids and not text and not finished:
+                continue
+            if ids:
+                if s.last_token_time is not None:
+                    itl.append(now - s.last_token_time)
+                s.last_token_time = now
+            lps = s.logprobs[start:end] if s.logprobs is not None else None
+            reason = s.finish_reason if s.finished else ("abort" if finished else None)
+            seqs.append(SequenceDelta(s.index, text, ids, lps, reason, s.stop_reason if finished else None))
+            s.sent, s.done = end, finished
+        prompt_lps = None
+        if state.prompt_logprobs is not None and not state.prompt_logprobs_sent and any(s.sent for s in state.seqs):
+            prompt_lps = list(state.prompt_logprobs)
+            state.prompt_logprobs_sent = True
+        return RequestDelta(state.request_id, tag, seqs, all(s.done for s in state.seqs), len(state.prompt_token_ids),
+                            state.num_cached_tokens, prompt_lps, error)
+
+    @staticmethod
+    def finished_record(state: RequestState, now: float) -> FinishedRequest:
+        first = state.seqs[0]
+        ends = [s.finished_time for s in state.seqs if s.finished_time is not None]
+        return FinishedRequest(
+            num_prompt_tokens=len(state.prompt_token_ids),
+            num_generation_tokens=sum(len(s.token_ids) for s in state.seqs),
+            finish_reason=first.finish_reason or "abort",
+            arrival_time=state.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=first.first_token_time,
+            finished_time=max(ends) if ends else now,
+        )

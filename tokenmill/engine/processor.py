@@ -1,0 +1,85 @@
+"""Processor: prompt text or ids + SamplingParams -> validated EngineCoreRequests (one per sequence of n).
+Runs on the caller's side (the API process under `serve`), so tokenizing never holds the step loop."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from tokenmill.core.request import EngineCoreRequest
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class ModelFacts:
+    """What the caller's side knows of the model the core runs (picklable, sent once at start-up)."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    num_blocks: int = 0
+    block_size: int = 0
+    load_time_s: float = 0.0
+
+
+def child_ids(request_id: str, n: int) -> list[str]:
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+
+
+class Processor:
+    def __init__(self, tokenizer, facts: ModelFacts) -> None:
+        self.tokenizer = tokenizer
+        self.facts = facts
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> tuple[str | None, list[int], SamplingParams, list[EngineCoreRequest]]:
+        """Returns (prompt text, prompt ids, params, core requests); raises ValueError on bad input."""
+        params = params or SamplingParams()
+        if isinstance(prompt, list):
+            prompt, prompt_token_ids = None, prompt
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("prompt must be given as text or token ids.")
+            if not prompt:
+                raise ValueError("prompt must not be empty.")
+            prompt_token_ids = self.tokenize(prompt)
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        self.validate_prompt(prompt_token_ids)
+        vocab = self.facts.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs must be at most the vocabulary size {vocab}, got {params.logprobs}.")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise ValueError(f"prompt_logprobs must be at most the vocabulary size {vocab}, got {params.prompt_logprobs}.")
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        room = self.facts.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        reqs = [
+            EngineCoreRequest(cid, prompt_token_ids, params, max_tokens, self.facts.eos_token_ids, priority, arrival,
+                              index=i, seed=None if params.seed is None else params.seed + i)
+            for i, cid in enumerate(child_ids(request_id, params.n))
+        ]
+        return prompt, prompt_token_ids, params, reqs
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        max_len = self.facts.max_model_len
+        if not ids:
+            raise ValueError("prompt must not be empty.")
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens, but max_model_len is {max_len}: "
+                f"the prompt must be shorter than max_model_len to leave room for at least one generated token."
+            )
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.facts.vocab_size:
+            raise ValueError(
+                f"prompt token id {hi if hi >= self.facts.vocab_size else lo} is outside the vocabulary "
+                f"[0, {self.facts.vocab_size}).")

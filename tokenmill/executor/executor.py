@@ -1,0 +1,194 @@
+"""Executors run the workers: in this process (`uni`), or one process per rank (`mp`).
+
+The multiprocess executor sends each call to rank 0 over a pipe; rank 0 broadcasts it to the other ranks
+with torch.distributed (gloo on CPU, NCCL's side channel on CUDA via the object broadcast), every rank
+runs it, and rank 0 sends the result back. A worker that dies fails the call with WorkerDiedError,
+never a hang.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+import traceback
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.batch import ModelRunnerOutput, ScheduledBatch
+from tokenmill.executor.worker import Worker, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+# Seconds to wait for a worker to load its model and report ready.
+WORKER_START_TIMEOUT_S = 600.0
+
+
+class WorkerDiedError(RuntimeError):
+    pass
+
+
+class Executor:
+    info: WorkerInfo
+
+    @staticmethod
+    def create(config: EngineConfig) -> "Executor":
+        par = config.parallel
+        world = par.tensor_parallel_size * par.pipeline_parallel_size
+        backend = getattr(par, "distributed_executor_backend", None) or ("uni" if world == 1 else "mp")
+        if world > 1:
+            raise ValueError(
+                f"tensor_parallel_size={par.tensor_parallel_size} x pipeline_parallel_size="
+                f"{par.pipeline_parallel_size}: parallelism across devices is not yet supported.")
+        if backend == "uni":
+            return UniProcExecutor(config)
+        if backend == "mp":
+            return MultiprocExecutor(config, world)
+        raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got {backend!r}.")
+
+    def execute_model(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        return self.collective_rpc("execute_model", batch)
+
+    def transfer_kv(self, ops: list) -> tuple[list, float]:
+        return self.collective_rpc("transfer_kv", ops)
+
+    def collective_rpc(self, method: str, *args) -> Any:
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        self.collective_rpc("ping")
+
+    def shutdown(self) -> None:
+        pass
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config)
+        self.info = self.worker.init()
+
+    def collective_rpc(self, method: str, *args) -> Any:
+        return getattr(self.worker, method)(*args)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, world_size: int = 1) -> None:
+        ctx = mp.get_context("spawn")  # fork after torch has started threads is unsafe
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, args=(config, rank, world_size, init_method, child),
+                            name=f"tokenmill-worker-{rank}")
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        try:
+            infos = [self._recv(c, p, WORKER_START_TIMEOUT_S) for c, p in zip(self.conns, self.procs)]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.info = infos[0]
+
+    def _recv(self, conn, proc, timeout: float | None = None) -> Any:
+        waited = 0.0
+        while not conn.poll(0.1):
+            waited += 0.1
+            if not proc.is_alive():
+                raise WorkerDiedError(f"worker process {proc.name} died (exit code {proc.exitcode}).")
+            if timeout is not None and waited >= timeout:
+                raise WorkerDiedError(f"worker process {proc.name} did not answer in {timeout:.0f} s.")
+        try:
+            status, value = conn.recv()
+        except (EOFError, OSError):
+            raise WorkerDiedError(f"worker process {proc.name} died (exit code {proc.exitcode}).") from None
+        if status == "error":
+            exc, tb = value
+            log.error("worker %s failed:\n%s", proc.name, tb)
+            raise exc
+        return value
+
+    def collective_rpc(self, method: str, *args) -> Any:
+        try:
+            self.conns[0].send((method, args))
+        except (BrokenPipeError, OSError):
+            raise WorkerDiedError(f"worker process {self.procs[0].name} is gone.") from None
+        return self._recv(self.conns[0], self.procs[0])
+
+    def check_health(self) -> None:
+        for p in self.procs:
+            if not p.is_alive():
+                raise WorkerDiedError(f"worker process {p.name} died (exit code {p.exitcode}).")
+        super().check_health()
+
+    def shutdown(self) -> None:
+        for c, p in zip(self.conns, self.procs):
+            if p.is_alive():
+                try:
+                    c.send(("shutdown", ()))
+                except (BrokenPipeError, OSError):
+                    pass
+        for p in self.procs:
+            p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+        for c in self.conns:
+            c.close()
+
+
+def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: str, conn) -> None:
+    """A worker process: report ready, then run calls until shutdown or until the parent goes away."""
+    import torch.distributed as dist
+
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s worker{rank} %(name)s: %(message)s")
+    worker = Worker(config, rank, world_size, init_method)
+    try:
+        conn.send(("ok", worker.init()))
+    except BaseException as e:
+        conn.send(("error", (_picklable(e), traceback.format_exc())))
+        return
+    while True:
+        if rank == 0:
+            try:
+                call = conn.recv()
+            except (EOFError, OSError):  # the executor is gone
+                call = ("shutdown", ())
+        else:
+            call = None
+        if world_size > 1:
+            box = [call]
+            dist.broadcast_object_list(box, src=0)
+            call = box[0]
+        method, args = call
+        if method == "shutdown":
+            break
+        try:
+            reply = ("ok", getattr(worker, method)(*args))
+        except Exception as e:
+            reply = ("error", (_picklable(e), traceback.format_exc()))
+        if rank == 0:
+            try:
+                conn.send(reply)
+            except (BrokenPipeError, OSError):
+                break
+    worker.shutdown()
+
+
+def _picklable(e: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")

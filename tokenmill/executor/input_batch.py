@@ -1,0 +1,133 @@
+"""The worker's copy of the running requests, updated from each ScheduledBatch, and the step's tensors.
+
+The core sends a request in full once and then only diffs (core/batch.py); this file applies them and
+turns the batch into the packed, unpadded tensors the model and the attention backend read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import chain
+
+import torch
+
+from tokenmill.core.batch import ScheduledBatch
+from tokenmill.layers.attention_backends.base import BatchLayout
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # accepted tokens: prompt + output
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def banned_tokens(self) -> list[int]:
+        """Stop tokens and EOS may not end the output before min_tokens."""
+        if self.num_output_tokens >= self.params.min_tokens:
+            return []
+        banned = list(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            banned.extend(self.eos_token_ids)
+        return banned
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    layout: BatchLayout
+    requests: list[CachedRequestState]  # batch order
+    sample_rows: torch.Tensor  # [S] packed rows whose logits are sampled
+    rows_per_request: list[int]  # sampled rows of each request (0, 1 or k+1)
+    spec: list[list[int]]  # per request: drafts being verified
+    kv_tokens: int
+    attn_pairs: int
+    prompt_rows: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)  # (req, row, rows, pos)
+
+
+class InputBatch:
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def update(self, batch: ScheduledBatch) -> None:
+        for rid in batch.finished_req_ids:
+            self.requests.pop(rid, None)
+        for new in batch.new_requests:
+            gen = torch.Generator(self.device).manual_seed(new.seed) if new.seed is not None else None
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
+                new.num_computed_tokens, new.params, gen, tuple(new.eos_token_ids))
+        for c in batch.cached_requests:
+            state = self.requests[c.req_id]
+            state.token_ids.extend(c.new_token_ids)
+            del state.block_ids[c.block_table_len - len(c.new_block_ids):]
+            state.block_ids.extend(c.new_block_ids)
+            state.num_computed_tokens = c.num_computed_tokens
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """Packed token ids and positions, the block table as one tensor, slots, and sampled rows."""
+        reqs = [self.requests[rid] for rid in batch.req_ids]
+        lens = batch.num_scheduled_tokens
+        starts = [r.num_computed_tokens for r in reqs]
+        spec = [batch.spec_token_ids.get(rid, []) for rid in batch.req_ids]
+        ids = list(chain.from_iterable(
+            r.token_ids[st : st + n - len(sp)] + sp for r, st, n, sp in zip(reqs, starts, lens, spec)))
+        B, T = len(reqs), len(ids)
+        q_len = torch.tensor(lens, dtype=torch.long)
+        start_pos = torch.tensor(starts, dtype=torch.long)
+        q_end = torch.cumsum(q_len, 0)
+        q_start = q_end - q_len
+        req_idx = torch.repeat_interleave(torch.arange(B), q_len)
+        positions = torch.arange(T) - q_start[req_idx] + start_pos[req_idx]
+        # Block table: one scatter of the concatenated rows into [B, max blocks].
+        nblocks = torch.tensor([len(r.block_ids) for r in reqs], dtype=torch.long)
+        table = torch.zeros(B, int(nblocks.max()), dtype=torch.long)
+        flat = torch.tensor(list(chain.from_iterable(r.block_ids for r in reqs)), dtype=torch.long)
+        row = torch.repeat_interleave(torch.arange(B), nblocks)
+        col = torch.arange(flat.numel()) - torch.repeat_interleave(torch.cumsum(nblocks, 0) - nblocks, nblocks)
+        table[row, col] = flat
+        bs = self.block_size
+        slots = table[req_idx, positions // bs] * bs + positions % bs
+        kv_len = start_pos + q_len
+        layout = BatchLayout(
+            query_start=q_start, query_len=q_len, kv_len=kv_len, block_table=table, slot_mapping=slots,
+            num_tokens=T, max_query_len=max(lens), max_kv_len=int(kv_len.max()),
+        )
+        rows = torch.tensor(batch.num_sample_rows, dtype=torch.long)
+        sample_rows = q_end.repeat_interleave(rows) - rows.repeat_interleave(rows) + _ranks(rows)
+        prompt_rows = []
+        for i, (r, st) in enumerate(zip(reqs, starts)):
+            rng = batch.prompt_logprob_ranges.get(r.req_id)
+            if rng is not None:
+                prompt_rows.append((r, int(q_start[i]), rng[1], rng[0]))
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=positions.to(self.device),
+            layout=layout,
+            requests=reqs,
+            sample_rows=sample_rows.to(self.device),
+            rows_per_request=list(batch.num_sample_rows),
+            spec=spec,
+            # For the roofline: keys each new token attends to (causal pairs) and KV tokens read.
+            kv_tokens=int(kv_len.sum()),
+            attn_pairs=int((q_len * start_pos + q_len * (q_len + 1) // 2).sum()),
+            prompt_rows=prompt_rows,
+        )
+
+
+def _ranks(counts: torch.Tensor) -> torch.Tensor:
+    """[0..c0-1, 0..c1-1, ...] for counts [c0, c1, ...]."""
+    total = int(counts.sum())
+    starts = torch.cumsum(counts, 0) - counts
+    return torch.arange(total) - starts.repeat_interleave(counts)

@@ -1,0 +1,195 @@
+"""A worker owns one device: it joins torch.distributed, loads its model shard, sizes and allocates its KV
+pool, and runs the batches the executor hands it."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.batch import ModelRunnerOutput, ScheduledBatch
+from tokenmill.executor.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+# On CPU with no explicit budget, the KV pool takes this share of available memory, at most
+# DEFAULT_CPU_KV_BYTES (vLLM's CPU default, VLLM_CPU_KVCACHE_SPACE=4 GiB). Pages are touched only when a
+# block is first used, so a large pool costs nothing until requests fill it.
+DEFAULT_CPU_KV_BYTES = 4 * GiB
+
+
+@dataclass
+class WorkerInfo:
+    """What the core needs to know about the workers (picklable)."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+    vocab_size: int
+    device: str
+    kv_dtype: str
+    compute_dtype: str
+    model_cost: Any  # diagnostics.ModelCost
+    offload: Any = None  # kv_transfer.OffloadSpec when lower KV tiers are on
+    attention_backend: str = ""
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def kv_dtype_for(name: str, model: torch.nn.Module) -> torch.dtype:
+    from tokenmill.platform import parse_dtype
+
+    dtype = parse_dtype(name)
+    if dtype is not None:
+        return dtype
+    storage = getattr(model, "storage_dtype", None)  # "auto": the weights' storage dtype
+    return storage if storage is not None else next(model.parameters()).dtype
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
+                 distributed_init_method: str | None = None) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.distributed_init_method = distributed_init_method
+        self.device = torch.device(config.device)
+        self.runner: ModelRunner | None = None
+        self.transfer = None
+
+    # ---- start-up ------------------------------------------------------------------------
+    def init_device(self) -> None:
+        if self.device.type == "cuda":
+            index = self.device.index if self.device.index is not None else self.rank
+            self.device = torch.device("cuda", index)
+            torch.cuda.set_device(self.device)
+        if self.distributed_init_method is not None:
+            import torch.distributed as dist
+
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=self.distributed_init_method, rank=self.rank,
+                                    world_size=self.world_size)
+
+    def init(self) -> WorkerInfo:
+        """Device, model, KV pool and lower KV tiers; returns what the core needs to know."""
+        from tokenmill.layers.attention_backends.registry import get_attention_backend
+        from tokenmill.model.loader import load_model
+
+        self.init_device()
+        mc, cache = self.config.model, self.config.cache
+        model, self.hf_config, self.max_model_len = load_model(mc.model, mc.dtype, mc.max_model_len, str(self.device))
+        backend_cls = get_attention_backend(getattr(self.config, "attention_backend", None), self.device)
+        vocab = int(self.hf_config.vocab_size)
+        self.runner = ModelRunner(model, vocab, cache.block_size, self.device, backend_cls(cache.block_size, self.device))
+        kv_dtype = kv_dtype_for(getattr(cache, "kv_cache_dtype", "auto"), model)
+        num_blocks = self.determine_num_blocks(kv_dtype)
+        self.runner.allocate_kv_cache(num_blocks, kv_dtype)
+        log.info("KV cache: %d blocks x %d tokens, %.1f MiB (%s)", num_blocks, cache.block_size,
+                 num_blocks * self.runner.bytes_per_block / 2**20, kv_dtype)
+        offload = None
+        from tokenmill.executor.kv_transfer import build_transfer
+
+        built = build_transfer(cache, self.runner)
+        if built is not None:
+            self.transfer, offload = built
+        torch.manual_seed(mc.seed)  # after loading, so sampling draws the same in any process
+        return WorkerInfo(num_blocks, cache.block_size, self.runner.bytes_per_block, self.max_model_len, vocab,
+                          str(self.device), str(kv_dtype).removeprefix("torch."),
+                          str(model.compute_dtype).removeprefix("torch."), self.model_cost(), offload,
+                          backend_cls.name)
+
+    def model_cost(self):
+        from tokenmill.diagnostics import ModelCost
+
+        view = SimpleNamespace(model=self.runner.model, hf_config=self.hf_config, runner=self.runner)
+        return ModelCost.from_engine(view)
+
+    def determine_num_blocks(self, kv_dtype: torch.dtype) -> int:
+        """CPU: the byte budget given, else a share of available memory. CUDA: what is left of
+        gpu_memory_utilization x total memory after the weights and a profiling forward pass."""
+        cache, per_block = self.config.cache, self.runner.block_bytes(kv_dtype)
+        if cache.num_gpu_blocks_override is not None:
+            num_blocks, source = cache.num_gpu_blocks_override, "num_gpu_blocks_override"
+        elif cache.kv_cache_memory_bytes is not None:
+            num_blocks, source = cache.kv_cache_memory_bytes // per_block, "kv_cache_memory_bytes"
+        elif self.device.type == "cuda":
+            num_blocks, source = self._profile_cuda_blocks(kv_dtype, per_block), "gpu_memory_utilization"
+        else:
+            budget = min(DEFAULT_CPU_KV_BYTES, int(available_memory_bytes() * cache.kv_cache_memory_fraction))
+            num_blocks, source = budget // per_block, "kv_cache_memory_fraction"
+        need = -(-self.max_model_len // cache.block_size)
+        if num_blocks < need:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens ({num_blocks * cache.block_size} "
+                f"tokens), fewer than one request of max_model_len={self.max_model_len} tokens needs ({need} blocks, "
+                f"{need * per_block} bytes). Raise {source} or lower max_model_len."
+            )
+        return num_blocks
+
+    def _profile_cuda_blocks(self, kv_dtype: torch.dtype, per_block: int) -> int:
+        """vLLM's recipe: run the largest step the scheduler may send on a throw-away pool, take the peak
+        memory, and give the KV pool what is left of gpu_memory_utilization x total."""
+        from tokenmill.core.batch import NewRequestData
+        from tokenmill.sampling_params import SamplingParams
+
+        bs = self.config.cache.block_size
+        tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-tokens // bs)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.runner.allocate_kv_cache(blocks, kv_dtype)
+        new = NewRequestData("profile", [0] * tokens, tokens, list(range(blocks)), 0, SamplingParams(max_tokens=1), None)
+        self.runner.execute_model(ScheduledBatch(["profile"], [tokens], [1], [new]))
+        self.runner.execute_model(ScheduledBatch(finished_req_ids=["profile"]))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - blocks * per_block
+        for a in self.runner.attn_layers:
+            a.k_cache = a.v_cache = None
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - used_by_others
+        log.info("CUDA memory: %.2f GiB total, peak of a %d-token step %.2f GiB, %.2f GiB for the KV cache",
+                 total / GiB, tokens, peak / GiB, max(budget, 0) / GiB)
+        return max(budget, 0) // per_block
+
+    # ---- steps ---------------------------------------------------------------------------
+    def execute_model(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        return self.runner.execute_model(batch)
+
+    def transfer_kv(self, ops: list) -> tuple[list, float]:
+        """Run the KV tier ops before the step's forward; returns (failed loads, seconds)."""
+        from tokenmill.core.kv_offload import LoadOp
+
+        failed = self.transfer.run(ops)
+        loaded = [op.block_id for op in ops if isinstance(op, LoadOp)]
+        if loaded:  # written outside a forward pass: lazy zeroing must leave them be
+            self.runner.backend.mark_initialized(torch.tensor(loaded, dtype=torch.long))
+        return failed, self.transfer.stats.last_ops_s
+
+    def ping(self) -> str:
+        return "pong"
+
+    def shutdown(self) -> None:
+        if self.transfer is not None:
+            self.transfer.close()
+        if self.distributed_init_method is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
