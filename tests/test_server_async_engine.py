@@ -100,16 +100,16 @@ def test_abort_frees_blocks_at_once(llm, engine):
 
 
 def test_failing_step_fails_its_requests_only(llm, engine, monkeypatch):
-    real_step = llm.engine.step
+    real_step = llm.engine.core.step
     calls = {"n": 0}
 
-    def flaky_step():
+    def flaky_step(*args):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("boom")
-        return real_step()
+        return real_step(*args)
 
-    monkeypatch.setattr(llm.engine, "step", flaky_step)
+    monkeypatch.setattr(llm.engine.core, "step", flaky_step)
     prompt = ids(llm, "Once upon a time")
 
     async def main():
@@ -118,7 +118,7 @@ def test_failing_step_fails_its_requests_only(llm, engine, monkeypatch):
 
     last = asyncio.run(main())
     assert isinstance(last.error, EngineError) and last.error.status == 500 and "boom" in last.error.message
-    monkeypatch.setattr(llm.engine, "step", real_step)
+    monkeypatch.setattr(llm.engine.core, "step", real_step)
     texts, tokens, last = asyncio.run(collect(engine, "y", prompt, SamplingParams(max_tokens=4, ignore_eos=True)))
     assert last.error is None and len(tokens[0]) == 4
     assert engine.is_alive and engine.num_engine_errors == 1

@@ -50,3 +50,4 @@ class EngineCoreOutputs:
     step: Any = None  # engine.stats.StepStats of a step that ran, else None
     stats: SchedulerStats | None = None
     idle_s: float = 0.0  # the core loop's total idle time so far
+    num_added: int = 0  # requests the core loop has taken so far (the client counts the ones in transit)

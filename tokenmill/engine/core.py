@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache import KVCacheManager
@@ -44,11 +45,15 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # ---- the step ------------------------------------------------------------------------
-    def step(self) -> EngineCoreOutputs:
+    def step(self, on_scheduled: Callable[[SchedulerStats], None] | None = None) -> EngineCoreOutputs:
+        """One step. `on_scheduled` hears the queue sizes as soon as the step is scheduled, before the
+        forward pass (the server's admission control reads them)."""
         st = StepStats()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         st.schedule_s = time.perf_counter() - t0
+        if on_scheduled is not None:
+            on_scheduled(self.scheduler_stats())
         ops = self.kv.take_transfer_ops()
         if ops:
             # Saves, spills and loads of the lower KV tiers run before the forward reads or overwrites blocks.

@@ -153,9 +153,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/diagnostics")
     async def diagnostics(last_n: int | None = None):
         """Where the time went over the recent steps, against this machine's measured peaks."""
-        from tokenmill.diagnostics import engine_diagnostics
-
-        return await asyncio.to_thread(engine_diagnostics, state.engine.engine, last_n)
+        return await state.engine.call("diagnostics", last_n)
 
     @app.get("/metrics")
     async def metrics():

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tokenmill.engine.async_engine import FinishedRequest
+from tokenmill.core.outputs import SchedulerStats
+from tokenmill.engine.output import FinishedRequest
 
 if TYPE_CHECKING:
-    from tokenmill.engine.engine import LLMEngine, StepStats
+    from tokenmill.engine.stats import StepStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 STEP_PHASES = ("schedule", "offload", "prepare", "forward", "sample", "detokenize")
@@ -83,24 +84,22 @@ class ServerMetrics:
                       "saves": 0, "spills": 0, "host_loads": 0, "disk_loads": 0, "load_failures": 0}
 
     # ---- observer (engine thread) ---------------------------------------------------------
-    def on_iteration(self, engine: LLMEngine, step: StepStats | None, inter_token_s: list[float]) -> None:
-        sched, kv = engine.scheduler, engine.kv
-        self.running.set(sched.num_running)
-        self.waiting.set(sched.num_waiting)
-        self.kv_usage.set(kv.usage)
-        self._add(self.prefix_queries, "queries", kv.stats.queries)
-        self._add(self.prefix_hits, "hits", kv.stats.hits)
-        self._add(self.prefix_evictions, "evictions", kv.stats.evictions)
-        offload = getattr(kv, "offload", None)
-        if offload is not None:
-            o = offload.stats
-            self._add(self.offload_saves, "saves", o.saves)
-            self._add(self.offload_spills, "spills", o.spills)
-            self._add(self.offload_loads["host"], "host_loads", o.host_loads)
-            self._add(self.offload_loads["disk"], "disk_loads", o.disk_loads)
-            self._add(self.offload_failures, "load_failures", o.load_failures)
-        self._add(self.preemptions, "preemptions", sched.num_preemptions)
-        self._add(self.generation_tokens, "generation", engine.stats.generation_tokens)
+    def on_iteration(self, stats: SchedulerStats, step: StepStats | None, inter_token_s: list[float]) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self._add(self.prefix_queries, "queries", stats.prefix_queries)
+        self._add(self.prefix_hits, "hits", stats.prefix_hits)
+        self._add(self.prefix_evictions, "evictions", stats.prefix_evictions)
+        o = stats.offload
+        if o is not None:
+            self._add(self.offload_saves, "saves", o["saves"])
+            self._add(self.offload_spills, "spills", o["spills"])
+            self._add(self.offload_loads["host"], "host_loads", o["host_loads"])
+            self._add(self.offload_loads["disk"], "disk_loads", o["disk_loads"])
+            self._add(self.offload_failures, "load_failures", o["load_failures"])
+        self._add(self.preemptions, "preemptions", stats.num_preemptions)
+        self._add(self.generation_tokens, "generation", stats.generation_tokens)
         for s in inter_token_s:
             self.itl.observe(s)
         if step is not None and step.num_tokens > 0:

@@ -93,7 +93,6 @@ def served_names(args) -> list[str]:
 def serve_main(args, engine_kwargs: dict) -> int:
     """`tokenmill serve`: load the model, then serve until SIGTERM / Ctrl-C."""
     from tokenmill.engine.async_engine import AsyncLLMEngine
-    from tokenmill.llm import LLM
     from tokenmill.serve.app import build_app
     from tokenmill.serve.chat import load_chat_template
     from tokenmill.serve.metrics import ServerMetrics
@@ -117,11 +116,17 @@ def serve_main(args, engine_kwargs: dict) -> int:
     )
     logging.basicConfig(level=getattr(logging, args.uvicorn_log_level.upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s")
-    engine = LLM(**engine_kwargs).engine
+    from tokenmill.engine_args import EngineArgs
+
+    config = EngineArgs.from_kwargs(**engine_kwargs).create_engine_config()
     metrics = ServerMetrics(settings.served_model_names[0])
-    state = ServerState(AsyncLLMEngine(engine, metrics), settings, metrics)
-    log.info("model %s loaded in %.1f s; max_model_len %d, %d KV blocks of %d tokens", settings.model_path,
-             engine.load_time_s, engine.max_model_len, engine.kv.num_blocks, engine.kv.block_size)
+    own_process = getattr(args, "engine_core_process", True)
+    engine = AsyncLLMEngine.from_config(config, own_process=own_process, observer=metrics)
+    state = ServerState(engine, settings, metrics)
+    f = engine.facts
+    log.info("model %s loaded in %.1f s (engine core %s); max_model_len %d, %d KV blocks of %d tokens",
+             settings.model_path, f.load_time_s, "in its own process" if own_process else "in a thread",
+             f.max_model_len, f.num_blocks, f.block_size)
     listen = ListenConfig(args.host, args.port, args.uvicorn_log_level, not args.disable_uvicorn_access_log)
     run_server(state, listen, build_app(state))
     return 0
