@@ -40,6 +40,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"  # fcfs | priority
+    # KV slots reserved past each request's scheduled tokens for speculative drafts (set from the
+    # speculative config: num_speculative_tokens).
+    num_lookahead_tokens: int = 0
 
 
 @dataclass

@@ -84,7 +84,7 @@ class Scheduler:
         self.waiting = WaitingQueue(use_priority=config.policy == "priority")
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.num_lookahead_tokens = getattr(config, "num_lookahead_tokens", 0)
+        self.num_lookahead_tokens = config.num_lookahead_tokens
         self.prompt_tokens = 0  # prompt tokens computed (cache hits excluded)
         self.generation_tokens = 0
         self.requests: dict[str, Request] = {}  # unfinished, by id
@@ -250,7 +250,6 @@ class Scheduler:
                     req.seed, tuple(sorted(req.eos_token_ids))))
             else:
                 ntok, nblk = req.sent
-                nblk = min(nblk, len(req.block_ids))
                 b.cached_requests.append(CachedRequestData(
                     rid, req.token_ids[ntok:], req.block_ids[nblk:], start, len(req.block_ids)))
             req.sent = (len(req.token_ids), len(req.block_ids))
@@ -282,6 +281,8 @@ class Scheduler:
             accepted, status = self._append(req, new)
             if rejected:
                 self.kv.trim(req, req.num_tokens + self.num_lookahead_tokens)
+                if req.sent is not None:  # the worker must replace its table's tail, not just extend it
+                    req.sent = (req.sent[0], min(req.sent[1], len(req.block_ids)))
             self.generation_tokens += len(accepted)
             if accepted and req.first_token_time is None:
                 req.first_token_time = now
