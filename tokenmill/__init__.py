@@ -3,7 +3,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.outputs import CompletionOutput, RequestOutput
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name):
@@ -12,4 +12,8 @@ def __getattr__(name):
         from tokenmill.llm import LLM
 
         return LLM
+    if name == "EngineArgs":
+        from tokenmill.engine_args import EngineArgs
+
+        return EngineArgs
     raise AttributeError(name)
