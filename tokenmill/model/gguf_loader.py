@@ -137,6 +137,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def iter_gguf_weights(path: str, cfg, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(transformers name, full dequantized tensor) pairs for model/weights.py's loader, which hands
+    each to its parameter's weight_loader like a safetensors tensor. Dequantized at load for now."""
     import gguf
 
     reader = read_gguf(path)

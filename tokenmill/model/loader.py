@@ -9,7 +9,9 @@ from typing import Iterator
 
 import torch
 
+from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.model.registry import resolve
+from tokenmill.model.weights import load_weights
 from tokenmill.platform import choose_dtypes
 
 log = logging.getLogger(__name__)
@@ -70,8 +72,10 @@ def is_gguf(path: str) -> bool:
     return str(path).endswith(".gguf") and os.path.isfile(path)
 
 
-def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None, device: str = "cpu"):
-    """Returns (model, hf_config, max_model_len). `path` is a Hugging Face folder or a .gguf file."""
+def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None, device: str = "cpu", *,
+               quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1):
+    """Returns (model, hf_config, max_model_len). `path` is a Hugging Face folder or a .gguf file; the
+    model holds tensor-parallel rank `tp_rank`'s shard of every layer."""
     if is_gguf(path):
         from tokenmill.model.gguf_loader import hf_config_from_gguf
 
@@ -90,13 +94,14 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
         )
     cls = resolve(cfg.architectures)
     with torch.device(device):
-        model = cls(cfg, dtype=storage, compute_dtype=compute, max_positions=max_model_len)
+        model = cls(cfg, dtype=storage, compute_dtype=compute, max_positions=max_model_len,
+                    quant_config=quant_config, tp_rank=tp_rank, tp_size=tp_size)
     if is_gguf(path):
         from tokenmill.model.gguf_loader import iter_gguf_weights
 
-        model.load_weights(iter_gguf_weights(path, cfg, storage))
+        load_weights(model, iter_gguf_weights(path, cfg, storage))
     else:
-        model.load_weights(iter_safetensors(path, storage))
+        load_weights(model, iter_safetensors(path, storage))
     model.eval()
     return model, cfg, max_model_len
 

@@ -1,0 +1,79 @@
+"""Token embedding and LM head, with the vocabulary split over tensor-parallel ranks.
+
+Rank r holds rows [r*n, (r+1)*n) of the [vocab, hidden] table, n = ceil(vocab / tp_size); the last
+rank's rows past the vocabulary are zero padding."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.linear import all_gather_last, assign, check_shape
+from tokenmill.layers.quantization.base import set_weight_attrs
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype = torch.float32,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} is outside tp_size {tp_size}")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        per_rank = -(-num_embeddings // tp_size)
+        self.num_embeddings_per_partition = per_rank
+        self.vocab_start = min(tp_rank * per_rank, num_embeddings)
+        self.vocab_end = min(self.vocab_start + per_rank, num_embeddings)
+        # Filled by the checkpoint; a shard's rows past the vocabulary stay zero.
+        make = torch.empty if tp_size == 1 else torch.zeros
+        self.weight = nn.Parameter(make(per_rank, embedding_dim, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(self.weight, {"output_dim": 0, "weight_loader": self.weight_loader})
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"is a shard ({shard_id!r}) of an embedding, which packs none")
+        check_shape(loaded_weight, (self.num_embeddings, self.embedding_dim))
+        if self.tp_size == 1:
+            assign(param, loaded_weight)
+            return
+        n = self.vocab_end - self.vocab_start
+        param.data[:n].copy_(loaded_weight[self.vocab_start : self.vocab_end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Ids of other ranks look up row 0 and are zeroed; the all-reduce fills them in.
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        out = F.embedding(torch.where(mine, input_ids - self.vocab_start, 0), self.weight)
+        out = out.masked_fill(~mine.unsqueeze(-1), 0)
+        dist.all_reduce(out)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_rank}/{self.tp_size}"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states -> float32 logits over the whole vocabulary (every rank gets all of them)."""
+
+    def tie_weights(self, embedding: VocabParallelEmbedding) -> "ParallelLMHead":
+        """Share the embedding table (tie_word_embeddings): one parameter, loaded once."""
+        if (embedding.num_embeddings, embedding.embedding_dim, embedding.tp_size) != \
+                (self.num_embeddings, self.embedding_dim, self.tp_size):
+            raise ValueError("cannot tie an LM head to an embedding of another shape or sharding")
+        self.weight = embedding.weight
+        return self
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        # Same numerics as a dense head: the GEMM in the hidden states' dtype, then float32.
+        logits = F.linear(hidden, w if w.dtype == hidden.dtype else w.to(hidden.dtype))
+        if self.tp_size > 1:
+            logits = all_gather_last(logits, self.tp_size)[..., : self.num_embeddings]
+        return logits.float()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is not an embedding lookup; call compute_logits")

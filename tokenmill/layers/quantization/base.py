@@ -1,0 +1,43 @@
+"""The seam between a linear layer and how its weights are stored: a quantize method creates the
+layer's weight parameters and computes with them, so a layer never assumes a dense float weight."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+
+class QuantizeMethodBase(ABC):
+    """How one linear layer stores and applies its weights."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        """Register this rank's weight parameters on `layer`. `output_partition_sizes` are the widths of
+        the packed parts (q/k/v, gate/up) on this rank; `extra_weight_attrs` (e.g. `weight_loader`)
+        are set on every parameter created."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x W^T (+ bias) for this rank's shard."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack or convert weights once the checkpoint is in (default: keep them as loaded)."""
+
+
+class QuantizationConfig(ABC):
+    """A checkpoint's quantization scheme: picks the method for each layer."""
+
+    name: str = ""
+
+    @abstractmethod
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """The method for `layer` (its dotted name is `prefix`); None keeps it unquantized."""
+
+
+def set_weight_attrs(param: torch.Tensor, attrs: dict | None) -> None:
+    for key, value in (attrs or {}).items():
+        if hasattr(param, key):
+            raise AttributeError(f"parameter already has attribute {key!r}")
+        setattr(param, key, value)

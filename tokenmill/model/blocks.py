@@ -1,0 +1,212 @@
+"""Decoder blocks shared by the model families: attention (packed qkv projection, optional q/k RMSNorm,
+rotary, paged attention, output projection), the gated MLP, the decoder layer (pre-norm, or Gemma's
+sandwich norms) and the decoder-only stack with its embedding and LM head.
+
+A family file turns its Hugging Face config into a DecoderSpec in one function; nothing here reads
+model_type. Input is a packed batch: token ids [T] and positions [T] of every request's new tokens,
+with the attention metadata that says which request each token belongs to. No padding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from tokenmill.layers.activation import act_fn, gated
+from tokenmill.layers.attention import Attention
+from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.quantization.base import QuantizationConfig
+from tokenmill.layers.rotary import RotaryEmbedding, rope_inv_freq
+from tokenmill.model.weights import WeightNaming, load_weights
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float  # softmax scale
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    intermediate_size: int
+    activation: str = "silu"
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    sliding_window: int | None = None  # None: full attention
+    rope: str | None = None  # key of this layer's rope parameters (transformers' layer_type); None: the only ones
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    vocab_size: int
+    hidden_size: int
+    rms_norm_eps: float
+    attention: AttentionSpec
+    mlp: MLPSpec
+    layers: tuple[LayerSpec, ...]
+    norm_offset: float = 0.0  # 1.0: Gemma's RMSNorm, x * (1 + w)
+    sandwich_norms: bool = False  # Gemma: also norm each block's output, and a separate pre-MLP norm
+    embed_scale: float | None = None  # multiply the embeddings by this
+    tie_word_embeddings: bool = False
+    final_logit_softcapping: float | None = None
+
+
+@dataclass(frozen=True)
+class Build:
+    """How to build the layers: storage/compute dtypes, quantization and this rank's shard."""
+
+    params_dtype: torch.dtype
+    compute_dtype: torch.dtype
+    quant_config: QuantizationConfig | None = None
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def linear(self, prefix: str) -> dict:
+        return dict(tp_rank=self.tp_rank, tp_size=self.tp_size, params_dtype=self.params_dtype,
+                    compute_dtype=self.compute_dtype, quant_config=self.quant_config, prefix=prefix)
+
+    def norm(self, dim: int, spec: DecoderSpec) -> RMSNorm:
+        return RMSNorm(dim, spec.rms_norm_eps, offset=spec.norm_offset, dtype=self.params_dtype)
+
+
+class AttentionBlock(nn.Module):
+    def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, window: int | None, build: Build,
+                 prefix: str) -> None:
+        super().__init__()
+        a = spec.attention
+        self.qkv_proj = QKVParallelLinear(spec.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, a.qkv_bias,
+                                          **build.linear(f"{prefix}.qkv_proj"))
+        self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, spec.hidden_size, a.o_bias,
+                                        **build.linear(f"{prefix}.o_proj"))
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.head_dim = a.head_dim
+        self.sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
+        self.qk_norm = a.qk_norm
+        if a.qk_norm:
+            self.q_norm = build.norm(a.head_dim, spec)
+            self.k_norm = build.norm(a.head_dim, spec)
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, a.head_dim, a.scale, window)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, meta)
+        return self.o_proj(o.reshape(T, -1))
+
+
+class MLPBlock(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up in one GEMM."""
+
+    def __init__(self, spec: DecoderSpec, build: Build, prefix: str) -> None:
+        super().__init__()
+        m = spec.mlp
+        self.gate_up_proj = MergedColumnParallelLinear(spec.hidden_size, [m.intermediate_size] * 2, m.bias,
+                                                       **build.linear(f"{prefix}.gate_up_proj"))
+        self.down_proj = RowParallelLinear(m.intermediate_size, spec.hidden_size, m.bias,
+                                           **build.linear(f"{prefix}.down_proj"))
+        self.act = act_fn(m.activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gated(self.gate_up_proj(x), self.act))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer: LayerSpec, rotary: RotaryEmbedding, build: Build,
+                 prefix: str) -> None:
+        super().__init__()
+        h = spec.hidden_size
+        self.input_layernorm = build.norm(h, spec)
+        self.self_attn = AttentionBlock(spec, rotary, layer.sliding_window, build, f"{prefix}.self_attn")
+        # Pre-norm: post_attention_layernorm is the MLP's input norm. Sandwich: it norms the attention
+        # output, and two more norms wrap the MLP.
+        self.post_attention_layernorm = build.norm(h, spec)
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = build.norm(h, spec)
+            self.post_feedforward_layernorm = build.norm(h, spec)
+        self.mlp = MLPBlock(spec, build, f"{prefix}.mlp")
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), meta))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderForCausalLM(nn.Module):
+    """Embedding -> decoder layers -> final norm; `compute_logits` on the rows to sample.
+
+    `storage_dtype` is the dtype float weights are stored in (the KV cache's dtype under "auto");
+    `compute_dtype` the one activations are computed in."""
+
+    packed_modules_mapping: dict[str, list[str]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    weight_naming = WeightNaming()
+
+    def __init__(self, cfg, spec: DecoderSpec, dtype: torch.dtype, compute_dtype: torch.dtype, max_positions: int,
+                 quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.config = cfg
+        self.spec = spec
+        self.storage_dtype = dtype
+        self.compute_dtype = compute_dtype
+        self.quant_config = quant_config
+        self.tie_word_embeddings = spec.tie_word_embeddings
+        self.embed_scale = spec.embed_scale
+        self.final_logit_softcapping = spec.final_logit_softcapping
+        build = Build(dtype, compute_dtype, quant_config, tp_rank, tp_size)
+        rotary = {}
+        for key in {layer.rope for layer in spec.layers}:
+            inv_freq, scaling = rope_inv_freq(cfg, spec.attention.head_dim, layer_type=key)
+            rotary[key] = RotaryEmbedding(inv_freq, max_positions, scaling)
+        # First parameter: code that asks for the storage dtype with next(model.parameters()) gets it.
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype, tp_rank, tp_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, layer, rotary[layer.rope], build, f"layers.{i}") for i, layer in enumerate(spec.layers)
+        )
+        self.norm = build.norm(spec.hidden_size, spec)
+        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype, tp_rank, tp_size)
+        if spec.tie_word_embeddings:
+            self.lm_head.tie_weights(self.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        x = self.embed_tokens(input_ids).to(self.compute_dtype)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 [N, vocab]."""
+        logits = self.lm_head.compute_logits(hidden)
+        if self.final_logit_softcapping is not None:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take (transformers name, full tensor) pairs; fail naming any tensor that is missing."""
+        load_weights(self, weights)
