@@ -26,6 +26,9 @@ class CachedRequestState:
     generator: torch.Generator | None
     eos_token_ids: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = self.token_ids[: self.num_prompt_tokens]  # for penalties, without a copy per step
+
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens

@@ -78,7 +78,7 @@ class ModelRunner:
             ban = r.banned_tokens()
             for j in range(rows):
                 params.append(r.params)
-                prompts.append(r.token_ids[: r.num_prompt_tokens])
+                prompts.append(r.prompt_token_ids)
                 outputs.append(out_ids + spec[:j] if j else out_ids)
                 gens.append(r.generator)
                 banned.append(ban)
