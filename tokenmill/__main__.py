@@ -3,4 +3,6 @@ import sys
 
 from tokenmill.cli import main
 
-sys.exit(main())
+# Guarded: the engine core and workers are spawned processes, which import the main module again.
+if __name__ == "__main__":
+    sys.exit(main())
