@@ -73,7 +73,7 @@ class EngineArgs:
         "--kv-cache-memory-fraction and --gpu-memory-utilization).", parse=parse_bytes, metavar="SIZE")
     kv_cache_memory_fraction: float = _arg(
         CacheConfig.kv_cache_memory_fraction, "On CPU, the fraction of available RAM the KV cache takes when no "
-        "--kv-cache-memory-bytes is given (default: %(default)s).", metavar="FRACTION")
+        "--kv-cache-memory-bytes is given, at most 4 GiB (default: %(default)s).", metavar="FRACTION")
     gpu_memory_utilization: float = _arg(
         CacheConfig.gpu_memory_utilization, "On CUDA, the fraction of GPU memory for weights, activations and the "
         "KV cache, as in vLLM (default: %(default)s).", metavar="FRACTION")
