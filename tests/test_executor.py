@@ -177,3 +177,32 @@ def test_drafts_verified_by_the_runner_never_change_greedy_output(path):
             t = next(iter(b))
             assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_two_ranks_receive_the_batch_by_broadcast(path):
+    """The multiprocess executor's transport at world size 2: rank 0 gets each call over its pipe and
+    broadcasts it (gloo) to rank 1; both run it, rank 0 answers. Each rank holds the whole model here,
+    since tensor parallelism is a later issue, so both must agree with the in-process worker."""
+    batches = record_batches(path)[:6]
+    local = UniProcExecutor(config(path))
+    expected = replay(local, batches)
+    local.shutdown()
+    ex = MultiprocExecutor(config(path, "mp"), world_size=2)
+    try:
+        assert_same(expected, replay(ex, batches))
+        assert ex.collective_rpc("ping") == "pong"
+    finally:
+        ex.shutdown()
+    assert all(p.exitcode == 0 for p in ex.procs)  # both ranks left the loop on the broadcast shutdown
+
+
+def test_malloc_tuning_is_a_switch(monkeypatch):
+    from tokenmill.platform import tune_malloc
+
+    monkeypatch.setenv("TOKENMILL_MALLOC_TUNING", "0")
+    assert tune_malloc() is False
+    monkeypatch.delenv("TOKENMILL_MALLOC_TUNING")
+    import platform
+
+    if platform.libc_ver()[0] == "glibc":
+        assert tune_malloc() is True  # every threshold accepted (mmap's is within glibc's 32 MiB limit)

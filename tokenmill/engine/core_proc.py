@@ -134,7 +134,10 @@ def core_process_main(config, conn) -> None:
 
     from tokenmill.engine.core import EngineCore
 
+    from tokenmill.platform import tune_malloc
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle (it drains, then stops us)
+    tune_malloc()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s core %(name)s: %(message)s")
     try:
         core = EngineCore(config)

@@ -150,6 +150,9 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
     """A worker process: report ready, then run calls until shutdown or until the parent goes away."""
     import torch.distributed as dist
 
+    from tokenmill.platform import tune_malloc
+
+    tune_malloc()
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s worker{rank} %(name)s: %(message)s")
     worker = Worker(config, rank, world_size, init_method)
     try:
