@@ -73,8 +73,8 @@ def tune_malloc() -> bool:
     large tensors can come fresh from mmap and be returned on free, so every step page-faults them in
     again (measured: 5.3 M minor faults, 12 s of system time in a 63 s serving run of the engine core
     process). Fixed thresholds (mmap only above 32 MiB, glibc's maximum; trim only above 4 GiB free) keep that
-    memory for the next step, as jemalloc/tcmalloc would. Called in processes tokenmill starts itself (the
-    engine core, workers). TOKENMILL_MALLOC_TUNING=0 turns it off. Returns whether it was applied."""
+    memory for the next step, as jemalloc/tcmalloc would. Called in processes tokenmill owns (`tokenmill
+    serve`, the engine core, workers), not by the `LLM` library. TOKENMILL_MALLOC_TUNING=0 turns it off. Returns whether it was applied."""
     import ctypes
     import ctypes.util
     import os

@@ -114,6 +114,9 @@ def serve_main(args, engine_kwargs: dict) -> int:
         drain_timeout_s=args.drain_timeout,
         max_logprobs=args.max_logprobs,
     )
+    from tokenmill.platform import tune_malloc
+
+    tune_malloc()  # this process is ours: with --no-engine-core-process the steps run here
     logging.basicConfig(level=getattr(logging, args.uvicorn_log_level.upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s")
     from tokenmill.engine_args import EngineArgs
