@@ -19,14 +19,6 @@ from tokenmill.executor.executor import Executor, MultiprocExecutor, UniProcExec
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("executor") / "qwen3", "qwen3")

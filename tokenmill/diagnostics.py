@@ -130,19 +130,21 @@ class ModelCost:
 
     @classmethod
     def from_engine(cls, engine) -> "ModelCost":
+        return cls.from_model(engine.model, engine.hf_config, engine.runner.kv_dtype)
+
+    @classmethod
+    def from_model(cls, model, cfg, kv_dtype) -> "ModelCost":
         from tokenmill.layers.attention import Attention
         from tokenmill.layers.linear import LinearBase
 
-        model = engine.model
         # GEMM work from each layer's logical shape, not its stored weight (packed quantized weights
         # hold fewer elements than the GEMM multiplies); the LM head is not a LinearBase.
         linear = sum(m.input_size * m.output_size for m in model.modules() if isinstance(m, LinearBase))
-        cfg = engine.hf_config
         lm_head = cfg.vocab_size * cfg.hidden_size
         matmul = linear + lm_head
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # as stored: packed is small
         attn = [m for m in model.modules() if isinstance(m, Attention)]
-        elem = engine.runner.kv_dtype.itemsize
+        elem = kv_dtype.itemsize
         kv_per_token = sum(2 * a.num_kv_heads * a.head_dim * elem for a in attn)
         attn_flops = sum(4 * a.num_heads * a.head_dim for a in attn)
         return cls(matmul, weight_bytes, kv_per_token, attn_flops, lm_head)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -116,8 +115,7 @@ class Worker:
     def model_cost(self):
         from tokenmill.diagnostics import ModelCost
 
-        view = SimpleNamespace(model=self.runner.model, hf_config=self.hf_config, runner=self.runner)
-        return ModelCost.from_engine(view)
+        return ModelCost.from_model(self.runner.model, self.hf_config, self.runner.kv_dtype)
 
     def determine_num_blocks(self, kv_dtype: torch.dtype) -> int:
         """CPU: the byte budget given, else a share of available memory. CUDA: what is left of
