@@ -1,7 +1,12 @@
-"""The roofline maths of tokenmill.diagnostics on hand-built steps, and calibration caching."""
+"""The roofline maths of tokenmill.diagnostics on hand-built steps, calibration caching, and attention's
+time and K/V bytes per step on tiny models (engine, /v1/diagnostics, bench throughput)."""
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
+import torch
 
 from tokenmill import diagnostics as d
 from tokenmill.engine.engine import StepStats
@@ -85,7 +90,8 @@ def test_engine_report_on_tiny_model(tmp_path, monkeypatch):
     r = d.engine_diagnostics(llm.engine)
     assert r["tokens"] == 3 * 4 + 3 * 3  # three 4-token prompts, then 3 decode steps of 3 requests
     assert r["verdict"] in ("compute-bound", "bandwidth-bound", "overhead-bound")
-    assert "verdict:" in d.format_report(r)
+    assert "verdict:" in d.format_report(r) and "attention:" in d.format_report(r)
+    assert r["attention"]["timed"] and 0 < r["attention"]["share_of_forward"] <= 1
 
 
 def test_steps_carry_the_idle_time_before_them():
@@ -100,3 +106,143 @@ def test_steps_carry_the_idle_time_before_them():
     stats.add(step(1, 1, 0.1))
     stats.idle_s += 7.0  # after the last step: no step carries it yet
     assert [s.idle_before_s for s in stats.history] == pytest.approx([5.0, 0.3, 0.0])
+
+
+# ---- attention: time per step and the K/V bytes it reads ------------------------------------------
+def test_attention_summary_from_hand_built_steps():
+    steps = [StepStats(forward_s=0.1, num_tokens=1, attn_s=0.02, attn_bytes=100_000_000),
+             StepStats(forward_s=0.1, num_tokens=1, attn_s=0.03, attn_bytes=150_000_000)]
+    a = d.diagnose(steps, COST, PEAKS)["attention"]
+    assert a["timed"] and a["time_s"] == pytest.approx(0.05)
+    assert a["s_per_step"] == pytest.approx(0.025)
+    assert a["share_of_forward"] == pytest.approx(0.25)
+    assert a["bytes"] == 250_000_000 and a["bytes_per_step"] == pytest.approx(125e6)
+    assert a["bytes_per_s"] == pytest.approx(5e9)  # 250 MB in 50 ms
+    assert a["bandwidth_share_of_peak"] == pytest.approx(0.5)  # of the 10 GB/s calibrated
+    assert a["memory_s_at_peak"] == pytest.approx(0.025)
+    line = d.format_attention(a, PEAKS.bandwidth)
+    assert "25.000 ms/step (25% of forward)" in line and "125.0 MB K/V read/step" in line
+    assert "5.00 GB/s (50% of 10 calibrated)" in line
+
+
+def test_untimed_attention_reports_none_not_zero():
+    # CUDA without TOKENMILL_TIME_ATTENTION=1: the bytes are known, the time is not.
+    a = d.diagnose([StepStats(forward_s=0.1, num_tokens=1, attn_bytes=1000)], COST, PEAKS)["attention"]
+    assert not a["timed"] and a["bytes"] == 1000
+    assert a["time_s"] is a["s_per_step"] is a["share_of_forward"] is a["bytes_per_s"] is None
+    assert a["bandwidth_share_of_peak"] is None
+    assert "not timed" in d.format_attention(a, PEAKS.bandwidth)
+
+
+def _kv_bytes_per_token_per_layer(llm) -> int:
+    cfg = llm.engine.hf_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_key_value_heads * head_dim * llm.engine.runner.kv_dtype.itemsize
+
+
+def test_attention_time_and_bytes_per_step_on_tiny_llama(tiny_llama):
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks_override=32)
+    assert llm.engine.runner.attn_timer is not None  # CPU: timed by default
+    llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    steps = list(llm.engine.stats.history)
+    assert len(steps) == 3  # the 5-token prompt, then two decode steps
+    for s in steps:
+        assert 0 < s.attn_s <= s.forward_s
+    # 2 layers x 2 KV heads x head_dim 16 x (K and V) x 4 bytes (float32) per attended token.
+    per_token = llm.engine.hf_config.num_hidden_layers * _kv_bytes_per_token_per_layer(llm)
+    assert per_token == 2 * 2 * 16 * 2 * 4
+    # The prompt attends to its 5 tokens; each decode to the cache so far plus itself: 6, then 7.
+    assert [s.attn_bytes for s in steps] == [5 * per_token, 6 * per_token, 7 * per_token]
+    stats = llm.engine.stats
+    assert stats.attn_bytes == 18 * per_token and stats.attn_s == pytest.approx(sum(s.attn_s for s in steps))
+
+
+def test_attention_bytes_clip_to_the_sliding_window(tmp_path):
+    from tiny import make_tiny_model
+    from tokenmill import LLM, SamplingParams
+
+    # One sliding layer (window 4) and one full layer.
+    path = make_tiny_model(tmp_path / "g", "gemma3", sliding_window=4,
+                           layer_types=["sliding_attention", "full_attention"])
+    llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=32)
+    assert [layer.self_attn.attn.sliding_window for layer in llm.engine.model.layers] == [4, None]
+    per_layer = _kv_bytes_per_token_per_layer(llm)
+    llm.generate([list(range(10, 20))], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    # The 10-token prompt: all 10 keys in both layers (its last query sees 4, its first only itself,
+    # together all 10); then decodes with 11 and 12 cached tokens: 4 in the sliding layer.
+    assert [s.attn_bytes for s in llm.engine.stats.history] == [(10 + 10) * per_layer, (4 + 11) * per_layer,
+                                                                 (4 + 12) * per_layer]
+    # A prompt chunk of 3 queries at positions 7..9 sees keys 4..9 (6) through the window, a 1-token
+    # request with 2 cached tokens its 2, and a 10-token chunk from the start all 10.
+    q_len, kv_len = torch.tensor([3, 1, 10]), torch.tensor([10, 2, 10])
+    assert llm.engine.runner.attn_read_bytes(q_len, kv_len) == ((6 + 2 + 10) + (10 + 2 + 10)) * per_layer
+
+
+def test_attention_timing_can_be_turned_off(tiny_llama, monkeypatch):
+    from tokenmill import LLM, SamplingParams
+
+    monkeypatch.setenv("TOKENMILL_TIME_ATTENTION", "0")
+    llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks_override=32)
+    assert llm.engine.runner.attn_timer is None
+    assert all(a.timer is None for a in llm.engine.runner.attn_layers)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    steps = list(llm.engine.stats.history)
+    assert [s.attn_s for s in steps] == [0.0, 0.0] and all(s.attn_bytes > 0 for s in steps)
+
+
+def test_diagnostics_route_reports_attention(tiny_llama, tmp_path, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.engine.async_engine import AsyncLLMEngine
+    from tokenmill.serve.app import build_app
+    from tokenmill.serve.metrics import ServerMetrics
+    from tokenmill.serve.state import ServerSettings, ServerState
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(d, "measure_peaks", lambda device, dtype: PEAKS)
+    llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks_override=32)
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    state = ServerState(AsyncLLMEngine(llm.engine), ServerSettings(["tiny"]), ServerMetrics("tiny"))
+    with TestClient(build_app(state)) as client:
+        r = client.get("/v1/diagnostics")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    a = body["attention"]
+    assert a["timed"] is True and a["bytes"] == (4 + 5 + 6 + 7) * 2 * _kv_bytes_per_token_per_layer(llm)
+    assert 0 < a["s_per_step"] and 0 < a["share_of_forward"] <= 1
+    assert a["s_per_step"] == pytest.approx(a["time_s"] / body["steps"])
+    assert a["bytes_per_s"] == pytest.approx(a["bytes"] / a["time_s"])
+    assert a["bandwidth_share_of_peak"] == pytest.approx(a["bytes_per_s"] / PEAKS.bandwidth)
+
+
+def test_bench_throughput_reports_attention(tiny_llama, tmp_path, monkeypatch, capsys):
+    from tokenmill.cli import main
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(d, "measure_peaks", lambda device, dtype: PEAKS)
+    out = tmp_path / "out.json"
+    rc = main(["bench", "throughput", str(tiny_llama), "--max-model-len", "128", "--num-gpu-blocks-override", "32",
+               "--num-prompts", "2", "--input-len", "8", "--output-len", "3", "-q", "--output-json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    line = next(ln for ln in printed.splitlines() if ln.strip().startswith("attention:"))
+    assert re.search(r"attention: \d+\.\d{3} ms/step \(\d+% of forward\), .* K/V read/step, "
+                     r"\d+\.\d+ GB/s \(\d+% of 10 calibrated\)", line), line
+    a = json.loads(out.read_text())["diagnostics"]["attention"]
+    assert a["timed"] and a["s_per_step"] > 0 and 0 < a["share_of_forward"] <= 1 and a["bytes"] > 0
+    assert a["bandwidth_share_of_peak"] == pytest.approx(a["bytes_per_s"] / PEAKS.bandwidth)
+
+
+def test_attention_timer_by_device_and_flag(monkeypatch):
+    from tokenmill.executor.model_runner import _attention_timer
+
+    monkeypatch.delenv("TOKENMILL_TIME_ATTENTION", raising=False)
+    assert _attention_timer(torch.device("cpu")).sync is False  # CPU: on, no device sync
+    assert _attention_timer(torch.device("cuda")) is None  # CUDA: off unless asked (it syncs every layer)
+    monkeypatch.setenv("TOKENMILL_TIME_ATTENTION", "1")
+    assert _attention_timer(torch.device("cuda")).sync is True
+    monkeypatch.setenv("TOKENMILL_TIME_ATTENTION", "0")
+    assert _attention_timer(torch.device("cpu")) is None

@@ -7,6 +7,11 @@ the machine's peak FLOP/s and memory bandwidth — measured once by a short cali
 the minimum time is max(FLOPs / peak, bytes / bandwidth). A run whose busy time is far above that
 minimum is overhead-bound (Python, small kernels, inefficient kernels); otherwise it is compute- or
 bandwidth-bound, whichever term is larger.
+
+Attention is reported on its own too: the wall time spent inside the attention backend (summed over
+layers; timed on CPU, on CUDA only with TOKENMILL_TIME_ATTENTION=1) and the K/V bytes it must read
+(attended cache tokens x KV bytes per token, per layer, sliding windows clipped), hence its achieved
+bytes/s against the calibrated bandwidth.
 """
 from __future__ import annotations
 
@@ -200,9 +205,32 @@ def diagnose(steps: Iterable, cost: ModelCost, peaks: Peaks, idle_s: float = 0.0
             "bandwidth_share_of_peak": (nbytes / forward) / peaks.bandwidth if forward and peaks.bandwidth else 0.0,
         },
         "roofline": {"compute_s": t_compute, "memory_s": t_memory, "share_of_busy": roofline / busy if busy else 0.0},
+        "attention": attention_summary(steps, forward, peaks),
         "peaks": peaks.as_dict(),
         "verdict": verdict,
         "reason": reason,
+    }
+
+
+def attention_summary(steps: list, forward_s: float, peaks: Peaks) -> dict:
+    """Time inside the attention backend (part of the forward pass) and the K/V bytes it had to read,
+    against the calibrated bandwidth. Steps that were not timed (CUDA without TOKENMILL_TIME_ATTENTION=1)
+    have attn_s 0: then the time-based figures are None, not 0."""
+    n = len(steps)
+    attn_s = sum(s.attn_s for s in steps)
+    attn_bytes = sum(s.attn_bytes for s in steps)
+    timed = attn_s > 0
+    rate = attn_bytes / attn_s if timed else None
+    return {
+        "timed": timed,
+        "time_s": attn_s if timed else None,
+        "s_per_step": attn_s / n if timed and n else None,
+        "share_of_forward": attn_s / forward_s if timed and forward_s else None,
+        "bytes": attn_bytes,
+        "bytes_per_step": attn_bytes / n if n else 0.0,
+        "bytes_per_s": rate,
+        "bandwidth_share_of_peak": rate / peaks.bandwidth if rate is not None and peaks.bandwidth else None,
+        "memory_s_at_peak": attn_bytes / peaks.bandwidth if peaks.bandwidth else 0.0,  # the bytes' minimum time
     }
 
 
@@ -229,5 +257,22 @@ def format_report(d: dict) -> str:
     lines.append(f"  achieved in forward: {a['flops_per_s'] / 1e9:.1f} GFLOP/s ({100 * a['flops_share_of_peak']:.0f}% of "
                  f"{p['flops'] / 1e9:.0f} peak), {a['bytes_per_s'] / 1e9:.1f} GB/s ({100 * a['bandwidth_share_of_peak']:.0f}% "
                  f"of {p['bandwidth'] / 1e9:.0f} peak)")
+    lines.append(format_attention(d["attention"], p["bandwidth"]))
     lines.append(f"  verdict: {d['verdict']} — {d['reason']}")
     return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_attention(a: dict, peak_bandwidth: float) -> str:
+    read = f"{_size(a['bytes_per_step'])} K/V read/step"
+    if not a["timed"]:
+        return f"  attention: not timed ({read}; TOKENMILL_TIME_ATTENTION=1 times it on CUDA, syncing every layer)"
+    return (f"  attention: {1e3 * a['s_per_step']:.3f} ms/step ({100 * (a['share_of_forward'] or 0):.0f}% of forward), "
+            f"{read}, {a['bytes_per_s'] / 1e9:.2f} GB/s ({100 * (a['bandwidth_share_of_peak'] or 0):.0f}% of "
+            f"{peak_bandwidth / 1e9:.0f} calibrated)")

@@ -1,8 +1,10 @@
 """`tokenmill bench throughput` and `tokenmill bench latency`: in-process, no server.
 
 Both end with the engine's "where the time went" report (tokenmill.diagnostics): the time split
-per step phase, achieved FLOP/s and bandwidth against this machine's measured peaks, and whether the
-run was compute-, bandwidth- or overhead-bound.
+per step phase, achieved FLOP/s and bandwidth against this machine's measured peaks, attention's time
+per step, its share of the forward pass and its achieved K/V read bandwidth against the calibrated
+one, and whether the run was compute-, bandwidth- or overhead-bound. --output-json records the same
+under "diagnostics" ("attention" for the attention figures).
 """
 from __future__ import annotations
 

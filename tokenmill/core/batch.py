@@ -92,6 +92,8 @@ class StepTimings:
     sample_s: float = 0.0
     kv_tokens: int = 0  # cached tokens read by attention (sum of context lengths)
     attn_pairs: int = 0  # (query, key) pairs computed by attention
+    attn_s: float = 0.0  # wall time inside the attention backend, all layers (0: not timed)
+    attn_bytes: int = 0  # K/V bytes attention must read: attended tokens x KV bytes, per layer (windows clip)
 
 
 @dataclass

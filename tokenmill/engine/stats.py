@@ -20,6 +20,8 @@ class StepStats:
     num_sampled: int = 0
     kv_tokens: int = 0  # cached tokens read by attention (sum of context lengths)
     attn_pairs: int = 0  # (query, key) pairs computed by attention
+    attn_s: float = 0.0  # inside the attention backend (part of forward_s; 0: not timed)
+    attn_bytes: int = 0  # K/V bytes attention must read
     end_time: float = 0.0  # perf_counter at the end of the step
     idle_before_s: float = 0.0  # serving-loop idle time since the previous step in the history
 
@@ -37,6 +39,8 @@ class EngineStats:
     sample_s: float = 0.0
     detokenize_s: float = 0.0
     offload_s: float = 0.0
+    attn_s: float = 0.0  # part of forward_s
+    attn_bytes: int = 0
     num_tokens: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
@@ -53,6 +57,8 @@ class EngineStats:
         self.schedule_s += s.schedule_s
         self.prepare_s += s.prepare_s
         self.forward_s += s.forward_s
+        self.attn_s += s.attn_s
+        self.attn_bytes += s.attn_bytes
         self.num_tokens += s.num_tokens
         self.sample_s += s.sample_s
         self.detokenize_s += s.detokenize_s

@@ -6,17 +6,31 @@ updated from the batch's diffs, and returns a picklable ModelRunnerOutput.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
 
 from tokenmill.core.batch import ModelRunnerOutput, PromptLogprobs, ScheduledBatch, StepTimings
 from tokenmill.executor.input_batch import InputBatch, StepInputs
-from tokenmill.layers.attention import Attention
+from tokenmill.layers.attention import Attention, AttentionTimer
 from tokenmill.layers.attention_backends.base import AttentionBackend
 from tokenmill.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
 
 log = logging.getLogger(__name__)
+
+# Time the attention backend per step: on CPU by default (two perf_counter calls per layer); elsewhere
+# only with TOKENMILL_TIME_ATTENTION=1, since on CUDA each timed call must synchronise the device. 0: never.
+TIME_ATTENTION_ENV = "TOKENMILL_TIME_ATTENTION"
+
+
+def _attention_timer(device: torch.device) -> AttentionTimer | None:
+    flag = os.environ.get(TIME_ATTENTION_ENV, "").strip()
+    if flag == "0" or (not flag and device.type != "cpu"):
+        return None
+    if device.type not in ("cpu", "cuda"):
+        return None  # no device synchronisation to time its kernels with
+    return AttentionTimer(sync=device.type == "cuda")
 
 
 class ModelRunner:
@@ -32,6 +46,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.num_blocks = 0
         self.kv_dtype: torch.dtype | None = None
+        self.attn_timer = _attention_timer(torch.device(device))
+        for a in self.attn_layers:
+            a.timer = self.attn_timer
+        # For the K/V bytes attention reads per step: (sliding window or None, K+V bytes per token summed
+        # over the layers with that window), set once the cache dtype is known.
+        self._attn_read_groups: list[tuple[int | None, int]] = []
 
     def block_bytes(self, kv_dtype: torch.dtype) -> int:
         """K and V of one block over all layers."""
@@ -45,6 +65,22 @@ class ModelRunner:
         self.backend.allocate_kv_cache(self.attn_layers, num_blocks, kv_dtype)
         self.num_blocks = num_blocks
         self.kv_dtype = kv_dtype
+        groups: dict[int | None, int] = {}
+        for a in self.attn_layers:
+            per_token = 2 * a.num_kv_heads * a.head_dim * kv_dtype.itemsize
+            groups[a.sliding_window] = groups.get(a.sliding_window, 0) + per_token
+        self._attn_read_groups = list(groups.items())
+
+    def attn_read_bytes(self, query_len: torch.Tensor, kv_len: torch.Tensor) -> int:
+        """K/V bytes this step's attention must read: per layer, every request's attended cache tokens x
+        num_kv_heads x head_dim x 2 (K and V) x itemsize. With a sliding window W a query at position p
+        sees keys p-W+1..p, so a request's chunk of n new queries ending at kv_len reads
+        min(kv_len, n + W - 1) tokens (min(kv_len, W) when decoding)."""
+        total = 0
+        for window, per_token in self._attn_read_groups:
+            read = kv_len if window is None else torch.minimum(kv_len, query_len + (window - 1))
+            total += int(read.sum()) * per_token
+        return total
 
     def kv_caches(self) -> list[torch.Tensor]:
         """Every layer's K and V pool, each indexed by block on its first dimension."""
@@ -59,6 +95,9 @@ class ModelRunner:
             return ModelRunnerOutput()
         inp = self.input_batch.prepare(batch)
         meta = self.backend.build_metadata(inp.layout)
+        timer = self.attn_timer
+        if timer is not None:
+            timer.total = 0.0
         t1 = time.perf_counter()
         hidden = self.model(inp.input_ids, inp.positions, meta)
         logits = self.model.compute_logits(hidden[inp.sample_rows]) if inp.sample_rows.numel() else None
@@ -68,7 +107,11 @@ class ModelRunner:
         t2 = time.perf_counter()
         out = self._sample(logits, inp) if logits is not None else ModelRunnerOutput()
         out.prompt_logprobs = prompt_lps
-        out.timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2, inp.kv_tokens, inp.attn_pairs)
+        layout = inp.layout
+        out.timings = StepTimings(
+            prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=time.perf_counter() - t2, kv_tokens=inp.kv_tokens,
+            attn_pairs=inp.attn_pairs, attn_s=timer.total if timer is not None else 0.0,
+            attn_bytes=self.attn_read_bytes(layout.query_len, layout.kv_len))
         return out
 
     def _sample(self, logits: torch.Tensor, inp: StepInputs) -> ModelRunnerOutput:

@@ -1,14 +1,31 @@
 """Attention over the paged KV cache. The backend (layers/attention_backends) allocates the cache,
 writes this step's K/V into it and attends. All layers write before they read within a step, so a
-request may attend to blocks another request in the same batch is filling (prefix sharing)."""
+request may attend to blocks another request in the same batch is filling (prefix sharing).
+
+An AttentionTimer attached to the layers (the model runner does it) sums the wall time spent inside the
+backend over all layers of a step, for the diagnostics' attention time and achieved bandwidth."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 from torch import nn
 
 from tokenmill.layers.attention_backends.base import AttentionBackend
+
+
+class AttentionTimer:
+    """Wall time inside the attention backend, summed over the layers it is attached to.
+
+    `sync` makes each timed call synchronise the CUDA device before and after, so the time is the
+    kernels' rather than their launch (costly: only when asked for). The owner resets `total` per step."""
+
+    __slots__ = ("total", "sync")
+
+    def __init__(self, sync: bool = False) -> None:
+        self.total = 0.0
+        self.sync = sync
 
 
 class Attention(nn.Module):
@@ -32,7 +49,18 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        self.timer: AttentionTimer | None = None  # set by the model runner when attention is timed
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hk, D] -> [T, H, D]."""
-        return self.backend.forward(self, q, k, v, meta)
+        timer = self.timer
+        if timer is None:
+            return self.backend.forward(self, q, k, v, meta)
+        if timer.sync:
+            torch.cuda.synchronize(q.device)
+        t = time.perf_counter()
+        out = self.backend.forward(self, q, k, v, meta)
+        if timer.sync:
+            torch.cuda.synchronize(q.device)
+        timer.total += time.perf_counter() - t
+        return out
