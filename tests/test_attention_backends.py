@@ -25,6 +25,8 @@ from tokenmill.layers.attention_backends import (
     registry,
 )
 
+from tokenmill import native
+
 CPU = torch.device("cpu")
 BACKENDS = available_backends(CPU)
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
@@ -263,11 +265,56 @@ def test_externally_filled_blocks_are_kept(backend):
 # ---- registry ----------------------------------------------------------------------------
 def test_registry_default_and_choices():
     assert "torch_sdpa" in BACKENDS
-    assert get_attention_backend(None, CPU).name == "torch_sdpa"
+    # The native kernel is the CPU default wherever it was built (make test builds it).
+    assert get_attention_backend(None, CPU).name == ("cpu_paged" if native.available() else "torch_sdpa")
     assert get_attention_backend("torch_sdpa", "cpu").name == "torch_sdpa"
     assert get_attention_backend(None, torch.device("cuda")).name == "torch_sdpa"  # no CUDA needed to choose
     with pytest.raises(ValueError, match="torch_sdpa"):
         get_attention_backend("no_such_backend", CPU)
+
+
+def test_cpu_default_falls_back_to_torch_sdpa_without_native_kernels(monkeypatch, caplog):
+    """No compiler at install time (or TOKENMILL_NO_NATIVE=1): one log line, torch_sdpa, never an error."""
+    monkeypatch.setattr(native, "load", lambda: "tokenmill._C was not built (forced by the test)")
+    monkeypatch.setattr(registry, "_warned", set())
+    with caplog.at_level("WARNING", logger=registry.__name__):
+        assert get_attention_backend(None, CPU).name == "torch_sdpa"
+        assert get_attention_backend(None, CPU).name == "torch_sdpa"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "cpu_paged" in lines[0] and "forced by the test" in lines[0]
+    assert "cpu_paged" not in available_backends(CPU)
+    with pytest.raises(ValueError, match="not supported.*valid choices: torch_sdpa"):
+        get_attention_backend("cpu_paged", CPU)
+
+
+def test_engine_without_native_kernels_generates_the_same_tokens(tmp_path):
+    """TOKENMILL_NO_NATIVE=1 in a fresh process: the engine runs on torch_sdpa and agrees with cpu_paged."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", "llama")
+    code = (
+        "import json, sys; from tokenmill import LLM, SamplingParams; "
+        f"llm = LLM({str(path)!r}, max_model_len=256, kv_cache_memory_bytes=8 << 20); "
+        "out = llm.generate([[1, 2, 3, 4, 5] * 7], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)); "
+        "print(json.dumps([llm.engine.core.info.attention_backend, out[0].outputs[0].token_ids]))"
+    )
+    got = {}
+    for flag in ("1", "0"):
+        env = dict(os.environ, TOKENMILL_NO_NATIVE=flag, OMP_NUM_THREADS="1")
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                           cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert r.returncode == 0, r.stderr[-2000:]
+        got[flag] = json.loads(r.stdout.strip().splitlines()[-1])
+        if flag == "1":
+            assert "cpu_paged is not available" in r.stderr and "TOKENMILL_NO_NATIVE=1" in r.stderr
+    assert got["1"][0] == "torch_sdpa"
+    assert got["0"][0] == ("cpu_paged" if native.available() else "torch_sdpa")
+    assert got["1"][1] == got["0"][1]
 
 
 def test_registry_rejects_a_backend_the_device_cannot_run(monkeypatch):

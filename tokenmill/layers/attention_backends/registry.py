@@ -1,13 +1,18 @@
 """Attention backends by name; the device picks the default, `--attention-backend` overrides it."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tokenmill.layers.attention_backends.base import AttentionBackend
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
-_DEFAULTS: dict[str, str] = {"cpu": "torch_sdpa", "cuda": "torch_sdpa"}
+# Preferred first; the first one the device supports is the default.
+_DEFAULTS: dict[str, tuple[str, ...]] = {"cpu": ("cpu_paged", "torch_sdpa"), "cuda": ("torch_sdpa",)}
 _FALLBACK = "torch_sdpa"  # runs on any device torch does
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
 def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
@@ -25,10 +30,31 @@ def available_backends(device: torch.device | str) -> list[str]:
 def get_attention_backend(name: str | None, device: torch.device | str) -> type[AttentionBackend]:
     device = torch.device(device)
     if name is None:
-        name = _DEFAULTS.get(device.type, _FALLBACK)
+        name = default_backend(device)
     cls = _BACKENDS.get(name)
     if cls is None or not cls.supports(device):
         why = "unknown attention backend" if cls is None else "attention backend not supported on this device:"
         valid = ", ".join(available_backends(device)) or "none"
         raise ValueError(f"{why} {name!r} ({device.type}); valid choices: {valid}")
     return cls
+
+
+def default_backend(device: torch.device | str) -> str:
+    device = torch.device(device)
+    for name in _DEFAULTS.get(device.type, (_FALLBACK,)):
+        cls = _BACKENDS.get(name)
+        if cls is not None and cls.supports(device):
+            return name
+        if name not in _warned:
+            _warned.add(name)
+            log.warning("attention backend %s is not available on %s%s; falling back", name, device.type,
+                        _why_not(name))
+    return _FALLBACK
+
+
+def _why_not(name: str) -> str:
+    if name == "cpu_paged":
+        from tokenmill import native
+
+        return f" ({native.load()})" if native.load() else ""
+    return ""

@@ -1,0 +1,179 @@
+"""Conformance of the native cpu_paged attention kernel against dense reference attention in float64,
+on random paged layouts: ragged contexts, shuffled block tables, cached prefixes, chunked prompts mixed
+with decodes, sliding windows, soft caps, GQA ratios, head sizes, float32 and bfloat16 caches.
+
+Every cache slot a request may not see is NaN, so reading one (padding, another request's block, a slot
+past the context) poisons the output and fails the test."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tokenmill import native
+from tokenmill.layers.attention import Attention
+from tokenmill.layers.attention_backends import BatchLayout, get_attention_backend
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels not built: {native.load()}")
+
+
+def make_case(seed, ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size=16, dtype=torch.float32):
+    """Random caches with each request's cached prefix written; returns the layout and step tensors."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_req = [math.ceil(c / block_size) for c in ctx_lens]
+    num_blocks = sum(blocks_per_req) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    tables, used = [], 0
+    for nb in blocks_per_req:
+        tables.append(perm[used:used + nb])
+        used += nb
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    full_k, full_v = [], []  # per request: [ctx, Hk, D] float64 after rounding to the cache dtype
+    for t, c in zip(tables, ctx_lens):
+        kk = torch.randn(c, num_kv_heads, head_dim, generator=g)
+        vv = torch.randn(c, num_kv_heads, head_dim, generator=g)
+        full_k.append(kk.to(dtype).double())
+        full_v.append(vv.to(dtype).double())
+        slots = t.repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(len(t))
+        slots = slots[:c]
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = kk.to(dtype)
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = vv.to(dtype)
+        # The new tokens of this step are written by the kernel itself: clear them again.
+    new_k, new_v, slot_map = [], [], []
+    for t, c, ql, kk, vv in zip(tables, ctx_lens, q_lens, full_k, full_v):
+        slots = (t.repeat_interleave(block_size) * block_size + torch.arange(block_size).repeat(len(t)))[c - ql:c]
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = float("nan")
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = float("nan")
+        new_k.append(kk[c - ql:].float())
+        new_v.append(vv[c - ql:].float())
+        slot_map.append(slots)
+    T = sum(q_lens)
+    q = torch.randn(T, num_heads, head_dim, generator=g)
+    max_nb = max(blocks_per_req)
+    bt = torch.zeros(len(ctx_lens), max_nb, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = t.to(torch.int32)
+    ql_t = torch.tensor(q_lens)
+    layout = BatchLayout(
+        query_start=torch.cumsum(ql_t, 0) - ql_t, query_len=ql_t, kv_len=torch.tensor(ctx_lens), block_table=bt,
+        slot_mapping=torch.cat(slot_map), num_tokens=T, max_query_len=max(q_lens), max_kv_len=max(ctx_lens))
+    return q, torch.cat(new_k), torch.cat(new_v), k_cache, v_cache, layout, full_k, full_v
+
+
+def reference(q, full_k, full_v, ctx_lens, q_lens, scale, window, cap):
+    out, row = [], 0
+    num_heads, num_kv = q.shape[1], full_k[0].shape[1]
+    for kk, vv, c, ql in zip(full_k, full_v, ctx_lens, q_lens):
+        qq = q[row:row + ql].double().transpose(0, 1)  # [H, ql, D]
+        kr = kk.repeat_interleave(num_heads // num_kv, dim=1).transpose(0, 1)  # [H, c, D]
+        vr = vv.repeat_interleave(num_heads // num_kv, dim=1).transpose(0, 1)
+        s = qq @ kr.transpose(1, 2) * scale
+        if cap:
+            s = cap * torch.tanh(s / cap)
+        qpos = torch.arange(c - ql, c).unsqueeze(1)
+        kpos = torch.arange(c).unsqueeze(0)
+        mask = kpos <= qpos
+        if window:
+            mask &= kpos > qpos - window
+        s = s.masked_fill(~mask, float("-inf"))
+        out.append((s.softmax(-1) @ vr).transpose(0, 1))
+        row += ql
+    return torch.cat(out)
+
+
+def run_backend(q, k, v, k_cache, v_cache, layout, num_heads, num_kv_heads, head_dim, window=None, cap=None):
+    backend = get_attention_backend("cpu_paged", "cpu")(k_cache.shape[1], torch.device("cpu"))
+    layer = Attention(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, sliding_window=window, logits_soft_cap=cap)
+    layer.k_cache, layer.v_cache, layer.backend = k_cache, v_cache, backend
+    meta = backend.build_metadata(layout)
+    return layer(q, k, v, meta), layer.scale
+
+
+def random_lens(g, n, lo, hi):
+    return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+
+
+CASES = [  # (num_heads, num_kv_heads, head_dim): GQA ratios 1, 3 and 8; head sizes 64, 80, 128 (and 96, 256)
+    (4, 4, 64), (9, 3, 64), (8, 1, 128), (6, 2, 80), (3, 1, 96), (2, 1, 256),
+]
+
+
+@pytest.mark.parametrize("heads", CASES, ids=lambda h: f"H{h[0]}-Hk{h[1]}-D{h[2]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_mixed_batch_matches_reference(heads, dtype):
+    """Decodes with ragged contexts up to 2,000, prompt chunks over cached prefixes, a whole prompt."""
+    H, Hk, D = heads
+    g = torch.Generator().manual_seed(H * 100 + D)
+    ctx = random_lens(g, 5, 1, 2000) + [1, 17, 300, 300, 1000, 37]
+    ql = [1] * 7 + [150, 45, 1000, 37]  # chunk after a prefix hit, a chunk, a long chunk, a whole prompt
+    q, k, v, kc, vc, layout, fk, fv = make_case(D + H, ctx, ql, H, Hk, D, dtype=dtype)
+    out, scale = run_backend(q, k, v, kc, vc, layout, H, Hk, D)
+    ref = reference(q, fk, fv, ctx, ql, scale, None, None)
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 7, 64, 500])
+def test_sliding_window(window):
+    H, Hk, D = 8, 2, 64
+    ctx = [1, 30, 64, 65, 700, 1500, 200, 900]
+    ql = [1, 1, 1, 1, 1, 1, 200, 333]
+    q, k, v, kc, vc, layout, fk, fv = make_case(window, ctx, ql, H, Hk, D)
+    # Keys that slid out of every query's window may hold anything: poison them too.
+    for t, c, n in zip(layout.block_table, ctx, ql):
+        first_visible = max(0, c - n - window + 1)
+        for pos in range(first_visible):
+            b, off = int(t[pos // 16]), pos % 16
+            kc[b, off] = float("nan")
+            vc[b, off] = float("nan")
+    out, scale = run_backend(q, k, v, kc, vc, layout, H, Hk, D, window=window)
+    ref = reference(q, fk, fv, ctx, ql, scale, window, None)
+    assert (out.double() - ref).abs().max().item() <= 1e-5
+
+
+def test_soft_cap_and_long_single_request_split():
+    """One long decode (split over partitions and merged) and a chunk, with Gemma's logit soft cap."""
+    H, Hk, D = 4, 1, 256
+    ctx, ql = [2000, 1900, 120], [1, 1, 120]
+    q, k, v, kc, vc, layout, fk, fv = make_case(3, ctx, ql, H, Hk, D)
+    q = q * 8  # large scores, so the cap matters
+    out, scale = run_backend(q, k, v, kc, vc, layout, H, Hk, D, cap=5.0)
+    ref = reference(q, fk, fv, ctx, ql, scale, None, 5.0)
+    assert (out.double() - ref).abs().max().item() <= 1e-5
+    plain = reference(q, fk, fv, ctx, ql, scale, None, None)
+    assert (plain - ref).abs().max().item() > 1e-2  # the cap changed the answer
+
+
+def test_writes_new_kv_into_the_cache():
+    H, Hk, D = 4, 2, 64
+    ctx, ql = [40, 5], [3, 5]
+    q, k, v, kc, vc, layout, fk, fv = make_case(5, ctx, ql, H, Hk, D, dtype=torch.bfloat16)
+    run_backend(q, k, v, kc, vc, layout, H, Hk, D)
+    flat_k, flat_v = kc.view(-1, Hk, D), vc.view(-1, Hk, D)
+    assert torch.equal(flat_k[layout.slot_mapping], k.to(torch.bfloat16))
+    assert torch.equal(flat_v[layout.slot_mapping], v.to(torch.bfloat16))
+
+
+def test_threads_do_not_change_the_answer():
+    H, Hk, D = 9, 3, 64
+    ctx, ql = [1200, 300, 77, 600], [1, 1, 77, 100]
+    q, k, v, kc, vc, layout, fk, fv = make_case(11, ctx, ql, H, Hk, D)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = run_backend(q, k, v, kc.clone(), vc.clone(), layout, H, Hk, D)
+        torch.set_num_threads(max(2, before))
+        many, _ = run_backend(q, k, v, kc.clone(), vc.clone(), layout, H, Hk, D)
+    finally:
+        torch.set_num_threads(before)
+    assert (one - many).abs().max().item() <= 1e-6
+
+
+def test_rejects_unsupported_cache_dtype():
+    backend = get_attention_backend("cpu_paged", "cpu")(16, torch.device("cpu"))
+    layer = Attention(2, 1, 64, 0.125)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        backend.allocate_kv_cache([layer], 4, torch.float16)

@@ -1,0 +1,528 @@
+// Paged attention on the CPU, reading K/V where they lie in the block-paged cache.
+//
+// Cache layout (shared with the torch_sdpa backend and KV offload): [num_blocks, block_size, Hk, D].
+// One call per layer writes this step's K/V into the cache, then attends:
+//   - decode rows (query_len == 1): one work item per (request, KV head, KV-length partition); the
+//     item walks the block table, scores all query heads of the GQA group against each K row read
+//     once, softmaxes in float32 and accumulates V. Requests split into several partitions are
+//     merged afterwards (split-K), so one long request still keeps every core busy.
+//   - prompt chunks (query_len > 1): one work item per (request, KV head, tile of query positions);
+//     flash-attention style over tiles of keys (online softmax), each tile staged from its blocks
+//     into a small buffer, causal and sliding-window masks as column intervals.
+// Only keys a query may see are read: never the padding after a request's last token, never blocks
+// that slid out of the window.
+#include "vec.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace tokenmill {
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+constexpr int VS = fVec::size();
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+inline fVec load_f(const T* p);
+template <>
+inline fVec load_f<float>(const float* p) { return fVec::loadu(p); }
+template <>
+inline fVec load_f<at::BFloat16>(const at::BFloat16* p) {
+  fVec out;
+  at::vec::load_to_float(p, out);
+  return out;
+}
+
+inline float hsum(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
+}
+
+inline float row_max(const float* x, int64_t n) {
+  return at::vec::reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, x, n);
+}
+
+// x[i] = exp(x[i] - m); returns the sum. exp(-inf) is 0, so masked entries drop out.
+inline float exp_sum(float* x, int64_t n, float m) {
+  const fVec mv(m);
+  at::vec::map([mv](fVec v) { return (v - mv).exp(); }, x, x, n);
+  return at::vec::reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, x, n);
+}
+
+inline void soft_cap(float* x, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
+}
+
+// Runs fn(i) for i in [0, n), threads taking the next item as they finish (work is ragged).
+template <typename F>
+void run_items(int64_t n, const F& fn) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  });
+}
+
+struct Geometry {
+  int64_t H, Hk, G, D, BS, tok_stride;  // tok_stride = Hk * D elements between tokens of a block
+  int64_t table_stride;
+  float scale, cap;
+  int64_t window;  // 0: none
+};
+
+// ---------------------------------------------------------------- decode --------------------------
+
+template <typename T, int NG>
+void decode_scores(const float* q, const T* kc, const int32_t* table, const Geometry& g, int64_t h,
+                   int64_t t0, int64_t t1, float* sc, int64_t n) {
+  for (int64_t t = t0; t < t1;) {
+    const int64_t b = t / g.BS;
+    const int64_t end = std::min(t1, (b + 1) * g.BS);
+    const T* base = kc + (int64_t)table[b] * g.BS * g.tok_stride + h * g.D;
+    for (; t < end; ++t) {
+      const T* kp = base + (t - b * g.BS) * g.tok_stride;
+      fVec acc[NG];
+      for (int j = 0; j < NG; ++j) acc[j] = fVec(0.f);
+      int64_t d = 0;
+      for (; d + VS <= g.D; d += VS) {
+        const fVec kv = load_f(kp + d);
+        for (int j = 0; j < NG; ++j) acc[j] = at::vec::fmadd(fVec::loadu(q + j * g.D + d), kv, acc[j]);
+      }
+      for (int j = 0; j < NG; ++j) {
+        float s = hsum(acc[j]);
+        for (int64_t e = d; e < g.D; ++e) s += q[j * g.D + e] * static_cast<float>(kp[e]);
+        sc[j * n + (t - t0)] = s * g.scale;
+      }
+    }
+  }
+}
+
+template <typename T, int NG>
+void decode_values(const float* p, const T* vc, const int32_t* table, const Geometry& g, int64_t h,
+                   int64_t t0, int64_t t1, int64_t n, float* o) {
+  for (int64_t t = t0; t < t1;) {
+    const int64_t b = t / g.BS;
+    const int64_t end = std::min(t1, (b + 1) * g.BS);
+    const T* base = vc + (int64_t)table[b] * g.BS * g.tok_stride + h * g.D;
+    for (; t < end; ++t) {
+      const T* vp = base + (t - b * g.BS) * g.tok_stride;
+      fVec w[NG];
+      for (int j = 0; j < NG; ++j) w[j] = fVec(p[j * n + (t - t0)]);
+      int64_t d = 0;
+      for (; d + VS <= g.D; d += VS) {
+        const fVec vv = load_f(vp + d);
+        for (int j = 0; j < NG; ++j) {
+          float* od = o + j * g.D + d;
+          at::vec::fmadd(w[j], vv, fVec::loadu(od)).store(od);
+        }
+      }
+      for (; d < g.D; ++d)
+        for (int j = 0; j < NG; ++j) o[j * g.D + d] += p[j * n + (t - t0)] * static_cast<float>(vp[d]);
+    }
+  }
+}
+
+// Heads of a GQA group in chunks of up to 4, so each K/V row is read once per chunk from memory.
+template <typename T, typename F4, typename F3, typename F2, typename F1>
+void by_head_chunks(int64_t G, const F4& f4, const F3& f3, const F2& f2, const F1& f1) {
+  for (int64_t j0 = 0; j0 < G;) {
+    const int64_t left = G - j0;
+    if (left >= 4) { f4(j0); j0 += 4; }
+    else if (left == 3) { f3(j0); j0 += 3; }
+    else if (left == 2) { f2(j0); j0 += 2; }
+    else { f1(j0); j0 += 1; }
+  }
+}
+
+// One (request, KV head, partition): unnormalised output o[G, D], running max m[G] and sum l[G].
+template <typename T>
+void decode_item(const float* q, const T* kc, const T* vc, const int32_t* table, const Geometry& g, int64_t h,
+                 int64_t t0, int64_t t1, float* o, float* m, float* l, std::vector<float>& buf) {
+  const int64_t n = t1 - t0, G = g.G;
+  buf.resize(G * n);
+  float* sc = buf.data();
+  auto s4 = [&](int64_t j) { decode_scores<T, 4>(q + j * g.D, kc, table, g, h, t0, t1, sc + j * n, n); };
+  auto s3 = [&](int64_t j) { decode_scores<T, 3>(q + j * g.D, kc, table, g, h, t0, t1, sc + j * n, n); };
+  auto s2 = [&](int64_t j) { decode_scores<T, 2>(q + j * g.D, kc, table, g, h, t0, t1, sc + j * n, n); };
+  auto s1 = [&](int64_t j) { decode_scores<T, 1>(q + j * g.D, kc, table, g, h, t0, t1, sc + j * n, n); };
+  by_head_chunks<T>(G, s4, s3, s2, s1);
+  for (int64_t j = 0; j < G; ++j) {
+    float* s = sc + j * n;
+    if (g.cap > 0.f) soft_cap(s, n, g.cap);
+    m[j] = row_max(s, n);
+    l[j] = exp_sum(s, n, m[j]);
+  }
+  std::fill(o, o + G * g.D, 0.f);
+  auto v4 = [&](int64_t j) { decode_values<T, 4>(sc + j * n, vc, table, g, h, t0, t1, n, o + j * g.D); };
+  auto v3 = [&](int64_t j) { decode_values<T, 3>(sc + j * n, vc, table, g, h, t0, t1, n, o + j * g.D); };
+  auto v2 = [&](int64_t j) { decode_values<T, 2>(sc + j * n, vc, table, g, h, t0, t1, n, o + j * g.D); };
+  auto v1 = [&](int64_t j) { decode_values<T, 1>(sc + j * n, vc, table, g, h, t0, t1, n, o + j * g.D); };
+  by_head_chunks<T>(G, v4, v3, v2, v1);
+}
+
+// ---------------------------------------------------------------- prefill -------------------------
+
+// S[NR rows, NC*VS cols] = Q[NR, D] . Kt[D, cols]   (Kt: keys transposed, row stride ldk)
+template <int NR, int NC>
+inline void qk_block(const float* Q, int64_t D, const float* Kt, int64_t ldk, float* S, int64_t lds) {
+  fVec acc[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = fVec(0.f);
+  for (int64_t d = 0; d < D; ++d) {
+    fVec k[NC];
+    for (int c = 0; c < NC; ++c) k[c] = fVec::loadu(Kt + d * ldk + c * VS);
+    for (int r = 0; r < NR; ++r) {
+      const fVec qb(Q[r * D + d]);
+      for (int c = 0; c < NC; ++c) acc[r][c] = at::vec::fmadd(qb, k[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c].store(S + r * lds + c * VS);
+}
+
+template <int NC>
+inline void qk_rows(int nr, const float* Q, int64_t D, const float* Kt, int64_t ldk, float* S, int64_t lds) {
+  switch (nr) {
+    case 4: qk_block<4, NC>(Q, D, Kt, ldk, S, lds); break;
+    case 3: qk_block<3, NC>(Q, D, Kt, ldk, S, lds); break;
+    case 2: qk_block<2, NC>(Q, D, Kt, ldk, S, lds); break;
+    default: qk_block<1, NC>(Q, D, Kt, ldk, S, lds); break;
+  }
+}
+
+// cols: a multiple of VS (Kt is zero-padded to it).
+void qk_tile(const float* Q, int64_t rows, int64_t D, const float* Kt, int64_t ldk, int64_t cols, float* S,
+             int64_t lds) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const int nr = (int)std::min<int64_t>(4, rows - r0);
+    int64_t c0 = 0;
+    for (; c0 + 2 * VS <= cols; c0 += 2 * VS) qk_rows<2>(nr, Q + r0 * D, D, Kt + c0, ldk, S + r0 * lds + c0, lds);
+    if (c0 < cols) qk_rows<1>(nr, Q + r0 * D, D, Kt + c0, ldk, S + r0 * lds + c0, lds);
+  }
+}
+
+// acc[NR, NC*VS] += P[NR, nk] . V[nk, NC*VS]   (V rows of stride ldv)
+template <int NR, int NC>
+inline void pv_block(const float* P, int64_t ldp, int64_t nk, const float* V, int64_t ldv, float* acc, int64_t lda) {
+  fVec a[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) a[r][c] = fVec::loadu(acc + r * lda + c * VS);
+  for (int64_t k = 0; k < nk; ++k) {
+    fVec v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = fVec::loadu(V + k * ldv + c * VS);
+    for (int r = 0; r < NR; ++r) {
+      const fVec pb(P[r * ldp + k]);
+      for (int c = 0; c < NC; ++c) a[r][c] = at::vec::fmadd(pb, v[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) a[r][c].store(acc + r * lda + c * VS);
+}
+
+template <int NC>
+inline void pv_rows(int nr, const float* P, int64_t ldp, int64_t nk, const float* V, int64_t ldv, float* acc,
+                    int64_t lda) {
+  switch (nr) {
+    case 4: pv_block<4, NC>(P, ldp, nk, V, ldv, acc, lda); break;
+    case 3: pv_block<3, NC>(P, ldp, nk, V, ldv, acc, lda); break;
+    case 2: pv_block<2, NC>(P, ldp, nk, V, ldv, acc, lda); break;
+    default: pv_block<1, NC>(P, ldp, nk, V, ldv, acc, lda); break;
+  }
+}
+
+void pv_tile(const float* P, int64_t rows, int64_t ldp, int64_t nk, const float* V, int64_t D, float* acc) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const int nr = (int)std::min<int64_t>(4, rows - r0);
+    int64_t d0 = 0;
+    for (; d0 + 2 * VS <= D; d0 += 2 * VS) pv_rows<2>(nr, P + r0 * ldp, ldp, nk, V + d0, D, acc + r0 * D + d0, D);
+    if (d0 + VS <= D) {
+      pv_rows<1>(nr, P + r0 * ldp, ldp, nk, V + d0, D, acc + r0 * D + d0, D);
+      d0 += VS;
+    }
+    for (int64_t r = r0; r < r0 + nr; ++r)  // head sizes that are not whole vectors
+      for (int64_t k = 0; k < nk; ++k)
+        for (int64_t d = d0; d < D; ++d) acc[r * D + d] += P[r * ldp + k] * V[k * D + d];
+  }
+}
+
+constexpr int64_t KEY_TILE = 256;
+
+struct PrefillScratch {
+  std::vector<float> q, s, kt, v, acc, m, l;
+};
+
+// Query positions [pos0, pos0 + nq) of one request and KV head; q rows i*G + j.
+template <typename T>
+void prefill_item(const float* q, int64_t q_row_stride, const T* kc, const T* vc, const int32_t* table,
+                  const Geometry& g, int64_t h, int64_t pos0, int64_t nq, float* out, int64_t out_row_stride,
+                  PrefillScratch& w) {
+  const int64_t G = g.G, D = g.D, rows = nq * G;
+  w.q.resize(rows * D);
+  w.s.resize(rows * KEY_TILE);
+  w.kt.resize(D * KEY_TILE);
+  w.v.resize(KEY_TILE * D);
+  w.acc.assign(rows * D, 0.f);
+  w.m.assign(rows, NEG_INF);
+  w.l.assign(rows, 0.f);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t j = 0; j < G; ++j) {
+      const float* src = q + i * q_row_stride + j * D;
+      float* dst = w.q.data() + (i * G + j) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * g.scale;
+    }
+  const int64_t klo = g.window > 0 ? std::max<int64_t>(0, pos0 - g.window + 1) : 0;
+  const int64_t khi = pos0 + nq;
+  for (int64_t k0 = klo; k0 < khi; k0 += KEY_TILE) {
+    const int64_t k1 = std::min(khi, k0 + KEY_TILE), nk = k1 - k0;
+    const int64_t cols = (nk + VS - 1) / VS * VS;
+    // Stage the tile: K transposed (zero-padded to whole vectors), V as rows.
+    for (int64_t t = k0; t < k1; ++t) {
+      const int64_t b = t / g.BS, off = (int64_t)table[b] * g.BS + t % g.BS;
+      const T* kp = kc + off * g.tok_stride + h * D;
+      const T* vp = vc + off * g.tok_stride + h * D;
+      float* vd = w.v.data() + (t - k0) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        w.kt[d * KEY_TILE + (t - k0)] = static_cast<float>(kp[d]);
+        vd[d] = static_cast<float>(vp[d]);
+      }
+    }
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t c = nk; c < cols; ++c) w.kt[d * KEY_TILE + c] = 0.f;
+    qk_tile(w.q.data(), rows, D, w.kt.data(), KEY_TILE, cols, w.s.data(), KEY_TILE);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = pos0 + r / G;
+      // Visible keys of this row within the tile: [lo, hi) in tile columns.
+      const int64_t lo = g.window > 0 ? std::clamp<int64_t>(pos - g.window + 1 - k0, 0, nk) : 0;
+      const int64_t hi = std::clamp<int64_t>(pos + 1 - k0, 0, nk);
+      float* s = w.s.data() + r * KEY_TILE;
+      if (lo >= hi) {
+        std::fill(s, s + nk, 0.f);
+        continue;
+      }
+      if (g.cap > 0.f) soft_cap(s + lo, hi - lo, g.cap);
+      std::fill(s, s + lo, NEG_INF);
+      std::fill(s + hi, s + cols, NEG_INF);
+      const float m_new = std::max(w.m[r], row_max(s + lo, hi - lo));
+      const float corr = std::exp(w.m[r] - m_new);  // 0 on the first visible tile
+      const float sum = exp_sum(s, cols, m_new);
+      w.l[r] = w.l[r] * corr + sum;
+      w.m[r] = m_new;
+      if (corr != 1.f) {
+        float* a = w.acc.data() + r * D;
+        for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+      }
+    }
+    pv_tile(w.s.data(), rows, KEY_TILE, nk, w.v.data(), D, w.acc.data());
+  }
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t j = 0; j < G; ++j) {
+      const float* a = w.acc.data() + (i * G + j) * D;
+      const float inv = 1.f / w.l[i * G + j];
+      float* o = out + i * out_row_stride + j * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
+    }
+}
+
+// ---------------------------------------------------------------- entry ---------------------------
+
+struct DecodeItem {
+  int64_t req, head, t0, t1, part;  // part: -1 when the request is one partition (written directly)
+};
+
+struct PrefillItem {
+  int64_t req, head, i0, i1;
+};
+
+template <typename T>
+void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& query_len,
+            const at::Tensor& kv_len, const Geometry& g) {
+  const int64_t B = query_len.size(0);
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  const int32_t* ql = query_len.data_ptr<int32_t>();
+  const int32_t* kl = kv_len.data_ptr<int32_t>();
+  const int32_t* tables = block_table.data_ptr<int32_t>();
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const int64_t H = g.H, D = g.D, G = g.G;
+  const int64_t threads = at::get_num_threads();
+
+  // Decode partitions: as long as possible, short enough that every thread gets several items.
+  int64_t decode_tokens = 0;
+  for (int64_t r = 0; r < B; ++r)
+    if (ql[r] == 1) decode_tokens += g.window > 0 ? std::min<int64_t>(kl[r], g.window) : kl[r];
+  int64_t part = (decode_tokens * g.Hk + threads * 4 - 1) / (threads * 4);
+  part = std::clamp<int64_t>((part + 63) / 64 * 64, 128, 2048);
+
+  std::vector<PrefillItem> prefill;
+  std::vector<DecodeItem> decode;
+  std::vector<int64_t> split_reqs;  // requests whose partitions need merging
+  int64_t num_parts = 0;
+  const int64_t q_tile = std::max<int64_t>(4, 64 / G);
+  for (int64_t r = 0; r < B; ++r) {
+    const int64_t n_q = ql[r];
+    if (n_q == 0) continue;
+    if (n_q > 1) {
+      for (int64_t h = 0; h < g.Hk; ++h)
+        for (int64_t i0 = 0; i0 < n_q; i0 += q_tile) prefill.push_back({r, h, i0, std::min(n_q, i0 + q_tile)});
+      continue;
+    }
+    const int64_t t1 = kl[r];
+    const int64_t t0 = g.window > 0 ? std::max<int64_t>(0, t1 - g.window) : 0;
+    const int64_t parts = (t1 - t0 + part - 1) / part;
+    if (parts > 1) split_reqs.push_back(r);
+    for (int64_t h = 0; h < g.Hk; ++h)
+      for (int64_t p = 0; p < parts; ++p)
+        decode.push_back({r, h, t0 + p * part, std::min(t1, t0 + (p + 1) * part), parts > 1 ? num_parts++ : -1});
+  }
+
+  // Split partitions park their unnormalised outputs here: [num_parts, G, D + 2] (o, then m, l).
+  const int64_t rec = G * (D + 2);
+  std::vector<float> parts_buf(num_parts * rec);
+
+  // Prompt tiles first (the heaviest items), then decode items, taken by whichever thread is free.
+  const int64_t n_prefill = prefill.size();
+  run_items(n_prefill + (int64_t)decode.size(), [&](int64_t i) {
+    if (i < n_prefill) {
+      thread_local PrefillScratch w;
+      const PrefillItem& it = prefill[i];
+      const int64_t row = qs[it.req] + it.i0;
+      const int64_t pos0 = kl[it.req] - ql[it.req] + it.i0;
+      prefill_item<T>(qp + row * H * D + it.head * G * D, H * D, kc, vc, tables + it.req * g.table_stride, g,
+                      it.head, pos0, it.i1 - it.i0, op + row * H * D + it.head * G * D, H * D, w);
+      return;
+    }
+    thread_local std::vector<float> buf, own;
+    const DecodeItem& it = decode[i - n_prefill];
+    const float* qrow = qp + (int64_t)qs[it.req] * H * D + it.head * G * D;
+    float *o, *m, *l;
+    if (it.part >= 0) {
+      o = parts_buf.data() + it.part * rec;
+      m = o + G * D;
+      l = m + G;
+    } else {
+      own.resize(G * (D + 2));
+      o = own.data();
+      m = o + G * D;
+      l = m + G;
+    }
+    decode_item<T>(qrow, kc, vc, tables + it.req * g.table_stride, g, it.head, it.t0, it.t1, o, m, l, buf);
+    if (it.part < 0) {
+      float* dst = op + (int64_t)qs[it.req] * H * D + it.head * G * D;
+      for (int64_t j = 0; j < G; ++j) {
+        const float inv = 1.f / l[j];
+        for (int64_t d = 0; d < D; ++d) dst[j * D + d] = o[j * D + d] * inv;
+      }
+    }
+  });
+
+  if (split_reqs.empty()) return;
+  // Merge each split request's partitions: rescale by exp(m_p - M) and normalise by the total sum.
+  std::vector<int64_t> first(B, -1), count(B, 0);
+  for (const DecodeItem& it : decode)
+    if (it.part >= 0 && it.head == 0) {
+      if (first[it.req] < 0) first[it.req] = it.part;
+      count[it.req]++;
+    }
+  at::parallel_for(0, (int64_t)split_reqs.size() * g.Hk, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) {
+      const int64_t r = split_reqs[x / g.Hk], h = x % g.Hk, n = count[r];
+      // Partitions of request r were numbered head-major: head h owns [first + h*n, first + (h+1)*n).
+      const float* recs = parts_buf.data() + (first[r] + h * n) * rec;
+      float* dst = op + (int64_t)qs[r] * H * D + h * G * D;
+      for (int64_t j = 0; j < G; ++j) {
+        float M = NEG_INF;
+        for (int64_t p = 0; p < n; ++p) M = std::max(M, recs[p * rec + G * D + j]);
+        float L = 0.f;
+        std::fill(dst + j * D, dst + (j + 1) * D, 0.f);
+        for (int64_t p = 0; p < n; ++p) {
+          const float* pr = recs + p * rec;
+          const float w = std::exp(pr[G * D + j] - M);
+          L += pr[G * D + G + j] * w;
+          for (int64_t d = 0; d < D; ++d) dst[j * D + d] += pr[j * D + d] * w;
+        }
+        const float inv = 1.f / L;
+        for (int64_t d = 0; d < D; ++d) dst[j * D + d] *= inv;
+      }
+    }
+  });
+}
+
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  const int64_t T = k.size(0);
+  const int64_t row = k.size(1) * k.size(2) * k.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  char* kd = static_cast<char*>(k_cache.data_ptr());
+  char* vd = static_cast<char*>(v_cache.data_ptr());
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kd + slots[t] * row, ks + t * row, row);
+      std::memcpy(vd + slots[t] * row, vs + t * row, row);
+    }
+  });
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& query_len,
+                     const at::Tensor& kv_len, double scale, int64_t sliding_window, double soft_cap) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "paged_attention: float32 q/out");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+              "paged_attention: q, out, k, v must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "paged_attention: cache layout");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "paged_attention: new K/V must already have the cache dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == k.size(0), "slot_mapping");
+  for (const at::Tensor* t : {&block_table, &query_start, &query_len, &kv_len})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "paged_attention: int32 metadata");
+  Geometry g;
+  g.H = q.size(1);
+  g.D = q.size(2);
+  g.BS = k_cache.size(1);
+  g.Hk = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == g.D && g.H % g.Hk == 0, "paged_attention: head geometry");
+  g.G = g.H / g.Hk;
+  g.tok_stride = g.Hk * g.D;
+  g.table_stride = block_table.size(1);
+  g.scale = (float)scale;
+  g.cap = (float)soft_cap;
+  g.window = sliding_window;
+
+  if (k.size(0) > 0) write_kv(k, v, k_cache, v_cache, slot_mapping);
+  if (k_cache.scalar_type() == at::kFloat) {
+    attend<float>(out, q, k_cache, v_cache, block_table, query_start, query_len, kv_len, g);
+  } else if (k_cache.scalar_type() == at::kBFloat16) {
+    attend<at::BFloat16>(out, q, k_cache, v_cache, block_table, query_start, query_len, kv_len, g);
+  } else {
+    TORCH_CHECK(false, "paged_attention: cache dtype must be float32 or bfloat16, got ", k_cache.scalar_type());
+  }
+}
+
+std::string cpu_capability() { return TOKENMILL_STR(CPU_CAPABILITY); }
+
+}  // namespace
+}  // namespace tokenmill
+
+TORCH_LIBRARY(tokenmill, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+      "Tensor slot_mapping, Tensor block_table, Tensor query_start, Tensor query_len, Tensor kv_len, "
+      "float scale, int sliding_window, float soft_cap) -> ()");
+  m.impl("paged_attention", c10::DispatchKey::CPU, &tokenmill::paged_attention);
+  m.def("cpu_capability() -> str", &tokenmill::cpu_capability);
+}
