@@ -55,7 +55,7 @@ inline float row_max(const float* x, int64_t n) {
 // x[i] = exp(x[i] - m); returns the sum. exp(-inf) is 0, so masked entries drop out.
 inline float exp_sum(float* x, int64_t n, float m) {
   const fVec mv(m);
-  at::vec::map([mv](fVec v) { return (v - mv).exp(); }, x, x, n);
+  at::vec::map([mv](fVec v) { return (v - mv).exp_u20(); }, x, x, n);
   return at::vec::reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, x, n);
 }
 
@@ -181,9 +181,11 @@ void decode_item(const float* q, const T* kc, const T* vc, const int32_t* table,
     const T* base = kc + (int64_t)table[b] * g.BS * g.tok_stride;
     const T* ahead = b < last_block ? kc + (int64_t)table[b + 1] * g.BS * g.tok_stride
                                     : vc + (int64_t)table[first_block] * g.BS * g.tok_stride;
+    const T* vbase = vc + (int64_t)table[b] * g.BS * g.tok_stride;
     for (; t < end; ++t) {
       const int64_t off = (t - b * g.BS) * g.tok_stride;
       prefetch_block(ahead + off, row_bytes);
+      prefetch_block(vbase + off, row_bytes);  // V of this token, for the V pass (the partition fits in L2)
       const T* row = base + off;
       const int64_t i = t - t0;
       for (int64_t h = 0; h < g.Hk; ++h)
@@ -200,16 +202,12 @@ void decode_item(const float* q, const T* kc, const T* vc, const int32_t* table,
     l[j] = exp_sum(s, n, m[j]);
   }
   std::fill(o, o + H * D, 0.f);
-  // V pass, a block at a time; a share of the next block is prefetched before each KV head's turn.
-  const int64_t share = (block_bytes / g.Hk + 63) / 64 * 64;
+  // V pass, a block at a time (its rows were prefetched during the K pass).
   for (int64_t t = t0; t < t1;) {
     const int64_t b = t / g.BS;
     const int64_t end = std::min(t1, (b + 1) * g.BS);
-    const char* next = end < t1 ? reinterpret_cast<const char*>(vc + (int64_t)table[b + 1] * g.BS * g.tok_stride)
-                                : nullptr;
     const T* base = vc + ((int64_t)table[b] * g.BS + (t - b * g.BS)) * g.tok_stride;
     for (int64_t h = 0; h < g.Hk; ++h) {
-      if (next) prefetch_block(next + h * share, std::min(share, block_bytes - h * share));
       head_chunks(G, [&](int64_t j0, auto ng) {
         const int64_t head = h * G + j0;
         axpy_heads<T, decltype(ng)::value>(sc + head * n + (t - t0), n, base + h * D, g.tok_stride, end - t, D,
@@ -221,58 +219,67 @@ void decode_item(const float* q, const T* kc, const T* vc, const int32_t* table,
 }
 
 // ---------------------------------------------------------------- prefill -------------------------
+//
+// Scores are kept transposed, St[key, row], so the softmax and the mask vectorise over query rows and
+// K rows are read straight from their cache blocks (each element broadcast against a vector of
+// queries); the queries are transposed once per work item instead of the keys once per tile.
 
-// S[NR rows, NC*VS cols] = Q[NR, D] . Kt[D, cols]   (Kt: keys transposed, row stride ldk)
-template <int NR, int NC>
-inline void qk_block(const float* Q, int64_t D, const float* Kt, int64_t ldk, float* S, int64_t lds) {
-  fVec acc[NR][NC];
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = fVec(0.f);
+// St[NK keys, NC*VS rows] = K[NK, D] . Qt[D, rows]
+template <int NK, int NC>
+inline void qk_block(const float* const* k, int64_t D, const float* Qt, int64_t ldq, float* St, int64_t lds) {
+  fVec acc[NK][NC];
+  for (int a = 0; a < NK; ++a)
+    for (int c = 0; c < NC; ++c) acc[a][c] = fVec(0.f);
   for (int64_t d = 0; d < D; ++d) {
-    fVec k[NC];
-    for (int c = 0; c < NC; ++c) k[c] = fVec::loadu(Kt + d * ldk + c * VS);
-    for (int r = 0; r < NR; ++r) {
-      const fVec qb(Q[r * D + d]);
-      for (int c = 0; c < NC; ++c) acc[r][c] = at::vec::fmadd(qb, k[c], acc[r][c]);
+    fVec qv[NC];
+    for (int c = 0; c < NC; ++c) qv[c] = fVec::loadu(Qt + d * ldq + c * VS);
+    for (int a = 0; a < NK; ++a) {
+      const fVec kb(k[a][d]);
+      for (int c = 0; c < NC; ++c) acc[a][c] = at::vec::fmadd(kb, qv[c], acc[a][c]);
     }
   }
-  for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c].store(S + r * lds + c * VS);
+  for (int a = 0; a < NK; ++a)
+    for (int c = 0; c < NC; ++c) acc[a][c].store(St + a * lds + c * VS);
 }
 
 template <int NC>
-inline void qk_rows(int nr, const float* Q, int64_t D, const float* Kt, int64_t ldk, float* S, int64_t lds) {
-  switch (nr) {
-    case 4: qk_block<4, NC>(Q, D, Kt, ldk, S, lds); break;
-    case 3: qk_block<3, NC>(Q, D, Kt, ldk, S, lds); break;
-    case 2: qk_block<2, NC>(Q, D, Kt, ldk, S, lds); break;
-    default: qk_block<1, NC>(Q, D, Kt, ldk, S, lds); break;
+inline void qk_keys(int nk, const float* const* k, int64_t D, const float* Qt, int64_t ldq, float* St, int64_t lds) {
+  switch (nk) {
+    case 6: qk_block<6, NC>(k, D, Qt, ldq, St, lds); break;
+    case 5: qk_block<5, NC>(k, D, Qt, ldq, St, lds); break;
+    case 4: qk_block<4, NC>(k, D, Qt, ldq, St, lds); break;
+    case 3: qk_block<3, NC>(k, D, Qt, ldq, St, lds); break;
+    case 2: qk_block<2, NC>(k, D, Qt, ldq, St, lds); break;
+    default: qk_block<1, NC>(k, D, Qt, ldq, St, lds); break;
   }
 }
 
-// cols: a multiple of VS (Kt is zero-padded to it).
-void qk_tile(const float* Q, int64_t rows, int64_t D, const float* Kt, int64_t ldk, int64_t cols, float* S,
-             int64_t lds) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-    const int nr = (int)std::min<int64_t>(4, rows - r0);
-    int64_t c0 = 0;
-    for (; c0 + 2 * VS <= cols; c0 += 2 * VS) qk_rows<2>(nr, Q + r0 * D, D, Kt + c0, ldk, S + r0 * lds + c0, lds);
-    if (c0 < cols) qk_rows<1>(nr, Q + r0 * D, D, Kt + c0, ldk, S + r0 * lds + c0, lds);
+// Keys per register block: 6 keys x 2 vectors of rows = 12 accumulators fit AVX2's 16 registers.
+constexpr int QK_KEYS = 6;
+
+// rows: a multiple of VS (Qt is zero-padded to it).
+void qk_tile(const float* const* k, int64_t nk, int64_t D, const float* Qt, int64_t rows, float* St) {
+  for (int64_t k0 = 0; k0 < nk; k0 += QK_KEYS) {
+    const int n = (int)std::min<int64_t>(QK_KEYS, nk - k0);
+    int64_t r0 = 0;
+    for (; r0 + 2 * VS <= rows; r0 += 2 * VS) qk_keys<2>(n, k + k0, D, Qt + r0, rows, St + k0 * rows + r0, rows);
+    if (r0 < rows) qk_keys<1>(n, k + k0, D, Qt + r0, rows, St + k0 * rows + r0, rows);
   }
 }
 
-// acc[NR, NC*VS] += P[NR, nk] . V[nk, NC*VS]   (V rows of stride ldv)
+// acc[NR rows, NC*VS of D] += Pt[keys, rows]^T . V[keys, ...]
 template <int NR, int NC>
-inline void pv_block(const float* P, int64_t ldp, int64_t nk, const float* V, int64_t ldv, float* acc, int64_t lda) {
+inline void pv_block(const float* Pt, int64_t ldp, int64_t nk, const float* const* v, int64_t d0, float* acc,
+                     int64_t lda) {
   fVec a[NR][NC];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < NC; ++c) a[r][c] = fVec::loadu(acc + r * lda + c * VS);
   for (int64_t k = 0; k < nk; ++k) {
-    fVec v[NC];
-    for (int c = 0; c < NC; ++c) v[c] = fVec::loadu(V + k * ldv + c * VS);
+    fVec vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = fVec::loadu(v[k] + d0 + c * VS);
     for (int r = 0; r < NR; ++r) {
-      const fVec pb(P[r * ldp + k]);
-      for (int c = 0; c < NC; ++c) a[r][c] = at::vec::fmadd(pb, v[c], a[r][c]);
+      const fVec pb(Pt[k * ldp + r]);
+      for (int c = 0; c < NC; ++c) a[r][c] = at::vec::fmadd(pb, vv[c], a[r][c]);
     }
   }
   for (int r = 0; r < NR; ++r)
@@ -280,99 +287,126 @@ inline void pv_block(const float* P, int64_t ldp, int64_t nk, const float* V, in
 }
 
 template <int NC>
-inline void pv_rows(int nr, const float* P, int64_t ldp, int64_t nk, const float* V, int64_t ldv, float* acc,
+inline void pv_rows(int nr, const float* Pt, int64_t ldp, int64_t nk, const float* const* v, int64_t d0, float* acc,
                     int64_t lda) {
   switch (nr) {
-    case 4: pv_block<4, NC>(P, ldp, nk, V, ldv, acc, lda); break;
-    case 3: pv_block<3, NC>(P, ldp, nk, V, ldv, acc, lda); break;
-    case 2: pv_block<2, NC>(P, ldp, nk, V, ldv, acc, lda); break;
-    default: pv_block<1, NC>(P, ldp, nk, V, ldv, acc, lda); break;
+    case 6: pv_block<6, NC>(Pt, ldp, nk, v, d0, acc, lda); break;
+    case 5: pv_block<5, NC>(Pt, ldp, nk, v, d0, acc, lda); break;
+    case 4: pv_block<4, NC>(Pt, ldp, nk, v, d0, acc, lda); break;
+    case 3: pv_block<3, NC>(Pt, ldp, nk, v, d0, acc, lda); break;
+    case 2: pv_block<2, NC>(Pt, ldp, nk, v, d0, acc, lda); break;
+    default: pv_block<1, NC>(Pt, ldp, nk, v, d0, acc, lda); break;
   }
 }
 
-void pv_tile(const float* P, int64_t rows, int64_t ldp, int64_t nk, const float* V, int64_t D, float* acc) {
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-    const int nr = (int)std::min<int64_t>(4, rows - r0);
+void pv_tile(const float* Pt, int64_t ldp, int64_t rows, int64_t nk, const float* const* v, int64_t D, float* acc) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+    const int nr = (int)std::min<int64_t>(6, rows - r0);
     int64_t d0 = 0;
-    for (; d0 + 2 * VS <= D; d0 += 2 * VS) pv_rows<2>(nr, P + r0 * ldp, ldp, nk, V + d0, D, acc + r0 * D + d0, D);
+    for (; d0 + 2 * VS <= D; d0 += 2 * VS) pv_rows<2>(nr, Pt + r0, ldp, nk, v, d0, acc + r0 * D + d0, D);
     if (d0 + VS <= D) {
-      pv_rows<1>(nr, P + r0 * ldp, ldp, nk, V + d0, D, acc + r0 * D + d0, D);
+      pv_rows<1>(nr, Pt + r0, ldp, nk, v, d0, acc + r0 * D + d0, D);
       d0 += VS;
     }
     for (int64_t r = r0; r < r0 + nr; ++r)  // head sizes that are not whole vectors
       for (int64_t k = 0; k < nk; ++k)
-        for (int64_t d = d0; d < D; ++d) acc[r * D + d] += P[r * ldp + k] * V[k * D + d];
+        for (int64_t d = d0; d < D; ++d) acc[r * D + d] += Pt[k * ldp + r] * v[k][d];
   }
 }
 
-constexpr int64_t KEY_TILE = 256;
+constexpr int64_t KEY_TILE = 128;
 
 struct PrefillScratch {
-  std::vector<float> q, s, kt, v, acc, m, l;
+  std::vector<float> qt, st, acc, m, l, corr, kbuf, vbuf;
+  std::vector<const float*> krows, vrows;
 };
 
-// Query positions [pos0, pos0 + nq) of one request and KV head; q rows i*G + j.
+// Rows of the tile's keys as float pointers: straight into the cache for float32, converted for bf16.
+template <typename T>
+inline void key_rows(const T* cache, const int32_t* table, const Geometry& g, int64_t h, int64_t k0, int64_t nk,
+                     std::vector<float>& buf, std::vector<const float*>& rows) {
+  rows.resize(nk);
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < nk; ++i) {
+      const int64_t t = k0 + i;
+      rows[i] = cache + ((int64_t)table[t / g.BS] * g.BS + t % g.BS) * g.tok_stride + h * g.D;
+    }
+  } else {
+    buf.resize(nk * g.D);
+    for (int64_t i = 0; i < nk; ++i) {
+      const int64_t t = k0 + i;
+      const T* src = cache + ((int64_t)table[t / g.BS] * g.BS + t % g.BS) * g.tok_stride + h * g.D;
+      float* dst = buf.data() + i * g.D;
+      int64_t d = 0;
+      for (; d + VS <= g.D; d += VS) load_f(src + d).store(dst + d);
+      for (; d < g.D; ++d) dst[d] = static_cast<float>(src[d]);
+      rows[i] = dst;
+    }
+  }
+}
+
+// Query positions [pos0, pos0 + nq) of one request and KV head; query rows r = i*G + j.
 template <typename T>
 void prefill_item(const float* q, int64_t q_row_stride, const T* kc, const T* vc, const int32_t* table,
                   const Geometry& g, int64_t h, int64_t pos0, int64_t nq, float* out, int64_t out_row_stride,
                   PrefillScratch& w) {
   const int64_t G = g.G, D = g.D, rows = nq * G;
-  w.q.resize(rows * D);
-  w.s.resize(rows * KEY_TILE);
-  w.kt.resize(D * KEY_TILE);
-  w.v.resize(KEY_TILE * D);
-  w.acc.assign(rows * D, 0.f);
-  w.m.assign(rows, NEG_INF);
-  w.l.assign(rows, 0.f);
+  const int64_t R = (rows + VS - 1) / VS * VS;  // rows padded to whole vectors
+  w.qt.assign(D * R, 0.f);
+  w.st.resize(KEY_TILE * R);
+  w.acc.assign(R * D, 0.f);
+  w.m.assign(R, NEG_INF);
+  w.l.assign(R, 0.f);
+  w.corr.resize(R);
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t j = 0; j < G; ++j) {
       const float* src = q + i * q_row_stride + j * D;
-      float* dst = w.q.data() + (i * G + j) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * g.scale;
+      for (int64_t d = 0; d < D; ++d) w.qt[d * R + i * G + j] = src[d] * g.scale;
     }
   const int64_t klo = g.window > 0 ? std::max<int64_t>(0, pos0 - g.window + 1) : 0;
   const int64_t khi = pos0 + nq;
+  const fVec neg_inf(NEG_INF), zero(0.f);
   for (int64_t k0 = klo; k0 < khi; k0 += KEY_TILE) {
-    const int64_t k1 = std::min(khi, k0 + KEY_TILE), nk = k1 - k0;
-    const int64_t cols = (nk + VS - 1) / VS * VS;
-    // Stage the tile: K transposed (zero-padded to whole vectors), V as rows.
-    for (int64_t t = k0; t < k1; ++t) {
-      const int64_t b = t / g.BS, off = (int64_t)table[b] * g.BS + t % g.BS;
-      const T* kp = kc + off * g.tok_stride + h * D;
-      const T* vp = vc + off * g.tok_stride + h * D;
-      float* vd = w.v.data() + (t - k0) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        w.kt[d * KEY_TILE + (t - k0)] = static_cast<float>(kp[d]);
-        vd[d] = static_cast<float>(vp[d]);
-      }
+    const int64_t nk = std::min(khi, k0 + KEY_TILE) - k0;
+    key_rows(kc, table, g, h, k0, nk, w.kbuf, w.krows);
+    qk_tile(w.krows.data(), nk, D, w.qt.data(), R, w.st.data());
+    // Key k is visible to rows [lo, hi): causal (pos >= key) and inside the window (pos < key + window).
+    for (int64_t k = 0; k < nk; ++k) {
+      const int64_t key = k0 + k;
+      const int64_t lo = std::clamp<int64_t>((key - pos0) * G, 0, rows);
+      const int64_t hi = g.window > 0 ? std::clamp<int64_t>((key + g.window - pos0) * G, 0, rows) : rows;
+      float* s = w.st.data() + k * R;
+      if (g.cap > 0.f && hi > lo) soft_cap(s + lo, hi - lo, g.cap);
+      std::fill(s, s + std::min(lo, R), NEG_INF);
+      std::fill(s + std::max(hi, lo), s + R, NEG_INF);
     }
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t c = nk; c < cols; ++c) w.kt[d * KEY_TILE + c] = 0.f;
-    qk_tile(w.q.data(), rows, D, w.kt.data(), KEY_TILE, cols, w.s.data(), KEY_TILE);
+    // Online softmax, a vector of rows at a time.
+    for (int64_t r = 0; r < R; r += VS) {
+      fVec mx = fVec::loadu(w.m.data() + r);
+      const fVec m_old = mx;
+      for (int64_t k = 0; k < nk; ++k) mx = at::vec::maximum(mx, fVec::loadu(w.st.data() + k * R + r));
+      const fVec m_use = fVec::blendv(mx, zero, mx == neg_inf);  // rows with nothing visible yet
+      const fVec corr = (m_old - m_use).exp_u20();
+      fVec sum(0.f);
+      for (int64_t k = 0; k < nk; ++k) {
+        float* s = w.st.data() + k * R + r;
+        const fVec p = (fVec::loadu(s) - m_use).exp_u20();
+        p.store(s);
+        sum = sum + p;
+      }
+      (fVec::loadu(w.l.data() + r) * corr + sum).store(w.l.data() + r);
+      mx.store(w.m.data() + r);
+      corr.store(w.corr.data() + r);
+    }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t pos = pos0 + r / G;
-      // Visible keys of this row within the tile: [lo, hi) in tile columns.
-      const int64_t lo = g.window > 0 ? std::clamp<int64_t>(pos - g.window + 1 - k0, 0, nk) : 0;
-      const int64_t hi = std::clamp<int64_t>(pos + 1 - k0, 0, nk);
-      float* s = w.s.data() + r * KEY_TILE;
-      if (lo >= hi) {
-        std::fill(s, s + nk, 0.f);
-        continue;
-      }
-      if (g.cap > 0.f) soft_cap(s + lo, hi - lo, g.cap);
-      std::fill(s, s + lo, NEG_INF);
-      std::fill(s + hi, s + cols, NEG_INF);
-      const float m_new = std::max(w.m[r], row_max(s + lo, hi - lo));
-      const float corr = std::exp(w.m[r] - m_new);  // 0 on the first visible tile
-      const float sum = exp_sum(s, cols, m_new);
-      w.l[r] = w.l[r] * corr + sum;
-      w.m[r] = m_new;
-      if (corr != 1.f) {
+      const float c = w.corr[r];
+      if (c != 1.f) {
         float* a = w.acc.data() + r * D;
-        for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+        for (int64_t d = 0; d < D; ++d) a[d] *= c;
       }
     }
-    pv_tile(w.s.data(), rows, KEY_TILE, nk, w.v.data(), D, w.acc.data());
+    key_rows(vc, table, g, h, k0, nk, w.vbuf, w.vrows);
+    pv_tile(w.st.data(), R, rows, nk, w.vrows.data(), D, w.acc.data());
   }
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t j = 0; j < G; ++j) {
