@@ -177,3 +177,23 @@ def test_rejects_unsupported_cache_dtype():
     layer = Attention(2, 1, 64, 0.125)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         backend.allocate_kv_cache([layer], 4, torch.float16)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_layouts(seed):
+    """Random geometry, window, cap and cache dtype; ragged decodes and chunks in one batch."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
+    Hk, ratio, D = pick([1, 2, 4]), pick([1, 3, 8]), pick([64, 128])
+    window = pick([None, None, 16, 300])
+    cap = pick([None, None, 30.0])
+    dtype = pick([torch.float32, torch.bfloat16])
+    block_size = pick([16, 32])
+    n = int(torch.randint(1, 9, (1,), generator=g))
+    ctx = random_lens(g, n, 1, 2000)
+    ql = [1 if torch.rand(1, generator=g) < 0.6 else int(torch.randint(1, c + 1, (1,), generator=g)) for c in ctx]
+    H = Hk * ratio
+    q, k, v, kc, vc, layout, fk, fv = make_case(seed, ctx, ql, H, Hk, D, block_size=block_size, dtype=dtype)
+    out, scale = run_backend(q, k, v, kc, vc, layout, H, Hk, D, window=window, cap=cap)
+    ref = reference(q, fk, fv, ctx, ql, scale, window, cap)
+    assert (out.double() - ref).abs().max().item() <= 1e-5
