@@ -197,3 +197,14 @@ def test_random_layouts(seed):
     out, scale = run_backend(q, k, v, kc, vc, layout, H, Hk, D, window=window, cap=cap)
     ref = reference(q, fk, fv, ctx, ql, scale, window, cap)
     assert (out.double() - ref).abs().max().item() <= 1e-5
+
+
+def test_bf16_queries_come_back_in_bf16():
+    """Models computing in bf16 (CPUs with native bf16) pass bf16 q/k/v: attention runs in float32 inside."""
+    H, Hk, D = 4, 2, 64
+    ctx, ql = [90, 33], [1, 33]
+    q, k, v, kc, vc, layout, fk, fv = make_case(21, ctx, ql, H, Hk, D, dtype=torch.bfloat16)
+    out, scale = run_backend(q.bfloat16(), k.bfloat16(), v.bfloat16(), kc, vc, layout, H, Hk, D)
+    assert out.dtype == torch.bfloat16
+    ref = reference(q.bfloat16().float(), fk, fv, ctx, ql, scale, None, None)
+    assert (out.double() - ref).abs().max().item() <= 2e-2

@@ -98,8 +98,8 @@ class Worker:
         kv_dtype = kv_dtype_for(getattr(cache, "kv_cache_dtype", "auto"), model)
         num_blocks = self.determine_num_blocks(kv_dtype)
         self.runner.allocate_kv_cache(num_blocks, kv_dtype)
-        log.info("KV cache: %d blocks x %d tokens, %.1f MiB (%s)", num_blocks, cache.block_size,
-                 num_blocks * self.runner.bytes_per_block / 2**20, kv_dtype)
+        log.info("KV cache: %d blocks x %d tokens, %.1f MiB (%s); attention backend %s", num_blocks, cache.block_size,
+                 num_blocks * self.runner.bytes_per_block / 2**20, kv_dtype, describe_backend(backend_cls.name))
         offload = None
         from tokenmill.executor.kv_transfer import build_transfer
 
@@ -191,3 +191,11 @@ class Worker:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def describe_backend(name: str) -> str:
+    if name == "cpu_paged":
+        from tokenmill import native
+
+        return f"cpu_paged (native kernels, {native.cpu_capability()})"
+    return name
