@@ -37,85 +37,18 @@ and warns when they competed with the threads; --threads 1 sidesteps it.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from measure import OtherLoad, env, env_str, measure_bandwidth, warn_if_busy
+
 CPU = torch.device("cpu")
 ALL_CASES = ("decode_f32", "decode_bf16", "long_decode", "prefill")
-
-
-def env() -> dict:
-    return {"loadavg": [round(x, 2) for x in os.getloadavg()], "threads": torch.get_num_threads()}
-
-
-def env_str(e: dict | None = None) -> str:
-    e = e or env()
-    return f"[load {'/'.join(f'{x:.2f}' for x in e['loadavg'])}, threads {e['threads']}]"
-
-
-class OtherLoad:
-    """CPU time other processes used since `mark()`, in cores: (machine busy time - this process's) / wall.
-    From /proc/stat, so it counts what the load average blurs over a minute; None where unavailable."""
-
-    HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-    def __init__(self) -> None:
-        self.mark()
-
-    @classmethod
-    def _busy(cls) -> float | None:
-        try:
-            with open("/proc/stat") as f:
-                v = [int(x) for x in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
-        guest = sum(v[8:10])  # already counted in user/nice
-        return (sum(v) - idle - guest) / cls.HZ
-
-    def mark(self) -> None:
-        t = os.times()
-        self.t, self.own, self.busy = time.perf_counter(), t.user + t.system, self._busy()
-
-    def cores(self) -> float | None:
-        busy = self._busy()
-        if busy is None or self.busy is None:
-            return None
-        t = os.times()
-        wall = time.perf_counter() - self.t
-        return max(0.0, (busy - self.busy) - (t.user + t.system - self.own)) / wall if wall > 0 else None
-
-
-def warn_if_busy(cores: float | None, when: str) -> str:
-    """Other processes' CPU use during a measurement, with a warning when it competes for the cores."""
-    if cores is None:
-        return ""
-    msg = f"other processes used {cores:.2f} cores {when}"
-    if cores > 0.2 and cores + torch.get_num_threads() > (os.cpu_count() or 1):
-        msg = ("WARNING: " + msg + f" with {torch.get_num_threads()} threads on {os.cpu_count()} cores: "
-               "multi-threaded timings are inflated (watch for 4 ms steps)")
-    return msg
-
-
-def measure_bandwidth(gib: float, repeats: int = 5) -> float:
-    """Bytes/s of a streaming read: best of `repeats` sums over a float32 tensor of `gib` GiB."""
-    n = int(gib * (1 << 30)) // 4
-    x = torch.ones(n)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    del x
-    return n * 4 / best
 
 
 @dataclass
@@ -333,18 +266,6 @@ def run_case(c: Case, names: list[str], a, flush: torch.Tensor | None, bw: float
     return res
 
 
-def load_optional_backends() -> None:
-    """Backends that live outside the package's default imports (cpu_paged while it is being written)."""
-    for mod in ("tokenmill.layers.attention_backends.cpu_paged",):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                print(f"note: importing {mod} failed: {e}")
-        except Exception as e:  # noqa: BLE001 - a backend that fails to build must say why, not vanish
-            print(f"note: importing {mod} failed: {type(e).__name__}: {e}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default=None, help="comma list (default: available_backends('cpu'))")
@@ -382,12 +303,14 @@ def main() -> None:
         tuned = tune_malloc()
     from tokenmill.layers.attention_backends import available_backends
 
-    load_optional_backends()
     avail = available_backends(CPU)
     names = [n.strip() for n in a.backends.split(",") if n.strip()] if a.backends else avail
     missing = [n for n in names if n not in avail]
     if missing:
-        raise SystemExit(f"backend(s) {', '.join(missing)} not available on CPU; available: {', '.join(avail)}")
+        from tokenmill import native
+
+        why = f" (native kernels: {native.load()})" if native.load() else ""
+        raise SystemExit(f"backend(s) {', '.join(missing)} not available on CPU{why}; available: {', '.join(avail)}")
     cases = [s.strip() for s in a.cases.split(",") if s.strip()]
     bad = [s for s in cases if s not in ALL_CASES]
     if bad:
@@ -397,7 +320,7 @@ def main() -> None:
 
     e0 = env()
     whole = OtherLoad()
-    bw = measure_bandwidth(a.bw_gib)
+    bw = measure_bandwidth(int(a.bw_gib * (1 << 30)))
     print(f"torch {torch.__version__}, backends: {', '.join(names)} (available on CPU: {', '.join(avail)})")
     print(f"streaming read bandwidth: {bw / 1e9:.1f} GB/s (best of 5 sums over {a.bw_gib:g} GiB float32)  "
           f"{env_str(e0)}")
