@@ -99,7 +99,7 @@ class Worker:
         num_blocks = self.determine_num_blocks(kv_dtype)
         self.runner.allocate_kv_cache(num_blocks, kv_dtype)
         log.info("KV cache: %d blocks x %d tokens, %.1f MiB (%s); attention backend %s", num_blocks, cache.block_size,
-                 num_blocks * self.runner.bytes_per_block / 2**20, kv_dtype, describe_backend(backend_cls.name))
+                 num_blocks * self.runner.bytes_per_block / 2**20, kv_dtype, backend_cls.describe())
         offload = None
         from tokenmill.executor.kv_transfer import build_transfer
 
@@ -191,11 +191,3 @@ class Worker:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-
-
-def describe_backend(name: str) -> str:
-    if name == "cpu_paged":
-        from tokenmill import native
-
-        return f"cpu_paged (native kernels, {native.cpu_capability()})"
-    return name

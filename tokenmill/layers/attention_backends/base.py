@@ -36,6 +36,16 @@ class AttentionBackend:
     def supports(cls, device: torch.device) -> bool:
         return False
 
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        """Why the backend cannot run on `device` (None: it can), for the fallback's log line."""
+        return None if cls.supports(device) else f"not supported on {torch.device(device).type}"
+
+    @classmethod
+    def describe(cls) -> str:
+        """The backend as the start-up log names it."""
+        return cls.name
+
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.device = torch.device(device)

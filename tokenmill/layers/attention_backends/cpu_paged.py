@@ -41,6 +41,16 @@ class CPUPagedBackend(AttentionBackend):
     def supports(cls, device: torch.device) -> bool:
         return torch.device(device).type == "cpu" and native.available()
 
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        if torch.device(device).type != "cpu":
+            return "CPU only"
+        return native.load()
+
+    @classmethod
+    def describe(cls) -> str:
+        return f"{cls.name} (native kernels, {native.cpu_capability()})"
+
     def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_blocks, self.block_size, num_kv_heads, head_dim)
 

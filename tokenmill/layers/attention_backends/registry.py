@@ -43,18 +43,10 @@ def default_backend(device: torch.device | str) -> str:
     device = torch.device(device)
     for name in _DEFAULTS.get(device.type, (_FALLBACK,)):
         cls = _BACKENDS.get(name)
-        if cls is not None and cls.supports(device):
+        why = "not registered" if cls is None else cls.unavailable_reason(device)
+        if why is None:
             return name
         if name not in _warned:
             _warned.add(name)
-            log.warning("attention backend %s is not available on %s%s; falling back", name, device.type,
-                        _why_not(name))
+            log.warning("attention backend %s is not available on %s (%s); falling back", name, device.type, why)
     return _FALLBACK
-
-
-def _why_not(name: str) -> str:
-    if name == "cpu_paged":
-        from tokenmill import native
-
-        return f" ({native.load()})" if native.load() else ""
-    return ""
