@@ -171,7 +171,7 @@ void decode_item(const float* q, const T* kc, const T* vc, const int32_t* table,
   buf.resize(H * n);
   float* sc = buf.data();  // [H, n]
   // K pass. Each token also prefetches the same row of the block after this one (anywhere in the
-  // pool; the hardware prefetcher cannot guess it), and during the last K block the first V block.
+  // pool; the hardware prefetcher cannot guess it) and its own V row, for the V pass.
   const int64_t row_bytes = g.tok_stride * (int64_t)sizeof(T);
   const int64_t first_block = t0 / g.BS, last_block = (t1 - 1) / g.BS;
   prefetch_block(kc + (int64_t)table[first_block] * g.BS * g.tok_stride, block_bytes);
@@ -179,13 +179,12 @@ void decode_item(const float* q, const T* kc, const T* vc, const int32_t* table,
     const int64_t b = t / g.BS;
     const int64_t end = std::min(t1, (b + 1) * g.BS);
     const T* base = kc + (int64_t)table[b] * g.BS * g.tok_stride;
-    const T* ahead = b < last_block ? kc + (int64_t)table[b + 1] * g.BS * g.tok_stride
-                                    : vc + (int64_t)table[first_block] * g.BS * g.tok_stride;
+    const T* ahead = b < last_block ? kc + (int64_t)table[b + 1] * g.BS * g.tok_stride : nullptr;
     const T* vbase = vc + (int64_t)table[b] * g.BS * g.tok_stride;
     for (; t < end; ++t) {
       const int64_t off = (t - b * g.BS) * g.tok_stride;
-      prefetch_block(ahead + off, row_bytes);
-      prefetch_block(vbase + off, row_bytes);  // V of this token, for the V pass (the partition fits in L2)
+      if (ahead) prefetch_block(ahead + off, row_bytes);
+      prefetch_block(vbase + off, row_bytes);  // the partition's K and V fit in L2
       const T* row = base + off;
       const int64_t i = t - t0;
       for (int64_t h = 0; h < g.Hk; ++h)
