@@ -14,6 +14,7 @@ import torch
 from tokenmill import native
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.attention_backends import BatchLayout, get_attention_backend
+from tests.test_attention_backends import dense_reference
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels not built: {native.load()}")
 
@@ -63,23 +64,11 @@ def make_case(seed, ctx_lens, q_lens, num_heads, num_kv_heads, head_dim, block_s
     return q, torch.cat(new_k), torch.cat(new_v), k_cache, v_cache, layout, full_k, full_v
 
 
-def reference(q, full_k, full_v, ctx_lens, q_lens, scale, window, cap):
+def reference(q, full_k, full_v, q_lens, scale, window, cap):
+    """Each request's rows through the dense float64 reference of the backend conformance suite."""
     out, row = [], 0
-    num_heads, num_kv = q.shape[1], full_k[0].shape[1]
-    for kk, vv, c, ql in zip(full_k, full_v, ctx_lens, q_lens):
-        qq = q[row:row + ql].double().transpose(0, 1)  # [H, ql, D]
-        kr = kk.repeat_interleave(num_heads // num_kv, dim=1).transpose(0, 1)  # [H, c, D]
-        vr = vv.repeat_interleave(num_heads // num_kv, dim=1).transpose(0, 1)
-        s = qq @ kr.transpose(1, 2) * scale
-        if cap:
-            s = cap * torch.tanh(s / cap)
-        qpos = torch.arange(c - ql, c).unsqueeze(1)
-        kpos = torch.arange(c).unsqueeze(0)
-        mask = kpos <= qpos
-        if window:
-            mask &= kpos > qpos - window
-        s = s.masked_fill(~mask, float("-inf"))
-        out.append((s.softmax(-1) @ vr).transpose(0, 1))
+    for kk, vv, ql in zip(full_k, full_v, q_lens):
+        out.append(dense_reference(q[row:row + ql].double(), kk, vv, scale, window, cap))
         row += ql
     return torch.cat(out)
 
@@ -111,7 +100,7 @@ def test_mixed_batch_matches_reference(heads, dtype):
     ql = [1] * 7 + [150, 45, 1000, 37]  # chunk after a prefix hit, a chunk, a long chunk, a whole prompt
     q, k, v, kc, vc, layout, fk, fv = make_case(D + H, ctx, ql, H, Hk, D, dtype=dtype)
     out, scale = run_backend(q, k, v, kc, vc, layout, H, Hk, D)
-    ref = reference(q, fk, fv, ctx, ql, scale, None, None)
+    ref = reference(q, fk, fv, ql, scale, None, None)
     assert torch.isfinite(out).all()
     assert (out.double() - ref).abs().max().item() <= 1e-5
 
@@ -130,7 +119,7 @@ def test_sliding_window(window):
             kc[b, off] = float("nan")
             vc[b, off] = float("nan")
     out, scale = run_backend(q, k, v, kc, vc, layout, H, Hk, D, window=window)
-    ref = reference(q, fk, fv, ctx, ql, scale, window, None)
+    ref = reference(q, fk, fv, ql, scale, window, None)
     assert (out.double() - ref).abs().max().item() <= 1e-5
 
 
@@ -141,9 +130,9 @@ def test_soft_cap_and_long_single_request_split():
     q, k, v, kc, vc, layout, fk, fv = make_case(3, ctx, ql, H, Hk, D)
     q = q * 8  # large scores, so the cap matters
     out, scale = run_backend(q, k, v, kc, vc, layout, H, Hk, D, cap=5.0)
-    ref = reference(q, fk, fv, ctx, ql, scale, None, 5.0)
+    ref = reference(q, fk, fv, ql, scale, None, 5.0)
     assert (out.double() - ref).abs().max().item() <= 1e-5
-    plain = reference(q, fk, fv, ctx, ql, scale, None, None)
+    plain = reference(q, fk, fv, ql, scale, None, None)
     assert (plain - ref).abs().max().item() > 1e-2  # the cap changed the answer
 
 
@@ -195,7 +184,7 @@ def test_random_layouts(seed):
     H = Hk * ratio
     q, k, v, kc, vc, layout, fk, fv = make_case(seed, ctx, ql, H, Hk, D, block_size=block_size, dtype=dtype)
     out, scale = run_backend(q, k, v, kc, vc, layout, H, Hk, D, window=window, cap=cap)
-    ref = reference(q, fk, fv, ctx, ql, scale, window, cap)
+    ref = reference(q, fk, fv, ql, scale, window, cap)
     assert (out.double() - ref).abs().max().item() <= 1e-5
 
 
@@ -206,5 +195,5 @@ def test_bf16_queries_come_back_in_bf16():
     q, k, v, kc, vc, layout, fk, fv = make_case(21, ctx, ql, H, Hk, D, dtype=torch.bfloat16)
     out, scale = run_backend(q.bfloat16(), k.bfloat16(), v.bfloat16(), kc, vc, layout, H, Hk, D)
     assert out.dtype == torch.bfloat16
-    ref = reference(q.bfloat16().float(), fk, fv, ctx, ql, scale, None, None)
+    ref = reference(q.bfloat16().float(), fk, fv, ql, scale, None, None)
     assert (out.double() - ref).abs().max().item() <= 2e-2
