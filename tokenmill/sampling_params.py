@@ -1,7 +1,57 @@
 """Per-request sampling parameters (vLLM's names and defaults)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's `structured_outputs`): set exactly one of the first six fields.
+    Compiled by llguidance in the engine core (tokenmill/structured_output)."""
+
+    json: str | dict | None = None  # a JSON schema (dict or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF/EBNF
+    json_object: bool | None = None  # any JSON object
+    structural_tag: str | dict | None = None  # {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
+    # JSON compile options: no whitespace outside strings (vLLM's disable_any_whitespace).
+    disable_any_whitespace: bool = False
+    # Apply the constraint only after the output contains these tokens (the end of a reasoning section);
+    # empty: from the first token. Set by the server's reasoning parser.
+    start_after_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, json_object "
+                             f"or structural_tag; got {kinds or 'none'}.")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+        self.start_after_token_ids = tuple(int(t) for t in self.start_after_token_ids)
+
+    def kinds(self) -> list[str]:
+        return [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                if getattr(self, k) not in (None, False)]
+
+    @property
+    def kind(self) -> str:
+        return self.kinds()[0]
+
+    def spec(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints give equal keys (the compiled-grammar cache's key)."""
+        kind = self.kind
+        value: Any = getattr(self, kind)
+        if kind == "json_object":
+            value = ""
+        elif not isinstance(value, str):
+            value = json.dumps(value, separators=(",", ":"))  # key order kept: it is the output order
+        if self.disable_any_whitespace and kind in ("json", "json_object"):
+            kind += ":compact"
+        return kind, value
 
 
 @dataclass
@@ -26,6 +76,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -36,6 +87,8 @@ class SamplingParams:
         else:
             self._stop_list = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k == -1:
             self.top_k = 0
         self.validate()

@@ -22,6 +22,9 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Finished because its grammar was complete: the last token is text, not an EOS or stop token.
+    grammar_done: bool = False
+    error: str | None = None  # the request failed in the core (a grammar that did not compile): a 400
 
     @property
     def finished(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -43,6 +44,7 @@ class Request:
     index: int = 0  # which of the group's n sequences
     seed: int | None = None  # this sequence's own sampling seed (params.seed + index)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
+    grammar: Any = None  # structured_output.manager.RequestGrammar of a constrained request
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

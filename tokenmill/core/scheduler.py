@@ -77,8 +77,9 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, structured=None) -> None:
         self.config = config
+        self.structured = structured  # structured_output.StructuredOutputManager: matchers of constrained requests
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting = WaitingQueue(use_priority=config.policy == "priority")
@@ -106,6 +107,8 @@ class Scheduler:
         if req.block_ids:
             self.kv.free(req)
         self._unsend(req)
+        if req.grammar is not None:
+            self.structured.free(req)
         self.requests.pop(req.request_id, None)
         req.status = status
         req.finished_time = time.monotonic()
@@ -196,9 +199,14 @@ class Scheduler:
                     out.spec[req.request_id] = spec
                 budget -= n
 
-        # Admit waiting requests, unless this step already had to preempt.
+        # Admit waiting requests, unless this step already had to preempt. A request whose grammar is still
+        # compiling stays in the queue without holding up the ones behind it.
+        compiling = []
         while budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs and not out.preempted:
             req = self.waiting.peek()
+            if req.grammar is not None and req.grammar.matcher is None:
+                compiling.append(self.waiting.pop())
+                continue
             computed, offloaded = [], []
             if req.num_computed_tokens == 0:
                 computed = self.kv.get_computed_blocks(req)
@@ -219,6 +227,8 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
+        for req in compiling:
+            self.waiting.add(req)
         return out
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
@@ -279,6 +289,9 @@ class Scheduler:
             if not new and prompt_lps is None:
                 continue
             accepted, status = self._append(req, new)
+            grammar_done = False
+            if req.grammar is not None and self.structured.accept(req, accepted) and status is None:
+                status, grammar_done = RequestStatus.FINISHED_STOPPED, True  # only EOS could follow
             if rejected:
                 self.kv.trim(req, req.num_tokens + self.num_lookahead_tokens)
                 if req.sent is not None:  # the worker must replace its table's tail, not just extend it
@@ -292,7 +305,7 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 rid, accepted, lps[: len(accepted)] if lps is not None else None, prompt_lps,
                 req.status.value if req.finished else None, req.stop_reason, max(req.num_cached_tokens, 0),
-                req.first_scheduled_time, req.first_token_time, req.finished_time))
+                req.first_scheduled_time, req.first_token_time, req.finished_time, grammar_done))
         return outputs
 
     def _append(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:

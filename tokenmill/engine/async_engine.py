@@ -252,6 +252,11 @@ class AsyncLLMEngine:
 
     def _handle_outputs(self, out: EngineCoreOutputs) -> None:
         t0 = time.perf_counter()
+        failed = [o for o in out.outputs if o.error is not None]
+        if failed:  # requests the core refused (a grammar that did not compile): 400 to their callers
+            out.outputs = [o for o in out.outputs if o.error is None]
+            for o in failed:
+                self._fail_children({o.request_id}, EngineError(o.error, 400))
         batches: dict = defaultdict(list)
         itl: list[float] = []
         done: list[RequestState] = []

@@ -9,16 +9,18 @@ from typing import Callable
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache import KVCacheManager
-from tokenmill.core.outputs import EngineCoreOutputs, SchedulerStats
+from tokenmill.core.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenmill.core.request import EngineCoreRequest, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.stats import EngineStats, StepStats
+from tokenmill.structured_output.manager import StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+        """`tokenizer`: the caller's, when it shares this process (else loaded when a grammar first needs it)."""
         from tokenmill.executor.executor import Executor
         from tokenmill.executor.kv_transfer import build_tiers
 
@@ -28,14 +30,35 @@ class EngineCore:
         info = self.info = self.executor.info
         offload = build_tiers(config.cache, info.offload, info.bytes_per_block)
         self.kv = KVCacheManager(info.num_blocks, info.block_size, config.cache.enable_prefix_caching, offload)
-        self.scheduler = Scheduler(config.scheduler, self.kv, info.max_model_len)
+        self._tokenizer = tokenizer
+        self.structured = StructuredOutputManager(self._load_tokenizer, info.vocab_size, self._eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler, self.kv, info.max_model_len, self.structured)
         self.stats = EngineStats()
+
+    def _load_tokenizer(self):
+        if self._tokenizer is None:
+            from tokenmill.model.loader import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.config.model.model, self.config.model.tokenizer)
+        return self._tokenizer
+
+    def _eos_token_ids(self) -> list[int]:
+        from tokenmill.model.loader import generation_eos_ids
+
+        eos = generation_eos_ids(self.config.model.model)
+        tok = self._load_tokenizer()
+        if tok.eos_token_id is not None:
+            eos.add(tok.eos_token_id)
+        return sorted(eos)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use.")
-        self.scheduler.add_request(req.to_request())
+        request = req.to_request()
+        if request.params.structured_outputs is not None:
+            self.structured.add(request)
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED,
                        stop_reason: int | str | None = None) -> None:
@@ -50,6 +73,7 @@ class EngineCore:
         forward pass (the server's admission control reads them)."""
         st = StepStats()
         t0 = time.perf_counter()
+        failed = self._fail_bad_grammars()
         out = self.scheduler.schedule()
         st.schedule_s = time.perf_counter() - t0
         if on_scheduled is not None:
@@ -62,11 +86,14 @@ class EngineCore:
                 self.scheduler.recompute_failed_loads(out, self.kv.loads_failed(failed))
         if not out:
             self.stats.add(st)
-            return EngineCoreOutputs([], None, self.scheduler_stats(), self.stats.idle_s)
+            return EngineCoreOutputs(failed, None, self.scheduler_stats(), self.stats.idle_s)
         batch = self.scheduler.build_batch(out)
+        t1 = time.perf_counter()
+        self.structured.fill_bitmask(batch, [r for r, _ in out.scheduled])
+        st.grammar_s = time.perf_counter() - t1
         result = self.executor.execute_model(batch)
         t1 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(out, result)
+        outputs = failed + self.scheduler.update_from_output(out, result)
         t = result.timings
         st.schedule_s += time.perf_counter() - t1
         st.prepare_s, st.forward_s, st.sample_s = t.prepare_s, t.forward_s, t.sample_s
@@ -80,6 +107,20 @@ class EngineCore:
         self.stats.generation_tokens = self.scheduler.generation_tokens
         self.stats.add(st)
         return EngineCoreOutputs(outputs, st, self.scheduler_stats(), self.stats.idle_s)
+
+    def _fail_bad_grammars(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar did not compile end here, with the reason as their stop_reason (the
+        processor checks grammars first, so only what needs the tokenizer to fail gets this far)."""
+        outputs = []
+        for req in self.structured.poll():
+            if req.finished:
+                continue
+            message = req.grammar.error
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="abort",
+                                            stop_reason=f"grammar error: {message}", error=message,
+                                            finished_time=req.finished_time))
+        return outputs
 
     def scheduler_stats(self) -> SchedulerStats:
         kv, sched = self.kv, self.scheduler
@@ -105,4 +146,5 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()

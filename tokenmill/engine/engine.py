@@ -39,8 +39,8 @@ class LLMEngine:
         config.model.model = resolve_model(config.model.model)
         t0 = time.monotonic()
         self.config = config
-        self.core = EngineCore(config)
         self.tokenizer = tokenizer or load_tokenizer(config.model.model, config.model.tokenizer)
+        self.core = EngineCore(config, self.tokenizer)
         self.facts = model_facts(config, self.core.info, self.tokenizer, time.monotonic() - t0)
         self.processor = Processor(self.tokenizer, self.facts)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -183,7 +183,7 @@ class OutputProcessor:
             seq.token_ids.append(tok)
             if seq.logprobs is not None and o.new_logprobs is not None:
                 self._record_logprobs(seq, tok, o.new_logprobs[i], p.logprobs)
-            if i == last and o.finish_reason == "stop":
+            if i == last and o.finish_reason == "stop" and not o.grammar_done:
                 return None  # EOS or a stop token: not part of the text
             # As in vLLM, stop strings count only once min_tokens tokens have been generated.
             stop = seq.detok.update([tok], check_stop=len(seq.token_ids) > p.min_tokens)

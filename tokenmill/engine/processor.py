@@ -59,6 +59,10 @@ class Processor:
             raise ValueError(f"logprobs must be at most the vocabulary size {vocab}, got {params.logprobs}.")
         if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
             raise ValueError(f"prompt_logprobs must be at most the vocabulary size {vocab}, got {params.prompt_logprobs}.")
+        if params.structured_outputs is not None:
+            from tokenmill.structured_output.grammar import validate
+
+            validate(params.structured_outputs)  # a bad schema/regex/grammar is the caller's 400, not the core's
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         room = self.facts.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

@@ -15,6 +15,7 @@ class StepStats:
     sample_s: float = 0.0
     detokenize_s: float = 0.0
     offload_s: float = 0.0  # KV tier saves/loads before the forward pass
+    grammar_s: float = 0.0  # filling the structured-output token bitmask
     num_tokens: int = 0
     num_requests: int = 0
     num_sampled: int = 0
@@ -27,7 +28,8 @@ class StepStats:
 
     @property
     def busy_s(self) -> float:
-        return self.schedule_s + self.offload_s + self.prepare_s + self.forward_s + self.sample_s + self.detokenize_s
+        return (self.schedule_s + self.offload_s + self.grammar_s + self.prepare_s + self.forward_s + self.sample_s
+                + self.detokenize_s)
 
 
 @dataclass
@@ -39,6 +41,7 @@ class EngineStats:
     sample_s: float = 0.0
     detokenize_s: float = 0.0
     offload_s: float = 0.0
+    grammar_s: float = 0.0
     attn_s: float = 0.0  # part of forward_s
     attn_bytes: int = 0
     num_tokens: int = 0
@@ -63,4 +66,5 @@ class EngineStats:
         self.sample_s += s.sample_s
         self.detokenize_s += s.detokenize_s
         self.offload_s += s.offload_s
+        self.grammar_s += s.grammar_s
         self.last = s

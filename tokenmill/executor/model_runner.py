@@ -105,7 +105,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
-        out = self._sample(logits, inp) if logits is not None else ModelRunnerOutput()
+        out = self._sample(logits, inp, batch) if logits is not None else ModelRunnerOutput()
         out.prompt_logprobs = prompt_lps
         layout = inp.layout
         out.timings = StepTimings(
@@ -114,11 +114,16 @@ class ModelRunner:
             attn_bytes=self.attn_read_bytes(layout.query_len, layout.kv_len))
         return out
 
-    def _sample(self, logits: torch.Tensor, inp: StepInputs) -> ModelRunnerOutput:
+    def _sample(self, logits: torch.Tensor, inp: StepInputs, batch: ScheduledBatch) -> ModelRunnerOutput:
         params, prompts, outputs, gens, banned = [], [], [], [], []
+        grammar_rows, bitmask_rows = [], []  # sampled rows under a grammar, and their rows of the bitmask
         for r, rows, spec in zip(inp.requests, inp.rows_per_request, inp.spec):
             out_ids = r.token_ids[r.num_prompt_tokens:]
             ban = r.banned_tokens()
+            first = batch.structured_output_rows.get(r.req_id)
+            if first is not None and rows:
+                grammar_rows.extend(range(len(params), len(params) + rows))
+                bitmask_rows.extend(range(first, first + rows))
             for j in range(rows):
                 params.append(r.params)
                 prompts.append(r.prompt_token_ids)
@@ -126,6 +131,10 @@ class ModelRunner:
                 gens.append(r.generator)
                 banned.append(ban)
         meta = SamplingMetadata.build(params, prompts, outputs, gens, banned, self.vocab_size, self.device)
+        if grammar_rows:
+            bitmask = torch.from_numpy(batch.grammar_bitmask)
+            meta.grammar_rows = torch.tensor(grammar_rows, dtype=torch.long, device=self.device)
+            meta.grammar_bitmask = bitmask[torch.tensor(bitmask_rows, dtype=torch.long)].to(self.device)
         sampled = self.sampler(logits, meta)
         tokens = sampled.token_ids.tolist()
         lp = None

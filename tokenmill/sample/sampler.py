@@ -4,7 +4,7 @@ One call samples one token for each of B rows of logits [B, V], with per-row sam
 parameters carried as tensors in `SamplingMetadata` (built once per engine step).
 
 Order of operations (vLLM / OpenAI / transformers semantics):
-  logit_bias -> banned tokens -> repetition penalty -> presence/frequency penalties
+  logit_bias -> banned tokens -> grammar bitmask (structured output) -> repetition penalty -> presence/frequency penalties
   -> greedy rows: argmax
   -> random rows: temperature -> top-k -> top-p -> min-p -> sample
 Logprobs are always computed from the raw input logits (vLLM's default).
@@ -45,6 +45,10 @@ class SamplingMetadata:
     use_top_k: bool = True
     use_top_p: bool = True
     use_min_p: bool = True
+    # Structured output: rows under a grammar, and for each its allowed tokens ([rows, ceil(V/32)] int32,
+    # bit t%32 of word t//32 set = token t allowed), filled by the engine core.
+    grammar_rows: Tensor | None = None
+    grammar_bitmask: Tensor | None = None
 
     @classmethod
     def build(
@@ -156,6 +160,18 @@ def compute_logprobs(logits: Tensor, token_ids: Tensor, num_top: int) -> tuple[T
     return token_lp, top_lp, top_ids, ranks
 
 
+_BIT = {}
+
+
+def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
+    """[rows, W] int32 words -> [rows, vocab_size] bool, one vectorised shift-and-mask."""
+    shifts = _BIT.get(bitmask.device)
+    if shifts is None:
+        shifts = _BIT[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
 def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     """logit_bias, banned tokens, repetition and presence/frequency penalties (out of place)."""
     x = logits.float()
@@ -163,6 +179,10 @@ def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
         x = x + meta.logit_bias
     if meta.banned is not None:
         x = x.masked_fill(meta.banned, float("-inf"))
+    if meta.grammar_bitmask is not None:
+        rows = meta.grammar_rows
+        allowed = unpack_bitmask(meta.grammar_bitmask, x.shape[-1])
+        x = x.index_put((rows,), x[rows].masked_fill(~allowed, float("-inf")))
     if meta.prompt_mask is not None:
         seen = meta.prompt_mask
         if meta.output_counts is not None:

@@ -1,0 +1,223 @@
+"""The engine core's grammar state: compile each constrained request's grammar off the step loop, fill one
+token bitmask per step for every constrained row of the batch, and advance each matcher by the tokens
+the step accepted. Runs next to the scheduler; matchers never leave the core process.
+
+- Compiling runs in a thread pool (llguidance drops the GIL while it builds a matcher); a request waits in
+  the queue until its grammar is ready (`ready`), so a slow grammar never stalls anyone else's step.
+- Compiled grammars are cached by (kind, canonical text): a repeat costs one `deep_copy`.
+- A matcher holds exactly the request's accepted output: preemption by recompute keeps the tokens, so it
+  keeps the matcher; drafts are masked ahead and rolled back inside llguidance, never consumed.
+- EOS is in the mask only where the grammar accepts; once the grammar can take nothing but EOS the request
+  is finished (`accept` returns True), so min_tokens or ignore_eos cannot push it past the end.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from tokenmill.structured_output.grammar import to_grammar
+
+log = logging.getLogger(__name__)
+
+CACHE_SIZE = 512  # compiled grammars kept (templates; each request works on a copy)
+COMPILE_THREADS = 2
+
+
+@dataclass(eq=False)
+class RequestGrammar:
+    """One sequence's constraint."""
+
+    key: tuple[str, str]
+    start_after: tuple[int, ...]  # constrain only after the output holds these tokens (end of reasoning)
+    future: concurrent.futures.Future | None = None
+    matcher: Any = None  # llguidance.LLMatcher once compiled
+    error: str | None = None
+    active: bool = False  # the constraint applies to the next token
+    waited_s: float = 0.0  # compile time this request waited for (0: cached)
+
+    def __post_init__(self) -> None:
+        self.active = not self.start_after
+
+
+@dataclass
+class GrammarStats:
+    compiles: int = 0
+    cache_hits: int = 0
+    compile_s: list[float] = field(default_factory=list)  # recent compile times (seconds)
+
+
+class StructuredOutputManager:
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Callable[[], list[int]]) -> None:
+        self._load_tokenizer = load_tokenizer
+        self._eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self._lltok = None
+        self._tok_lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor = None  # llguidance.LLExecutor: fills bitmask rows in parallel
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._compiling: dict[tuple[str, str], concurrent.futures.Future] = {}
+        self._pending: list = []  # requests whose grammar is compiling
+        self.stats = GrammarStats()
+
+    # ---- compiling ------------------------------------------------------------------------
+    def tokenizer(self):
+        """llguidance's view of the vocabulary (built once, ~1 s for 50k tokens)."""
+        with self._tok_lock:
+            if self._lltok is None:
+                import llguidance.hf
+
+                eos = sorted(set(self._eos_token_ids()))
+                self._lltok = llguidance.hf.from_tokenizer(self._load_tokenizer(), n_vocab=self.vocab_size,
+                                                           eos_token=eos or None)
+            return self._lltok
+
+    def _compile(self, grammar: str) -> Any:
+        import time
+
+        import llguidance
+
+        t0 = time.perf_counter()
+        matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        self.stats.compile_s = (self.stats.compile_s + [time.perf_counter() - t0])[-1000:]
+        return matcher
+
+    def add(self, req) -> None:
+        """Start compiling `req`'s grammar (or take it from the cache); sets `req.grammar`."""
+        so = req.params.structured_outputs
+        g = req.grammar = RequestGrammar(so.spec(), so.start_after_token_ids)
+        template = self._cache.get(g.key)
+        if template is not None:
+            self._cache.move_to_end(g.key)
+            self.stats.cache_hits += 1
+            g.matcher = template.deep_copy()
+            return
+        future = self._compiling.get(g.key)
+        if future is None:
+            try:
+                grammar = to_grammar(so)
+            except ValueError as e:
+                g.error = str(e)
+                self._pending.append(req)
+                return
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+            future = self._compiling[g.key] = self._pool.submit(self._compile, grammar)
+            self.stats.compiles += 1
+        g.future = future
+        self._pending.append(req)
+
+    def poll(self) -> list:
+        """Finish the compiles that are done; returns the requests whose grammar failed (the core ends them)."""
+        if not self._pending:
+            return []
+        failed, still = [], []
+        for req in self._pending:
+            g = req.grammar
+            if g is None:
+                continue  # freed while compiling
+            if g.error is None and not g.future.done():
+                still.append(req)
+                continue
+            if g.error is None:
+                self._compiling.pop(g.key, None)
+                try:
+                    template = g.future.result()
+                except Exception as e:
+                    g.error = f"the structured output constraint did not compile: {e}"
+                else:
+                    self._cache[g.key] = template
+                    self._cache.move_to_end(g.key)
+                    while len(self._cache) > CACHE_SIZE:
+                        self._cache.popitem(last=False)
+                    g.matcher = template.deep_copy()
+                g.future = None
+            if g.error is not None:
+                failed.append(req)
+        self._pending = still
+        return failed
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._pending)
+
+    # ---- one step -------------------------------------------------------------------------
+    def fill_bitmask(self, batch, requests: list) -> None:
+        """Set batch.grammar_bitmask ([rows, ceil(V/32)] int32, bit set = allowed) and
+        batch.structured_output_rows (req_id -> its first row; one row per sampled row of the request).
+        `requests` are the batch's requests in batch order."""
+        rows: list[tuple[Any, int, list[int]]] = []
+        n = 0
+        for req, count in zip(requests, batch.num_sample_rows):
+            g = req.grammar
+            if count == 0 or g is None or not g.active or g.matcher is None:
+                continue
+            batch.structured_output_rows[req.request_id] = n
+            rows.append((g.matcher, n, list(batch.spec_token_ids.get(req.request_id, ()))))
+            n += count
+        if not rows:
+            return
+        import llguidance
+        import llguidance.numpy as lnp
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(COMPILE_THREADS)
+        bitmask = lnp.allocate_token_bitmask(n, self.vocab_size)
+        if any(draft for _, _, draft in rows):
+            lnp.fill_next_token_bitmask_par_with_draft_tokens(self._executor, rows, bitmask)
+        else:
+            lnp.fill_next_token_bitmask_par(self._executor, [(m, i) for m, i, _ in rows], bitmask)
+        batch.grammar_bitmask = bitmask
+
+    def accept(self, req, new_tokens: list[int]) -> bool:
+        """Advance `req`'s matcher by the tokens just appended to its output. True: the grammar is complete
+        (nothing but EOS may follow) or broken, and the request must stop."""
+        g = req.grammar
+        if g is None or g.matcher is None or not new_tokens:
+            return False
+        if not g.active:
+            tokens = _after(req.output_token_ids, len(new_tokens), g.start_after)
+            if tokens is None:
+                return False
+            g.active = True
+            new_tokens = tokens
+            if not new_tokens:
+                return False
+        m = g.matcher
+        if not m.consume_tokens(new_tokens):
+            # Only a token outside the mask gets here (e.g. sampled before the constraint was ready).
+            g.error = m.get_error() or "a token outside the grammar was sampled."
+            log.warning("request %s left its grammar: %s", req.request_id, g.error)
+            return True
+        return m.is_stopped()
+
+    def free(self, req) -> None:
+        req.grammar = None  # a pending compile finds it gone in poll()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _after(output: list[int], num_new: int, marker: tuple[int, ...]) -> list[int] | None:
+    """The output tokens after the first `marker` that ends within the last `num_new` tokens; None if none."""
+    m = len(marker)
+    start = max(0, len(output) - num_new - m + 1)
+    for i in range(start, len(output) - m + 1):
+        if tuple(output[i : i + m]) == marker:
+            return output[i + m :]
+    return None
+
+
+def unpack_bitmask_np(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[rows, W] int32 -> [rows, vocab_size] bool (tests and tools; the sampler does this in torch)."""
+    bits = (bitmask[:, :, None] >> np.arange(32, dtype=np.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(bool)
