@@ -281,6 +281,12 @@ def add_serve_parser(subparsers) -> None:
                    help="On SIGTERM, how long in-flight requests may run before they are aborted (default: %(default)s).")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="Most logprobs / top_logprobs a request may ask for (default: %(default)s).")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='Let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser.')
+    g.add_argument("--tool-call-parser", metavar="NAME",
+                   help="How tool calls look in this model's output: hermes (Hermes, Qwen), llama3_json, mistral.")
+    g.add_argument("--reasoning-parser", metavar="NAME",
+                   help="Split <think>...</think> into reasoning_content: deepseek_r1 or qwen3.")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="Log level of the server (default: %(default)s).")

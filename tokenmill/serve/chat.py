@@ -1,6 +1,7 @@
 """Chat messages -> prompt token ids through the model's chat template (or --chat-template)."""
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -40,10 +41,57 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if m.name is not None:
             d["name"] = m.name
         if m.tool_calls is not None:
-            d["tool_calls"] = m.tool_calls
+            d["tool_calls"] = [_template_tool_call(c, i) for c in m.tool_calls]
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
         out.append(d)
+    return out
+
+
+def _template_tool_call(call: dict[str, Any], index: int) -> dict[str, Any]:
+    """OpenAI sends arguments as JSON text; chat templates (Qwen, Llama 3, Mistral) render them with
+    `tojson`, so they get the object."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError(f"messages.{index}.tool_calls: each call needs function.name.")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"messages.{index}.tool_calls: function.arguments is not valid JSON: {e}") from None
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+def template_knows_tools(template: str | dict | None) -> bool:
+    if isinstance(template, dict):  # named templates, e.g. {"default": ..., "tool_use": ...}
+        return any("tools" in t for t in template.values())
+    return template is not None and "tools" in template
+
+
+def with_tools_in_text(conversation: list[dict[str, Any]], tools: list[dict]) -> list[dict[str, Any]]:
+    """For a template that ignores `tools` (e.g. SmolLM2's): describe the tools in the system message,
+    write earlier calls into the assistant's text and results as user turns, all in the Hermes format
+    (<tool_call>{json}</tool_call>) that the hermes parser reads back."""
+    specs = "\n".join(json.dumps(t.get("function", t)) for t in tools)
+    note = ("You can call functions. Their signatures, one JSON object per line, are between <tools> and </tools>:\n"
+            f"<tools>\n{specs}\n</tools>\nTo call one, answer with a JSON object holding its name and arguments "
+            'between tags, like <tool_call>\n{"name": "function_name", "arguments": {...}}\n</tool_call>')
+    out = [dict(m) for m in conversation]
+    if out and out[0]["role"] in ("system", "developer"):
+        out[0]["content"] = f"{out[0]['content']}\n\n{note}" if out[0]["content"] else note
+    else:
+        out.insert(0, {"role": "system", "content": note})
+    for m in out:
+        calls = m.pop("tool_calls", None)
+        if calls:
+            text = "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                            "arguments": c["function"]["arguments"]}) + "\n</tool_call>"
+                              for c in calls)
+            m["content"] = f"{m['content']}\n{text}" if m["content"] else text
+        if m["role"] == "tool":
+            m.pop("tool_call_id", None)
+            m["role"], m["content"] = "user", f"<tool_response>\n{m['content']}\n</tool_response>"
     return out
 
 
@@ -58,6 +106,8 @@ def render_chat(tokenizer, messages: list[ChatMessage], chat_template: str | Non
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message cannot be used together with add_generation_prompt.")
     conversation = to_template_messages(messages)
+    if tools and not template_knows_tools(chat_template or tokenizer.chat_template):
+        conversation, tools = with_tools_in_text(conversation, tools), None
     try:
         return tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt,

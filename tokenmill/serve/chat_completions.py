@@ -7,7 +7,9 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.serve.chat import encode_chat, render_chat
+from tokenmill.serve.chat_output import ChatPlan, ChoiceParts, chat_plan
 from tokenmill.serve.errors import APIError, bad_request
 from tokenmill.serve.generation import (DONE, SSEResponse, Submission, error_event, random_id, sse,
                                         token_decoder)
@@ -16,6 +18,7 @@ from tokenmill.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       ChatDelta, ChatResponseMessage, ChatStreamChoice)
 from tokenmill.serve.sampling import build_sampling_params
 from tokenmill.serve.state import ServerState
+from tokenmill.serve.structured import check_constraint, request_constraint
 
 
 async def chat_prompt(state: ServerState, req, add_generation_prompt: bool = True,
@@ -37,39 +40,65 @@ async def chat_prompt(state: ServerState, req, add_generation_prompt: bool = Tru
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request,
                                  arrival_time: float | None = None):
     model = state.check_model(req.model)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(f"response_format type {req.response_format.type!r} is not supported yet.",
-                          "response_format")
+    tok = state.engine.tokenizer
+    plan = chat_plan(req, state.settings, tok)
+    so, so_param = request_constraint(req)
+    if plan.constrained_tools:
+        if so is not None:
+            raise bad_request(f"{so_param} cannot be combined with tool_choice {req.tool_choice!r}: the tool call "
+                              "is the output's format.", so_param)
+        so, so_param = StructuredOutputsParams(json=plan.tool_schema()), "tools"
     text, ids = await chat_prompt(state, req, req.add_generation_prompt, req.continue_final_message)
-    params = build_sampling_params(req, len(ids), state.limits)
+    if plan.reasoning_parser is not None:
+        reasoning = plan.splitter().reasoning
+        plan.reasoning_ended = reasoning.ended_in_prompt(text)
+        if so is not None and not plan.reasoning_ended:
+            # The constraint starts where the reasoning ends.
+            so.start_after_token_ids = tuple(reasoning.end_token_ids())
+    if so is not None:
+        await check_constraint(state, so, so_param)
+    params = build_sampling_params(req, len(ids), state.limits, so)
     state.check_capacity()
     sub = Submission(state.engine, [ids], [text], [params], req.priority, arrival_time)
     sub.start()
     if req.stream:
-        return SSEResponse(_stream(state, req, sub, model))
+        return SSEResponse(_stream(state, req, sub, model, plan))
     await sub.run_to_end(raw)
-    return Response(_response(state, req, sub, model).model_dump_json(), media_type="application/json")
+    return Response(_response(state, req, sub, model, plan).model_dump_json(), media_type="application/json")
 
 
-def _response(state: ServerState, req: ChatCompletionRequest, sub: Submission, model: str) -> ChatCompletionResponse:
+def _response(state: ServerState, req: ChatCompletionRequest, sub: Submission, model: str,
+              plan: ChatPlan) -> ChatCompletionResponse:
     decode = token_decoder(state.engine.tokenizer)
     choices = []
     for i, c in enumerate(sub.choices):
         logprobs = chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0, decode) if req.logprobs else None
-        choices.append(ChatChoice(index=i, message=ChatResponseMessage(content=c.full_text), logprobs=logprobs,
-                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        splitter = plan.splitter()
+        reasoning, content, calls = splitter.whole(c.full_text)
+        message = ChatResponseMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None)
+        choices.append(ChatChoice(index=i, message=message, logprobs=logprobs,
+                                  finish_reason=plan.finish_reason(c.finish_reason, bool(calls)),
+                                  stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=random_id("chatcmpl"), model=model, choices=choices, usage=sub.usage())
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, sub: Submission, model: str) -> AsyncIterator[str]:
+async def _stream(state: ServerState, req: ChatCompletionRequest, sub: Submission, model: str,
+                  plan: ChatPlan) -> AsyncIterator[str]:
     decode = token_decoder(state.engine.tokenizer)
     chunk_id, created = random_id("chatcmpl"), int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     exclude = None if include_usage else {"usage"}
+    splitters = [plan.splitter() for _ in sub.choices]
 
     def chunk(choice: ChatStreamChoice) -> str:
         c = ChatCompletionChunk(id=chunk_id, created=created, model=model, choices=[choice])
         return sse(c.model_dump_json(exclude=exclude))
+
+    def parts_chunk(idx: int, parts, logprobs=None) -> str | None:
+        if parts.reasoning is None and parts.content is None and not parts.tool_calls and logprobs is None:
+            return None
+        delta = ChatDelta(content=parts.content, reasoning_content=parts.reasoning, tool_calls=parts.tool_calls or None)
+        return chunk(ChatStreamChoice(index=idx, delta=delta, logprobs=logprobs))
 
     try:
         for i in range(len(sub.choices)):  # OpenAI opens every choice with the role
@@ -82,12 +111,19 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, sub: Submissio
                 break
             for s in delta.sequences:
                 idx = sub.choice_index(delta, s.index)
+                split = splitters[idx]
                 if s.text or (req.logprobs and s.token_ids):
                     logprobs = (chat_logprobs(s.token_ids, s.logprobs or [], req.top_logprobs or 0, decode)
                                 if req.logprobs else None)
-                    yield chunk(ChatStreamChoice(index=idx, delta=ChatDelta(content=s.text), logprobs=logprobs))
+                    out = parts_chunk(idx, split.feed(s.text) if s.text else ChoiceParts(), logprobs)
+                    if out is not None:
+                        yield out
                 if s.finish_reason is not None:
-                    yield chunk(ChatStreamChoice(index=idx, delta=ChatDelta(), finish_reason=s.finish_reason,
+                    out = parts_chunk(idx, split.flush())
+                    if out is not None:
+                        yield out
+                    yield chunk(ChatStreamChoice(index=idx, delta=ChatDelta(),
+                                                 finish_reason=plan.finish_reason(s.finish_reason, split.tools_called),
                                                  stop_reason=s.stop_reason))
         else:
             if include_usage:

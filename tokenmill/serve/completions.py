@@ -14,6 +14,7 @@ from tokenmill.serve.logprobs import completion_logprobs
 from tokenmill.serve.protocol import CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse
 from tokenmill.serve.sampling import build_sampling_params, check_prompt_ids
 from tokenmill.serve.state import ServerState
+from tokenmill.serve.structured import check_constraint, request_constraint
 
 
 async def _prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[str | None]]:
@@ -47,8 +48,11 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         raise bad_request("suffix is not supported.", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of must equal n (beam-like best_of sampling is not supported).", "best_of")
+    so, so_param = request_constraint(req)
+    if so is not None:
+        await check_constraint(state, so, so_param)
     prompt_ids, texts = await _prompts(state, req.prompt)
-    params = [build_sampling_params(req, len(ids), state.limits) for ids in prompt_ids]
+    params = [build_sampling_params(req, len(ids), state.limits, so) for ids in prompt_ids]
     if req.echo:  # echo needs the prompt as text, also when it came as token ids
         texts = [t if t is not None else await state.detokenize(ids) for t, ids in zip(texts, prompt_ids)]
     state.check_capacity()

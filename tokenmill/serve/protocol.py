@@ -25,6 +25,34 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    # vLLM's structural_tag response format
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` request field: set one of json, regex, choice, grammar, json_object,
+    structural_tag."""
+
+    json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool = False
+
+
 class _SamplingFields(_Request):
     model: str | None = None
     max_tokens: int | None = None
@@ -50,6 +78,14 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: llguidance is the one backend
 
 
 class CompletionRequest(_SamplingFields):
@@ -74,18 +110,14 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
 
 
-class ResponseFormat(_Request):
-    type: str
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     # vLLM extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -156,9 +188,34 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: Annotated[str | None, Field(exclude_if=_omit_none)] = None
+    tool_calls: Annotated[list[ToolCall] | None, Field(exclude_if=_omit_none)] = None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: Annotated[str | None, Field(exclude_if=_omit_none)] = None
+    arguments: Annotated[str | None, Field(exclude_if=_omit_none)] = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: Annotated[str | None, Field(exclude_if=_omit_none)] = None
+    type: Annotated[Literal["function"] | None, Field(exclude_if=_omit_none)] = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(BaseModel):
@@ -181,6 +238,8 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Annotated[str | None, Field(exclude_if=_omit_none)] = None
     content: Annotated[str | None, Field(exclude_if=_omit_none)] = None
+    reasoning_content: Annotated[str | None, Field(exclude_if=_omit_none)] = None
+    tool_calls: Annotated[list[DeltaToolCall] | None, Field(exclude_if=_omit_none)] = None
 
 
 class ChatStreamChoice(BaseModel):

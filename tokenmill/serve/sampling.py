@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.serve.errors import APIError, bad_request, context_length_error, from_value_error
 from tokenmill.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -51,7 +51,7 @@ def check_context(num_prompt: int, max_tokens: int | None, limits: Limits, chat:
 
 
 def build_sampling_params(req: CompletionRequest | ChatCompletionRequest, num_prompt_tokens: int,
-                          limits: Limits) -> SamplingParams:
+                          limits: Limits, structured: StructuredOutputsParams | None = None) -> SamplingParams:
     chat = isinstance(req, ChatCompletionRequest)
     if chat:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -104,6 +104,7 @@ def build_sampling_params(req: CompletionRequest | ChatCompletionRequest, num_pr
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
+            structured_outputs=structured,
         )
     except ValueError as e:
         raise from_value_error(e, fields) from None

@@ -104,6 +104,16 @@ def serve_main(args, engine_kwargs: dict) -> int:
         raise ValueError(f"--max-waiting-requests must be non-negative, got {args.max_waiting_requests}.")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be non-negative, got {args.drain_timeout}.")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser.")
+    if args.tool_call_parser:
+        from tokenmill.serve.tool_parsers import get_tool_parser
+
+        get_tool_parser(args.tool_call_parser)
+    if args.reasoning_parser:
+        from tokenmill.serve.reasoning import get_reasoning_parser
+
+        get_reasoning_parser(args.reasoning_parser)
     settings = ServerSettings(
         served_model_names=served_names(args),
         model_path=engine_kwargs["model"],
@@ -113,6 +123,9 @@ def serve_main(args, engine_kwargs: dict) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         drain_timeout_s=args.drain_timeout,
         max_logprobs=args.max_logprobs,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
     )
     from tokenmill.platform import tune_malloc
 

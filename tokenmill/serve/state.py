@@ -26,6 +26,10 @@ class ServerSettings:
     drain_timeout_s: float = 30.0
     max_logprobs: int = 20
     retry_after_s: int = 1
+    # Tool calling and reasoning output (vLLM's flags): parser names from serve/tool_parsers.py, reasoning.py.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
 
 
 @dataclass

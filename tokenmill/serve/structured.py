@@ -1,0 +1,79 @@
+"""Request fields -> one StructuredOutputsParams: OpenAI's `response_format`, vLLM's `structured_outputs` and
+its older `guided_*` extras. At most one source may constrain a request; each bad value is a 400 naming
+its field, and the grammar is checked (off the event loop) before the request reaches the engine."""
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.serve.errors import bad_request
+
+
+def _from_response_format(rf) -> StructuredOutputsParams | None:
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise bad_request('response_format of type "json_schema" needs json_schema.schema.',
+                              "response_format.json_schema")
+        return StructuredOutputsParams(json=rf.json_schema.schema_)
+    # vLLM's structural_tag response format
+    if not rf.structures:
+        raise bad_request('response_format of type "structural_tag" needs "structures".', "response_format")
+    return StructuredOutputsParams(structural_tag={"structures": rf.structures, "triggers": rf.triggers or []})
+
+
+def _from_structured_outputs(so) -> StructuredOutputsParams | None:
+    if so is None:
+        return None
+    fields: dict[str, Any] = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+                              "json_object": so.json_object, "structural_tag": so.structural_tag}
+    if fields["json"] is True:  # vLLM accepts json: true for "any JSON object"
+        fields["json"], fields["json_object"] = None, True
+    return StructuredOutputsParams(**fields, disable_any_whitespace=so.disable_any_whitespace)
+
+
+def _from_guided(req) -> list[tuple[str, StructuredOutputsParams]]:
+    out = []
+    if req.guided_json is not None:
+        out.append(("guided_json", StructuredOutputsParams(json=req.guided_json)))
+    if req.guided_regex is not None:
+        out.append(("guided_regex", StructuredOutputsParams(regex=req.guided_regex)))
+    if req.guided_choice is not None:
+        out.append(("guided_choice", StructuredOutputsParams(choice=req.guided_choice)))
+    if req.guided_grammar is not None:
+        out.append(("guided_grammar", StructuredOutputsParams(grammar=req.guided_grammar)))
+    return out
+
+
+def request_constraint(req) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's constraint and the field it came from (None, None: unconstrained)."""
+    found: list[tuple[str, StructuredOutputsParams]] = []
+    for param, build in (("response_format", lambda: _from_response_format(req.response_format)),
+                         ("structured_outputs", lambda: _from_structured_outputs(req.structured_outputs))):
+        try:
+            so = build()
+        except ValueError as e:
+            raise bad_request(" ".join(str(e).split()), param) from None
+        if so is not None:
+            found.append((param, so))
+    try:
+        found += _from_guided(req)
+    except ValueError as e:
+        raise bad_request(" ".join(str(e).split()), "guided_choice") from None
+    if len(found) > 1:
+        raise bad_request(f"only one structured output constraint may be given; got {', '.join(p for p, _ in found)}.",
+                          found[1][0])
+    return (found[0][1], found[0][0]) if found else (None, None)
+
+
+async def check_constraint(state, so: StructuredOutputsParams, param: str) -> None:
+    """Compile-check the grammar in a worker thread (with a timeout): a bad one is a 400 naming the problem."""
+    from tokenmill.structured_output.grammar import validate
+
+    try:
+        await state.run_blocking(validate, so)
+    except ValueError as e:
+        raise bad_request(" ".join(str(e).split()), param) from None
