@@ -1,0 +1,128 @@
+"""Reasoning (`<think>...</think>`) split from the answer, per model family (vLLM's parser names).
+
+Both results leave the tags out, the content loses the newlines that follow `</think>`, and an empty
+part is None. A stream separates exactly at the tags, however they are split across fragments: the
+reasoning and content fragments join to what `extract` returns (but see Qwen3ReasoningParser)."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+from tokenmill.serve.tool_parsers import partial_suffix
+
+Split = tuple[str | None, str | None]  # (reasoning, content)
+
+
+class ReasoningParser:
+    """One instance per choice (it keeps streaming state). `reasoning_ended`: the prompt already
+    closed the reasoning (see ended_in_prompt), so the whole output is content, as it is."""
+
+    name: ClassVar[str] = ""
+    start: ClassVar[str] = "<think>"
+    end: ClassVar[str] = "</think>"
+    # Whether output that does not open with the start tag is reasoning (the template opened it).
+    starts_in_prompt: ClassVar[bool] = True
+
+    def __init__(self, tokenizer=None, reasoning_ended: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.reasoning_ended = reasoning_ended
+        self._state = "content" if reasoning_ended else "start"  # start, reasoning, newlines, content
+        self._buf = ""
+
+    def extract(self, text: str) -> Split:
+        if self.reasoning_ended or not (self.starts_in_prompt or text.startswith(self.start)):
+            return None, text or None
+        return self._split(text)
+
+    def _split(self, text: str) -> Split:
+        """Reasoning up to the first end tag (less a leading start tag), content after it."""
+        if text.startswith(self.start):
+            text = text[len(self.start):]
+        reasoning, tag, content = text.partition(self.end)
+        return reasoning or None, (content.lstrip("\r\n") or None) if tag else None
+
+    def feed(self, delta_text: str) -> Split:
+        self._buf += delta_text
+        return self._advance(False)
+
+    def flush(self) -> Split:
+        return self._advance(True)
+
+    def ended_in_prompt(self, prompt_text: str) -> bool:
+        """True when the prompt's last reasoning tag closes it (e.g. Qwen3 with enable_thinking=False
+        renders "<think>\\n\\n</think>\\n\\n" into the prompt)."""
+        end = prompt_text.rfind(self.end)
+        return end >= 0 and end > prompt_text.rfind(self.start)
+
+    def end_token_ids(self) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{type(self).__name__}.end_token_ids needs a tokenizer")
+        return list(self.tokenizer.encode(self.end, add_special_tokens=False))
+
+    def _advance(self, final: bool) -> Split:
+        reasoning: list[str] = []
+        content: list[str] = []
+        while True:
+            buf = self._buf
+            if self._state == "start":
+                if not final and len(buf) < len(self.start) and self.start.startswith(buf):
+                    break
+                opened = buf.startswith(self.start)
+                if opened:
+                    self._buf = buf[len(self.start):]
+                self._state = "reasoning" if opened or self.starts_in_prompt else "content"
+            elif self._state == "reasoning":
+                i = buf.find(self.end)
+                if i < 0:
+                    cut = len(buf) - (0 if final else partial_suffix(buf, self.end))
+                    reasoning.append(buf[:cut])
+                    self._buf = buf[cut:]
+                    break
+                reasoning.append(buf[:i])
+                self._buf, self._state = buf[i + len(self.end):], "newlines"
+            elif self._state == "newlines":
+                self._buf = buf.lstrip("\r\n")
+                if not self._buf:
+                    break
+                self._state = "content"
+            else:
+                content.append(buf)
+                self._buf = ""
+                break
+        return "".join(reasoning) or None, "".join(content) or None
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    """DeepSeek-R1: the chat template opens `<think>` in the prompt, so the output may or may not
+    repeat it; everything up to `</think>` is reasoning (all of it when there is no `</think>`)."""
+
+    name = "deepseek_r1"
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    """Qwen3: the model opens `<think>` itself. Whole outputs follow vLLM: with `</think>`, the text
+    before it (less a leading `<think>`) is reasoning; without, everything is content, tags and all.
+
+    A stream cannot wait for `</think>`, so it decides at the start: output that opens with `<think>`
+    is reasoning up to `</think>`, any other output is content, passed on as it is. The two differ only
+    for an output that opens `<think>` and never closes it (a stream: reasoning; extract: content) and
+    for one with `</think>` but no leading `<think>` (a stream: all content; extract: split)."""
+
+    name = "qwen3"
+    starts_in_prompt = False
+
+    def extract(self, text: str) -> Split:
+        if self.reasoning_ended or self.end not in text:
+            return None, text or None
+        return self._split(text)
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+}
+
+
+def get_reasoning_parser(name: str) -> type[ReasoningParser]:
+    try:
+        return REASONING_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}") from None
