@@ -25,7 +25,7 @@ _CORPUS = [
 ]
 
 
-def build_tokenizer(vocab_size: int = 384):
+def build_tokenizer(vocab_size: int = 384, added_tokens: tuple[str, ...] = ()):
     """Byte-level BPE tokenizer trained on a small corpus, with ChatML special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -48,6 +48,8 @@ def build_tokenizer(vocab_size: int = 384):
         pad_token="<|endoftext|>",
     )
     fast.chat_template = CHATML
+    if added_tokens:  # e.g. <think> and </think>: one token each, but text (not special), as in reasoning models
+        fast.add_tokens(list(added_tokens))
     return fast
 
 
@@ -86,13 +88,14 @@ def make_config(arch: str, vocab_size: int, **overrides):
     return cls(**kw)
 
 
-def make_tiny_model(path: str | os.PathLike, arch: str = "llama", seed: int = 0, dtype=torch.float32, **overrides) -> Path:
+def make_tiny_model(path: str | os.PathLike, arch: str = "llama", seed: int = 0, dtype=torch.float32,
+                    added_tokens: tuple[str, ...] = (), **overrides) -> Path:
     """Write config.json, model.safetensors, tokenizer and generation_config.json to `path`."""
     import transformers as tf
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer()
+    tok = build_tokenizer(added_tokens=added_tokens)
     config = make_config(arch, vocab_size=len(tok), **overrides)
     config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
     config.bos_token_id = None

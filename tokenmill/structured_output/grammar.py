@@ -16,6 +16,11 @@ MAX_GRAMMAR_BYTES = 256 * 1024
 # Checking a grammar runs in a thread with this timeout, so a pathological one answers 400, not a hang.
 VALIDATE_TIMEOUT_S = 10.0
 
+# Whitespace allowed between JSON tokens: none, one space, or one newline and up to 16 characters of
+# indentation, which covers compact and pretty-printed JSON. Unbounded whitespace (JSON's own grammar) lets a
+# weak model pad forever and run out of max_tokens before the closing brace. disable_any_whitespace: none.
+JSON_WHITESPACE = r"(\n[ \t]{0,16}| )?"
+
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
@@ -35,7 +40,7 @@ def to_grammar(so: StructuredOutputsParams) -> str:
     if len(text) > MAX_GRAMMAR_BYTES:
         raise ValueError(f"structured output {kind.split(':')[0]} is {len(text)} bytes; "
                          f"the limit is {MAX_GRAMMAR_BYTES}.")
-    options = {"whitespace_flexible": False} if so.disable_any_whitespace else None
+    options = {"whitespace_flexible": False} if so.disable_any_whitespace else {"whitespace_pattern": JSON_WHITESPACE}
     if kind.startswith("json_object"):
         return M.grammar_from_json_schema({"type": "object"}, overrides=options)
     if kind.startswith("json"):

@@ -1,0 +1,320 @@
+"""Structured output, tools and reasoning through `tokenmill serve` on tiny random models, driven by the
+official `openai` client: a random model's output is valid only if the constraint made it so."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from server_harness import start_server
+from tiny import make_tiny_model
+
+pytestmark = pytest.mark.timeout(180)
+
+MODEL = "tiny"
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                           "population": {"type": "integer", "minimum": 0, "maximum": 10**6},
+                                           "capital": {"type": "boolean"}},
+          "required": ["city", "population", "capital"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
+                                                                                 "maximum": 12}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Reasoning template: the generation prompt opens a <think> block unless enable_thinking is false, in which
+# case it renders an empty one (as Qwen3's template does).
+THINK_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}"
+    "{% else %}{{ '<think>\n' }}{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("so") / "llama", "llama", max_position_embeddings=2048)
+    srv = start_server(path, path.parent / "server.log", "--served-model-name", MODEL,
+                       "--kv-cache-memory-bytes", "32M", "--max-model-len", "2048",
+                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def think_server(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("think") / "llama", "llama", added_tokens=("<think>", "</think>"),
+                           max_position_embeddings=2048)
+    template = path.parent / "think.jinja"
+    template.write_text(THINK_TEMPLATE)
+    srv = start_server(path, path.parent / "server.log", "--served-model-name", MODEL,
+                       "--kv-cache-memory-bytes", "32M", "--max-model-len", "2048",
+                       "--reasoning-parser", "deepseek_r1", "--chat-template", str(template))
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def _stream_text(chunks) -> tuple[str, str | None]:
+    text, finish = [], None
+    for c in chunks:
+        if c.choices:
+            text.append(c.choices[0].delta.content or "")
+            finish = c.choices[0].finish_reason or finish
+    return "".join(text), finish
+
+
+# ---- response_format and structured_outputs --------------------------------------------------------
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_response_format_json_schema(client, seed):
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=1.0, seed=seed, max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}})
+    c = r.choices[0]
+    assert c.finish_reason == "stop", c.message.content
+    jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    # The same request streamed: the fragments join into JSON just as valid (and equal, given the seed).
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=1.0, seed=seed, max_tokens=200, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}})
+    text, finish = _stream_text(chunks)
+    assert finish == "stop" and text == c.message.content
+
+
+def test_response_format_json_object_and_completions(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0, seed=3, max_tokens=300,
+                                       response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # an object may nest without end under a random model; what was produced is still a JSON prefix
+        assert r.choices[0].message.content.startswith("{")
+    r = client.completions.create(model=MODEL, prompt="Answer:", temperature=1.0, seed=0, max_tokens=30,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe not"]}})
+    assert r.choices[0].text in ("yes", "no", "maybe not") and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body, check", [
+    ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2,5}"}}, r"[0-9]{3}-[a-z]{2,5}"),
+    ({"guided_regex": "(ab|cd){2}x?"}, r"(ab|cd){2}x?"),
+    ({"guided_choice": ["red", "reddish", "blue"]}, r"red|reddish|blue"),
+    ({"structured_outputs": {"grammar": 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]{1,3}/'}}, r"\([0-9]{1,3}(\+[0-9]{1,3})*\)"),
+    ({"guided_json": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3}}, None),
+])
+def test_structured_outputs_fields(client, body, check):
+    import re
+
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0, seed=seed,
+                                           max_tokens=80, extra_body=body)
+        text = r.choices[0].message.content
+        if check is not None:
+            assert re.fullmatch(check, text), text
+            assert r.choices[0].finish_reason == "stop"
+        else:
+            assert 2 <= len(json.loads(text)) <= 3
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format", "nonsense"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "unclosed group"),
+    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs", "undefined_rule"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "only one"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "schema"),
+    ({"structured_outputs": {"json": {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200}
+                                                                        for i in range(2000)}}}},
+     "structured_outputs", "limit"),
+])
+def test_bad_constraints_are_400(server, body, param, words):
+    r = httpx.post(server.url("/v1/chat/completions"), timeout=30,
+                   json={"model": MODEL, "messages": MESSAGES, "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    # The server still answers.
+    ok = httpx.post(server.url("/v1/chat/completions"), timeout=30,
+                    json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3})
+    assert ok.status_code == 200
+
+
+def test_pydantic_parse(client):
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=12)
+        founded: int = Field(ge=0, le=2100)
+
+    r = client.chat.completions.parse(model=MODEL, messages=MESSAGES, temperature=1.0, seed=5, max_tokens=120,
+                                      response_format=City)
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City) and 0 <= city.founded <= 2100
+
+
+# ---- tools --------------------------------------------------------------------------------------
+def _check_call(call, tools=(WEATHER, TIME)):
+    spec = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert call.type == "function" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), spec[call.function.name])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_named(client, stream):
+    kw = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], temperature=1.0, seed=7, max_tokens=120,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        c = r.choices[0]
+        assert c.finish_reason == "stop" and len(c.message.tool_calls) == 1 and not c.message.content
+        assert c.message.tool_calls[0].function.name == "get_weather"
+        _check_call(c.message.tool_calls[0])
+        return
+    calls, finish, content, fragments = {}, None, "", 0
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for t in d.tool_calls or []:
+            entry = calls.setdefault(t.index, {"id": t.id, "name": t.function.name, "args": ""})
+            assert t.function.name is None or t.id is not None  # the name comes once, with the id
+            entry["args"] += t.function.arguments or ""
+            fragments += bool(t.function.arguments)
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "stop" and not content and list(calls) == [0]
+    assert fragments > 3  # the arguments arrive as they are generated, not in one piece at the end
+    assert calls[0]["name"] == "get_weather" and calls[0]["id"]
+    jsonschema.validate(json.loads(calls[0]["args"]), WEATHER["function"]["parameters"])
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_tool_choice_required(client, parallel):
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME],
+                                           tool_choice="required", parallel_tool_calls=parallel, temperature=1.0,
+                                           seed=seed, max_tokens=250)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", c
+        assert len(c.message.tool_calls) >= 1 and (parallel or len(c.message.tool_calls) == 1)
+        for call in c.message.tool_calls:
+            _check_call(call)
+        # Streamed: the same calls, arguments in fragments.
+        calls = {}
+        for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME],
+                                                    tool_choice="required", parallel_tool_calls=parallel,
+                                                    temperature=1.0, seed=seed, max_tokens=250, stream=True):
+            for t in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                entry = calls.setdefault(t.index, {"name": t.function.name, "args": ""})
+                entry["args"] += t.function.arguments or ""
+        assert [(e["name"], json.loads(e["args"])) for _, e in sorted(calls.items())] == [
+            (x.function.name, json.loads(x.function.arguments)) for x in c.message.tool_calls]
+
+
+def test_tool_round_trip(client):
+    tools = [WEATHER]
+    first = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, tool_choice="required",
+                                           temperature=1.0, seed=1, max_tokens=200)
+    call = first.choices[0].message.tool_calls[0]
+    messages = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "unit": "c"})},
+    ]
+    final = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="none",
+                                           temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
+    c = final.choices[0]
+    assert c.message.tool_calls is None and isinstance(c.message.content, str) and c.finish_reason == "length"
+    assert final.usage.completion_tokens == 8
+    # The template (here the fallback for one without tools) rendered the call and its result.
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens + len(call.function.arguments) // 4
+
+
+def test_tool_choice_auto_plain_text(client):
+    """Under "auto" the model may answer in text: no tool calls, finish_reason stop/length, content kept."""
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER], temperature=0,
+                                       max_tokens=10, extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    assert c.finish_reason == "length" and c.message.content and not c.message.tool_calls
+
+
+def test_bad_tools_are_400(server):
+    url = server.url("/v1/chat/completions")
+    cases = [
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ]
+    for body, param in cases:
+        r = httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "max_tokens": 5, **body}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+# ---- reasoning ----------------------------------------------------------------------------------
+def _end_id(srv) -> int:
+    ids = httpx.post(srv.url("/tokenize"), json={"prompt": "</think>", "add_special_tokens": False}).json()["tokens"]
+    assert len(ids) == 1
+    return ids[0]
+
+
+def test_reasoning_all_reasoning_without_end_tag(think_server):
+    """deepseek_r1: the template opened <think>; with no </think> in the output all of it is reasoning."""
+    c = openai.OpenAI(base_url=think_server.url("/v1"), api_key="x", timeout=60, max_retries=0)
+    kw = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12,
+              logit_bias={str(_end_id(think_server)): -100}, extra_body={"ignore_eos": True})
+    r = c.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    reasoning = (msg.model_extra or {}).get("reasoning_content")
+    assert reasoning and msg.content is None
+    streamed_r, streamed_c = "", ""
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        if chunk.choices:
+            d = chunk.choices[0].delta
+            streamed_r += (d.model_extra or {}).get("reasoning_content") or ""
+            streamed_c += d.content or ""
+    assert streamed_r == reasoning and streamed_c == ""
+
+
+def test_reasoning_then_constrained_answer(think_server):
+    """The JSON constraint starts after </think>: push the model to close its reasoning, then the answer
+    validates while the reasoning before it is free text."""
+    http = httpx.Client(base_url=think_server.base_url, timeout=60)
+    body = {"model": MODEL, "messages": MESSAGES, "temperature": 1.0, "max_tokens": 200,
+            "logit_bias": {str(_end_id(think_server)): 6.0},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}}
+    for seed in range(3):
+        r = http.post("/v1/chat/completions", json={**body, "seed": seed}).json()
+        msg = r["choices"][0]["message"]
+        jsonschema.validate(json.loads(msg["content"]), SCHEMA)
+        assert "</think>" not in (msg.get("reasoning_content") or "")
+        chunks = []
+        with http.stream("POST", "/v1/chat/completions", json={**body, "seed": seed, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+        deltas = [ch["choices"][0]["delta"] for ch in chunks if ch["choices"]]
+        assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
+        assert ("".join(d.get("reasoning_content") or "" for d in deltas) or None) == msg.get("reasoning_content")
+
+
+def test_reasoning_disabled_by_template_kwargs(think_server):
+    """enable_thinking=false renders an empty think block: the prompt closed the reasoning, so everything is
+    content and the constraint applies from the first token."""
+    c = openai.OpenAI(base_url=think_server.url("/v1"), api_key="x", timeout=60, max_retries=0)
+    r = c.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=1.0, seed=0, max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    msg = r.choices[0].message
+    assert not (msg.model_extra or {}).get("reasoning_content")
+    jsonschema.validate(json.loads(msg.content), SCHEMA)
