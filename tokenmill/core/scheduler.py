@@ -288,10 +288,13 @@ class Scheduler:
             prompt_lps = result.prompt_logprobs.get(rid)
             if not new and prompt_lps is None:
                 continue
-            accepted, status = self._append(req, new)
             grammar_done = False
-            if req.grammar is not None and self.structured.accept(req, accepted) and status is None:
-                status, grammar_done = RequestStatus.FINISHED_STOPPED, True  # only EOS could follow
+            if req.grammar is not None:
+                new, grammar_done = self.structured.accept(req, new)
+            accepted, status = self._append(req, new)
+            if grammar_done and status is None:
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: only EOS could follow
+            grammar_done = grammar_done and status == RequestStatus.FINISHED_STOPPED and req.stop_reason is None
             if rejected:
                 self.kv.trim(req, req.num_tokens + self.num_lookahead_tokens)
                 if req.sent is not None:  # the worker must replace its table's tail, not just extend it

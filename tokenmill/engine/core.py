@@ -73,7 +73,7 @@ class EngineCore:
         forward pass (the server's admission control reads them)."""
         st = StepStats()
         t0 = time.perf_counter()
-        failed = self._fail_bad_grammars()
+        refused = self._fail_bad_grammars()
         out = self.scheduler.schedule()
         st.schedule_s = time.perf_counter() - t0
         if on_scheduled is not None:
@@ -86,14 +86,14 @@ class EngineCore:
                 self.scheduler.recompute_failed_loads(out, self.kv.loads_failed(failed))
         if not out:
             self.stats.add(st)
-            return EngineCoreOutputs(failed, None, self.scheduler_stats(), self.stats.idle_s)
+            return EngineCoreOutputs(refused, None, self.scheduler_stats(), self.stats.idle_s)
         batch = self.scheduler.build_batch(out)
         t1 = time.perf_counter()
         self.structured.fill_bitmask(batch, [r for r, _ in out.scheduled])
         st.grammar_s = time.perf_counter() - t1
         result = self.executor.execute_model(batch)
         t1 = time.perf_counter()
-        outputs = failed + self.scheduler.update_from_output(out, result)
+        outputs = refused + self.scheduler.update_from_output(out, result)
         t = result.timings
         st.schedule_s += time.perf_counter() - t1
         st.prepare_s, st.forward_s, st.sample_s = t.prepare_s, t.forward_s, t.sample_s

@@ -108,7 +108,7 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         result = self.core.step()
-        if result.step is None:
+        if result.step is None and not result.outputs:  # outputs without a step: requests the core refused
             return []
         t0 = time.perf_counter()
         touched, stops = self.output_processor.process_outputs(result.outputs)
@@ -119,8 +119,9 @@ class LLMEngine:
             outputs.append(self.output_processor.make_output(state))
             if state.finished:
                 self.output_processor.remove(state.request_id)
-        result.step.detokenize_s = time.perf_counter() - t0
-        self.core.stats.detokenize_s += result.step.detokenize_s
+        if result.step is not None:
+            result.step.detokenize_s = time.perf_counter() - t0
+            self.core.stats.detokenize_s += result.step.detokenize_s
         return outputs
 
     def shutdown(self) -> None:

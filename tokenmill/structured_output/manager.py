@@ -58,6 +58,7 @@ class StructuredOutputManager:
         self._eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self._lltok = None
+        self._eos_set: frozenset[int] = frozenset()
         self._tok_lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor = None  # llguidance.LLExecutor: fills bitmask rows in parallel
@@ -76,6 +77,7 @@ class StructuredOutputManager:
                 eos = sorted(set(self._eos_token_ids()))
                 self._lltok = llguidance.hf.from_tokenizer(self._load_tokenizer(), n_vocab=self.vocab_size,
                                                            eos_token=eos or None)
+                self._eos_set = frozenset(self._lltok.eos_tokens)
             return self._lltok
 
     def _compile(self, grammar: str) -> Any:
@@ -158,10 +160,19 @@ class StructuredOutputManager:
         n = 0
         for req, count in zip(requests, batch.num_sample_rows):
             g = req.grammar
-            if count == 0 or g is None or not g.active or g.matcher is None:
+            if count == 0 or g is None or g.matcher is None:
                 continue
+            drafts = list(batch.spec_token_ids.get(req.request_id, ()))
+            skip = 0  # rows sampled before the constraint starts (still unmasked: all bits set)
+            if not g.active:
+                # Drafts may complete the start marker: rows after it are masked from the grammar's start.
+                after = _after(req.output_token_ids + drafts, len(drafts), g.start_after) if drafts else None
+                if after is None:
+                    continue
+                skip = len(drafts) - len(after)
+                drafts = after
             batch.structured_output_rows[req.request_id] = n
-            rows.append((g.matcher, n, list(batch.spec_token_ids.get(req.request_id, ()))))
+            rows.append((g.matcher, n + skip, drafts))
             n += count
         if not rows:
             return
@@ -177,27 +188,33 @@ class StructuredOutputManager:
             lnp.fill_next_token_bitmask_par(self._executor, [(m, i) for m, i, _ in rows], bitmask)
         batch.grammar_bitmask = bitmask
 
-    def accept(self, req, new_tokens: list[int]) -> bool:
-        """Advance `req`'s matcher by the tokens just appended to its output. True: the grammar is complete
-        (nothing but EOS may follow) or broken, and the request must stop."""
+    def accept(self, req, new_tokens: list[int]) -> tuple[list[int], bool]:
+        """Advance `req`'s matcher by the tokens the step accepted (before they join its output). Returns the
+        tokens to keep and whether the grammar ended the request: complete (only EOS could follow; tokens past
+        that point, e.g. an accepted draft's bonus EOS, are dropped) or broken."""
         g = req.grammar
         if g is None or g.matcher is None or not new_tokens:
-            return False
+            return new_tokens, False
+        offset = 0
         if not g.active:
-            tokens = _after(req.output_token_ids, len(new_tokens), g.start_after)
-            if tokens is None:
-                return False
+            prior = req.output_token_ids
+            after = _after(prior + new_tokens, len(new_tokens), g.start_after)
+            if after is None:
+                return new_tokens, False
             g.active = True
-            new_tokens = tokens
-            if not new_tokens:
-                return False
+            offset = len(new_tokens) - len(after)
         m = g.matcher
-        if not m.consume_tokens(new_tokens):
-            # Only a token outside the mask gets here (e.g. sampled before the constraint was ready).
-            g.error = m.get_error() or "a token outside the grammar was sampled."
-            log.warning("request %s left its grammar: %s", req.request_id, g.error)
-            return True
-        return m.is_stopped()
+        for i in range(offset, len(new_tokens)):
+            if m.is_stopped():
+                return new_tokens[:i], True
+            if not m.consume_token(new_tokens[i]):
+                # Only a token outside the mask gets here (a bug, or a row sampled before the mask applied).
+                g.error = m.get_error() or "a token outside the grammar was sampled."
+                log.warning("request %s left its grammar: %s", req.request_id, g.error)
+                return new_tokens[:i], True
+        if m.is_stopped() and new_tokens[-1] not in self._eos_set:
+            return new_tokens, True  # complete; an EOS token (if sampled) finishes the request by itself
+        return new_tokens, False
 
     def free(self, req) -> None:
         req.grammar = None  # a pending compile finds it gone in poll()
