@@ -47,8 +47,14 @@ class StructuredOutputsParams:
         value: Any = getattr(self, kind)
         if kind == "json_object":
             value = ""
-        elif not isinstance(value, str):
-            value = json.dumps(value, separators=(",", ":"))  # key order kept: it is the output order
+        else:
+            if isinstance(value, str) and kind in ("json", "structural_tag"):
+                try:  # the same schema as text or as a dict, spaced or not, is one key
+                    value = json.loads(value)
+                except ValueError:
+                    pass  # not JSON: the grammar check reports it
+            if not isinstance(value, str):
+                value = json.dumps(value, separators=(",", ":"))  # key order kept: it is the output order
         if self.disable_any_whitespace and kind in ("json", "json_object"):
             kind += ":compact"
         return kind, value

@@ -293,7 +293,10 @@ class Scheduler:
                 new, grammar_done = self.structured.accept(req, new)
             accepted, status = self._append(req, new)
             if grammar_done and status is None:
-                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: only EOS could follow
+                if req.grammar.error is not None:  # a token outside the grammar: never pass it off as "stop"
+                    status, req.stop_reason = RequestStatus.FINISHED_ABORTED, f"grammar error: {req.grammar.error}"
+                else:
+                    status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: only EOS could follow
             grammar_done = grammar_done and status == RequestStatus.FINISHED_STOPPED and req.stop_reason is None
             if rejected:
                 self.kv.trim(req, req.num_tokens + self.num_lookahead_tokens)

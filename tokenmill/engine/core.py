@@ -17,6 +17,9 @@ from tokenmill.structured_output.manager import StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
+# A step with nothing to run but grammars compiling waits this long for one (the core loop's stall wait).
+COMPILE_WAIT_S = 0.005
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
@@ -85,6 +88,8 @@ class EngineCore:
             if failed:
                 self.scheduler.recompute_failed_loads(out, self.kv.loads_failed(failed))
         if not out:
+            if not refused and self.structured.num_compiling:
+                self.structured.wait(COMPILE_WAIT_S)  # only grammars to wait for: do not spin
             self.stats.add(st)
             return EngineCoreOutputs(refused, None, self.scheduler_stats(), self.stats.idle_s)
         batch = self.scheduler.build_batch(out)

@@ -11,6 +11,7 @@ Logprobs are always computed from the raw input logits (vLLM's default).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -160,16 +161,34 @@ def compute_logprobs(logits: Tensor, token_ids: Tensor, num_top: int) -> tuple[T
     return token_lp, top_lp, top_ids, ranks
 
 
-_BIT = {}
+_BITS: dict[torch.device, Tensor] = {}
+
+
+def _byte_bits(device: torch.device) -> Tensor:
+    bits = _BITS.get(device)
+    if bits is None:
+        bits = _BITS[device] = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=device)
+    return bits
 
 
 def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
-    """[rows, W] int32 words -> [rows, vocab_size] bool, one vectorised shift-and-mask."""
-    shifts = _BIT.get(bitmask.device)
-    if shifts is None:
-        shifts = _BIT[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    """[rows, W] int32 words -> [rows, vocab_size] bool, True = allowed (bit t%32 of word t//32)."""
+    rows = bitmask.shape[0]
+    if sys.byteorder == "little":
+        # Bit t%32 of word t//32 is bit t%8 of byte t//8: one AND over bytes, cheaper than int32 shifts.
+        bits = bitmask.contiguous().view(torch.uint8).unsqueeze(-1) & _byte_bits(bitmask.device)
+    else:
+        bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=bitmask.device)) & 1
+    return (bits != 0).view(rows, -1)[:, :vocab_size]
+
+
+def apply_bitmask(x: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:
+    """x with the tokens `bitmask` disallows set to -inf in `rows` (out of place: x may be the raw logits)."""
+    allowed = unpack_bitmask(bitmask, x.shape[-1])
+    neg = torch.tensor(float("-inf"), dtype=x.dtype, device=x.device)
+    if rows.numel() != x.shape[0]:  # else every row is constrained (rows are the batch rows in order)
+        allowed = torch.ones(x.shape, dtype=torch.bool, device=x.device).index_put_((rows,), allowed)
+    return torch.where(allowed, x, neg)
 
 
 def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
@@ -180,9 +199,7 @@ def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     if meta.banned is not None:
         x = x.masked_fill(meta.banned, float("-inf"))
     if meta.grammar_bitmask is not None:
-        rows = meta.grammar_rows
-        allowed = unpack_bitmask(meta.grammar_bitmask, x.shape[-1])
-        x = x.index_put((rows,), x[rows].masked_fill(~allowed, float("-inf")))
+        x = apply_bitmask(x, meta.grammar_rows, meta.grammar_bitmask)
     if meta.prompt_mask is not None:
         seen = meta.prompt_mask
         if meta.output_counts is not None:

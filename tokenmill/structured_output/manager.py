@@ -151,6 +151,13 @@ class StructuredOutputManager:
     def num_compiling(self) -> int:
         return len(self._pending)
 
+    def wait(self, timeout: float) -> None:
+        """Block until a pending compile finishes (or `timeout`): for a step with nothing else to run, so the
+        loop does not spin against the compiling thread for the GIL."""
+        futures = [r.grammar.future for r in self._pending if r.grammar is not None and r.grammar.future is not None]
+        if futures:
+            concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
     # ---- one step -------------------------------------------------------------------------
     def fill_bitmask(self, batch, requests: list) -> None:
         """Set batch.grammar_bitmask ([rows, ceil(V/32)] int32, bit set = allowed) and
