@@ -156,8 +156,10 @@ def test_pydantic_parse(client):
         name: str = Field(max_length=12)
         founded: int = Field(ge=0, le=2100)
 
-    r = client.chat.completions.parse(model=MODEL, messages=MESSAGES, temperature=1.0, seed=5, max_tokens=120,
-                                      response_format=City)
+    completions = client.beta.chat.completions if hasattr(client, "beta") and hasattr(client.beta, "chat") \
+        else client.chat.completions
+    r = completions.parse(model=MODEL, messages=MESSAGES, temperature=1.0, seed=5, max_tokens=120,
+                          response_format=City)
     city = r.choices[0].message.parsed
     assert isinstance(city, City) and 0 <= city.founded <= 2100
 
@@ -237,6 +239,39 @@ def test_tool_round_trip(client):
     assert final.usage.completion_tokens == 8
     # The template (here the fallback for one without tools) rendered the call and its result.
     assert final.usage.prompt_tokens > first.usage.prompt_tokens + len(call.function.arguments) // 4
+
+
+HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{3,6}", "unit": "(c|f)"\}\}\n</tool_call>'
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_tool_choice_auto_parses_calls(client, parallel):
+    """Under "auto" the server's hermes parser pulls calls out of the text. The random model is made to write
+    two calls in Hermes format (by a regex constraint) so the parse is exercised end to end, both ways."""
+    body = {"structured_outputs": {"regex": rf"Checking\.\n{HERMES_CALL}\n{HERMES_CALL}"}}
+    kw = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], tool_choice="auto", parallel_tool_calls=parallel,
+              temperature=1.0, seed=4, max_tokens=300, extra_body=body)
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Checking."
+    assert len(c.message.tool_calls) == (2 if parallel else 1)
+    for call in c.message.tool_calls:
+        assert call.function.name == "get_weather"
+        _check_call(call)
+    calls, content, finish = {}, "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for t in d.tool_calls or []:
+            entry = calls.setdefault(t.index, {"id": t.id, "name": t.function.name, "args": ""})
+            entry["args"] += t.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and content == "Checking."
+    assert [(e["name"], json.loads(e["args"])) for _, e in sorted(calls.items())] == [
+        (x.function.name, json.loads(x.function.arguments)) for x in c.message.tool_calls]
+    assert all(e["id"] for e in calls.values())
 
 
 def test_tool_choice_auto_plain_text(client):
