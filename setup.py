@@ -7,6 +7,7 @@ attention backend. TOKENMILL_NO_NATIVE=1 skips the build on purpose.
 """
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def native_extensions():
     arch_flags = arch.split() if arch is not None else (["-march=native"] if _accepts("-march=native") else [])
     ext = CppExtension(
         "tokenmill._C",
-        sources=["tokenmill/csrc/paged_attention.cpp"],
+        sources=sorted(glob.glob("tokenmill/csrc/*.cpp")),
         extra_compile_args=["-O3", "-fopenmp", "-std=c++17", *arch_flags],
         extra_link_args=["-fopenmp"],
     )

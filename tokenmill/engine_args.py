@@ -58,6 +58,13 @@ class EngineArgs:
         "Context length: prompt plus output tokens (default: the model's max_position_embeddings).")
     seed: int = _arg(ModelConfig.seed, "Seed of the engine's global random generator; with it a run is reproducible "
                      "(default: %(default)s). See also --sampling-seed.")
+    quantization: str | None = _arg(
+        ModelConfig.quantization, "Quantize the linear layers' weights at load: int8 (per output channel) or int4 "
+        "(groups of --quantization-group-size columns); activations stay float (default: none).",
+        choices=("int8", "int4"))
+    quantization_group_size: int = _arg(ModelConfig.quantization_group_size,
+                                        "int4: input columns per scale and zero point: 32, 64 or 128 "
+                                        "(default: %(default)s).")
     device: str = _arg(EngineConfig.device, "Torch device, e.g. cpu or cuda (default: %(default)s).")
     attention_backend: str | None = _arg(
         EngineConfig.attention_backend, "Attention backend by registry name, e.g. torch_sdpa (default: the "
@@ -161,7 +168,8 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         config = EngineConfig(
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
-                              max_model_len=self.max_model_len, seed=self.seed),
+                              max_model_len=self.max_model_len, seed=self.seed, quantization=self.quantization,
+                              quantization_group_size=self.quantization_group_size),
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_dtype=self.kv_cache_dtype,

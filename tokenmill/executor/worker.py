@@ -87,11 +87,16 @@ class Worker:
     def init(self) -> WorkerInfo:
         """Device, model, KV pool and lower KV tiers; returns what the core needs to know."""
         from tokenmill.layers.attention_backends.registry import get_attention_backend
+        from tokenmill.layers.quantization import get_quantization_config
         from tokenmill.model.loader import load_model
 
         self.init_device()
         mc, cache = self.config.model, self.config.cache
-        model, self.hf_config, self.max_model_len = load_model(mc.model, mc.dtype, mc.max_model_len, str(self.device))
+        quant = get_quantization_config(getattr(mc, "quantization", None), getattr(mc, "quantization_group_size", 32))
+        model, self.hf_config, self.max_model_len = load_model(mc.model, mc.dtype, mc.max_model_len, str(self.device),
+                                                               quant_config=quant)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        log.info("weights: %.1f MiB resident%s", self.weight_bytes / 2**20, f" ({quant.name})" if quant else "")
         backend_cls = get_attention_backend(getattr(self.config, "attention_backend", None), self.device)
         vocab = int(self.hf_config.vocab_size)
         self.runner = ModelRunner(model, vocab, cache.block_size, self.device, backend_cls(cache.block_size, self.device))

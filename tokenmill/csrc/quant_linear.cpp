@@ -1,0 +1,207 @@
+// Linear layers over quantized weights: y = x W^T with W stored packed (int8 rows with a scale per row)
+// and dequantized a tile at a time into a small float buffer that stays in L1/L2.
+//
+// Work is split over tiles of TILE_ROWS output rows (at::parallel_for). Each tile is dequantized once
+// into a thread-local float buffer (the weight's bytes are read from memory exactly once per call, in
+// their packed form), then multiplied with every row of x by a register-blocked micro-kernel (up to 4
+// rows of x by 4 weight rows, vectors along K), so the same code serves decode (M = 1: bandwidth-bound on
+// the packed bytes) and batches (compute-bound, no conversion in the inner loop).
+#include "vec.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace tokenmill {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t TILE_ROWS = 16;  // weight rows dequantized per tile (a multiple of NR)
+constexpr int64_t NR = 4;          // weight rows per micro-kernel
+constexpr int64_t GEMM_MIN_ROWS = 8;  // from this many rows of x on, dequantize whole and use ATen's SGEMM
+
+// y[i, j] = sum_k x[i, k] * w[j, k] for MR rows of x and NR rows of the float tile w.
+template <int MR>
+inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t nr) {
+  const int64_t V = Vec::size();
+  const int64_t Kv = K - K % V;
+  Vec acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = Vec(0.f);
+  for (int64_t k = 0; k < Kv; k += V) {
+    Vec xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = Vec::loadu(x + i * ldx + k);
+    for (int j = 0; j < NR; ++j) {
+      const Vec wv = Vec::loadu(w + j * K + k);
+      for (int i = 0; i < MR; ++i) acc[i][j] = at::vec::fmadd(xv[i], wv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < nr; ++j) {
+      float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[i][j]);
+      for (int64_t k = Kv; k < K; ++k) s += x[i * ldx + k] * w[j * K + k];
+      y[i * ldy + j] = s;
+    }
+  }
+}
+
+// Batches: the tile transposed to [K, TILE_ROWS], and MR rows of x at a time against all TILE_ROWS weight
+// rows: vectors run along the output rows, x[m, k] is broadcast (the classic GEMM micro-kernel; no
+// horizontal sums, MR x TILE_ROWS/V accumulators stay in registers).
+template <int MR>
+inline void micro_t(const float* x, int64_t K, const float* tile_t, float* y, int64_t ldy, int64_t nb) {
+  constexpr int64_t NV = TILE_ROWS / Vec::size() > 0 ? TILE_ROWS / Vec::size() : 1;
+  Vec acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = Vec(0.f);
+  for (int64_t k = 0; k < K; ++k) {
+    Vec wv[NV];
+    for (int j = 0; j < NV; ++j) wv[j] = Vec::loadu(tile_t + k * TILE_ROWS + j * Vec::size());
+    for (int i = 0; i < MR; ++i) {
+      const Vec xb(x[i * K + k]);
+      for (int j = 0; j < NV; ++j) acc[i][j] = at::vec::fmadd(xb, wv[j], acc[i][j]);
+    }
+  }
+  float out[TILE_ROWS];
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NV; ++j) acc[i][j].store(out + j * Vec::size());
+    std::copy(out, out + nb, y + i * ldy);
+  }
+}
+
+// Multiplies all M rows of x with one dequantized tile (rows n0 .. n0 + nb of the output). `tile_t` is
+// scratch of TILE_ROWS * K floats for the transposed tile.
+void tile_gemm(const float* x, int64_t M, int64_t K, const float* tile, int64_t nb, float* y, int64_t N,
+               int64_t n0, float* tile_t) {
+  if (M <= 2) {  // decode: vectors along K, one pass over the tile per row of x
+    for (int64_t j0 = 0; j0 < nb; j0 += NR) {
+      const int64_t nr = std::min<int64_t>(NR, nb - j0);
+      if (M == 2) micro<2>(x, K, tile + j0 * K, K, y + n0 + j0, N, nr);
+      else micro<1>(x, K, tile + j0 * K, K, y + n0 + j0, N, nr);
+    }
+    return;
+  }
+  for (int64_t r = 0; r < TILE_ROWS; ++r)
+    for (int64_t k = 0; k < K; ++k) tile_t[k * TILE_ROWS + r] = tile[r * K + k];
+  constexpr int MRB = 6;
+  int64_t m0 = 0;
+  for (; m0 + MRB <= M; m0 += MRB) micro_t<MRB>(x + m0 * K, K, tile_t, y + m0 * N + n0, N, nb);
+  switch (M - m0) {
+    case 5: micro_t<5>(x + m0 * K, K, tile_t, y + m0 * N + n0, N, nb); break;
+    case 4: micro_t<4>(x + m0 * K, K, tile_t, y + m0 * N + n0, N, nb); break;
+    case 3: micro_t<3>(x + m0 * K, K, tile_t, y + m0 * N + n0, N, nb); break;
+    case 2: micro_t<2>(x + m0 * K, K, tile_t, y + m0 * N + n0, N, nb); break;
+    case 1: micro_t<1>(x + m0 * K, K, tile_t, y + m0 * N + n0, N, nb); break;
+    default: break;
+  }
+}
+
+// Runs `dequant(n0, nb, tile)` then tile_gemm over tiles of the N output rows, in parallel.
+template <typename Dequant>
+at::Tensor tiled_linear(const at::Tensor& x_in, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias,
+                        Dequant dequant) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "x must be [M, ", K, "], got ", x_in.sizes());
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const int64_t tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
+  if (M >= GEMM_MIN_ROWS) {
+    // Compute-bound: dequantize the whole weight once (N x K floats, a few MB, cache-resident) and let
+    // ATen's SGEMM (MKL / oneDNN) do the multiply at full speed; the dequantization costs 1/M of it.
+    at::Tensor wf = at::empty({N, K}, x.options());
+    float* wp = wf.data_ptr<float>();
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * TILE_ROWS;
+        dequant(n0, std::min<int64_t>(TILE_ROWS, N - n0), wp + n0 * K);
+      }
+    });
+    at::mm_out(y, x, wf.t());
+    if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+    return y;
+  }
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    // Padded to whole micro-kernel rows; the padding rows are computed and never stored.
+    std::vector<float> tile(TILE_ROWS * K, 0.f);
+    std::vector<float> tile_t(M > 2 ? TILE_ROWS * K : 0);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * TILE_ROWS;
+      const int64_t nb = std::min<int64_t>(TILE_ROWS, N - n0);
+      dequant(n0, nb, tile.data());
+      tile_gemm(xp, M, K, tile.data(), nb, yp, N, n0, tile_t.data());
+    }
+  });
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  return y;
+}
+
+}  // namespace
+
+// x [M, K] float, w [N, K] int8, scale [N] float (per output row, symmetric).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(scale.numel() == N && scale.scalar_type() == at::kFloat, "scale must be float [", N, "]");
+  const at::Tensor s = scale.contiguous();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  return tiled_linear(x, N, K, bias, [&](int64_t n0, int64_t nb, float* tile) {
+    for (int64_t r = 0; r < nb; ++r) {
+      const int8_t* src = wp + (n0 + r) * K;
+      float* dst = tile + r * K;
+      const float sc = sp[n0 + r];
+#pragma omp simd
+      for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(src[k]) * sc;
+    }
+  });
+}
+
+// x [M, K] float; w [N, K / 2] uint8, two 4-bit values per byte (low nibble first, k even); per group of
+// `group` columns a float scale and zero point ([N, K / group] each): value = (q - zero) * scale.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& zero,
+                       int64_t group, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be contiguous uint8 [N, K/2]");
+  const int64_t N = w.size(0), K = w.size(1) * 2;
+  TORCH_CHECK(group > 0 && group % 2 == 0 && K % group == 0, "group ", group, " must be even and divide K=", K);
+  const int64_t G = K / group;
+  TORCH_CHECK(scale.numel() == N * G && zero.numel() == N * G && scale.scalar_type() == at::kFloat &&
+                  zero.scalar_type() == at::kFloat,
+              "scale and zero must be float [", N, ", ", G, "]");
+  const at::Tensor s = scale.contiguous(), z = zero.contiguous();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* sp = s.data_ptr<float>();
+  const float* zp = z.data_ptr<float>();
+  return tiled_linear(x, N, K, bias, [&](int64_t n0, int64_t nb, float* tile) {
+    for (int64_t r = 0; r < nb; ++r) {
+      const uint8_t* src = wp + (n0 + r) * (K / 2);
+      float* dst = tile + r * K;
+      for (int64_t g = 0; g < G; ++g) {
+        const float sc = sp[(n0 + r) * G + g];
+        const float zs = zp[(n0 + r) * G + g] * sc;
+        const uint8_t* b = src + g * group / 2;
+        float* d = dst + g * group;
+#pragma omp simd
+        for (int64_t i = 0; i < group / 2; ++i) {
+          d[2 * i] = static_cast<float>(b[i] & 0xF) * sc - zs;
+          d[2 * i + 1] = static_cast<float>(b[i] >> 4) * sc - zs;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace tokenmill
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
+  m.impl("int8_linear", c10::DispatchKey::CPU, &tokenmill::int8_linear);
+  m.def("int4_linear(Tensor x, Tensor w, Tensor scale, Tensor zero, int group, Tensor? bias) -> Tensor");
+  m.impl("int4_linear", c10::DispatchKey::CPU, &tokenmill::int4_linear);
+}

@@ -1,0 +1,145 @@
+"""Weights quantized at load from any float checkpoint, activations in float32 (`--quantization int8|int4`).
+
+- int8: one symmetric scale per output row (per channel): w = q * scale, q in [-127, 127].
+- int4: groups of `group_size` input columns (32, 64 or 128), asymmetric (w = (q - zero) * scale, q in
+  [0, 15]) or symmetric (zero = 8); two values per byte, the even column in the low nibble.
+
+The layer loads its float weight as usual (same loaders, same tensor-parallel shards), then
+`process_weights_after_loading` replaces it by the packed form, so only the packed bytes stay resident.
+`apply` runs the native kernel (tokenmill/csrc/quant_linear.cpp: dequantize a tile in registers/L1, then
+multiply) on CPU, else dequantizes the weight and calls F.linear: the reference the kernel is tested
+against, and the path for devices without one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
+from tokenmill.layers.quantization.unquantized import UnquantizedLinearMethod
+
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+_NATIVE: bool | None = None
+
+
+def _native_ok(x: torch.Tensor) -> bool:
+    """The kernels are built (and new enough to have the quantized linears) and x is on the CPU."""
+    global _NATIVE
+    if x.device.type != "cpu":
+        return False
+    if _NATIVE is None:
+        from tokenmill import native
+
+        _NATIVE = native.available() and hasattr(torch.ops.tokenmill, "int4_linear")
+    return _NATIVE
+
+
+def _swap(layer: nn.Module, **packed: torch.Tensor) -> None:
+    """Drop the float weight; register the packed tensors (parameters, so weight-byte counts see them)."""
+    del layer.weight
+    for name, t in packed.items():
+        layer.register_parameter(name, nn.Parameter(t.contiguous(), requires_grad=False))
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (packed uint8 [N, K/2], scale [N, K/group], zero [N, K/group]) float32."""
+    N, K = w.shape
+    g = w.float().reshape(N, K // group, group)
+    if symmetric:
+        scale = (g.abs().amax(dim=-1) / 7.0).clamp(min=torch.finfo(torch.float32).tiny)
+        zero = torch.full_like(scale, 8.0)
+    else:
+        lo, hi = g.amin(dim=-1).clamp(max=0.0), g.amax(dim=-1).clamp(min=0.0)  # 0 stays exact
+        scale = ((hi - lo) / 15.0).clamp(min=torch.finfo(torch.float32).tiny)
+        zero = torch.round(-lo / scale).clamp_(0, 15)
+    q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp_(0, 15).to(torch.uint8).reshape(N, K)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return packed, scale, zero
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
+    N = packed.shape[0]
+    q = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(N, -1).float()
+    K = q.shape[1]
+    return ((q.reshape(N, K // group, group) - zero[..., None]) * scale[..., None]).reshape(N, K)
+
+
+class _WeightOnlyMethod(UnquantizedLinearMethod):
+    """Creates the float weight like the unquantized method (so loading is unchanged), packs it after."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if _native_ok(x2):
+            y = self._native(layer, x2, bias)
+        else:
+            y = F.linear(x2.float(), self.dequantize(layer), None if bias is None else bias.float())
+        return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
+
+
+class Int8LinearMethod(_WeightOnlyMethod):
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        q, scale = quantize_int8(layer.weight.data)
+        _swap(layer, qweight=q, scale=scale)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return dequantize_int8(layer.qweight, layer.scale)
+
+    def _native(self, layer, x, bias):
+        return torch.ops.tokenmill.int8_linear(x, layer.qweight, layer.scale, bias)
+
+
+class Int4LinearMethod(_WeightOnlyMethod):
+    def __init__(self, group_size: int, symmetric: bool) -> None:
+        self.group_size = group_size
+        self.symmetric = symmetric
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        if input_size_per_partition % self.group_size:
+            raise ValueError(f"int4 group size {self.group_size} does not divide the input size "
+                             f"{input_size_per_partition} of layer {getattr(layer, 'prefix', '') or '?'}")
+        super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                               params_dtype, **extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        packed, scale, zero = quantize_int4(layer.weight.data, self.group_size, self.symmetric)
+        _swap(layer, qweight=packed, scale=scale, zero=zero)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return dequantize_int4(layer.qweight, layer.scale, layer.zero, self.group_size)
+
+    def _native(self, layer, x, bias):
+        return torch.ops.tokenmill.int4_linear(x, layer.qweight, layer.scale, layer.zero, self.group_size, bias)
+
+
+class WeightOnlyConfig(QuantizationConfig):
+    """Every linear layer of the decoder (not the embedding or LM head) quantized at load."""
+
+    def __init__(self, name: str, group_size: int = 32, symmetric: bool = False) -> None:
+        if name not in ("int8", "int4"):
+            raise ValueError(f"unknown weight-only quantization {name!r}")
+        if name == "int4" and group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}.")
+        self.name = name
+        self.group_size = group_size
+        self.symmetric = symmetric
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if self.name == "int8":
+            return Int8LinearMethod()
+        return Int4LinearMethod(self.group_size, self.symmetric)
