@@ -19,6 +19,8 @@ ROUND_TRIP = {
     "dtype": (["--dtype", "bfloat16"], "bfloat16", "model.dtype"),
     "max_model_len": (["--max-model-len", "300"], 300, "model.max_model_len"),
     "seed": (["--seed", "7"], 7, "model.seed"),
+    "quantization": (["--quantization", "int4"], "int4", "model.quantization"),
+    "quantization_group_size": (["--quantization-group-size", "64"], 64, "model.quantization_group_size"),
     "device": (["--device", "cuda"], "cuda", "device"),
     "attention_backend": (["--attention-backend", "torch_sdpa"], "torch_sdpa", "attention_backend"),
     "block_size": (["--block-size", "32"], 32, "cache.block_size"),
