@@ -184,16 +184,9 @@ def test_kernels_reject_bad_arguments():
         pytest.fail(f"bad call {i} was accepted")
 
 
-# The kernel dequantizes as q * scale - (zero * scale) (csrc/quant_linear.cpp, int4_linear's dequant
-# lambda): with FMA contraction (-O3 -march=native on an AVX2/AVX512 CPU, GCC's default
-# -ffp-contract=fast) q == zero gives fma(q, scale, -round(zero * scale)) = the rounding error of
-# zero * scale, not 0; the reference (q - zero) * scale is exact.
-_FMA = native.available() and native.cpu_capability() in ("AVX2", "AVX512")
-
-
+# Regression: the kernel once dequantized as q * scale - zero * scale, which FMA contraction (-O3
+# -march=native) turned into a rounding error instead of 0 where q == zero; (q - zero) * scale is exact.
 @needs_native
-@pytest.mark.xfail(_FMA, strict=True, reason="int4_linear dequantizes q*scale - zero*scale: exact-zero weights "
-                   "(q == zero, asymmetric) come out as ~1e-7 * scale instead of 0 under FMA contraction")
 def test_int4_kernel_keeps_zero_weights_exactly_zero():
     g = torch.Generator().manual_seed(3)
     N, K = 33, 64

@@ -184,13 +184,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       float* dst = tile + r * K;
       for (int64_t g = 0; g < G; ++g) {
         const float sc = sp[(n0 + r) * G + g];
-        const float zs = zp[(n0 + r) * G + g] * sc;
+        const float z = zp[(n0 + r) * G + g];
         const uint8_t* b = src + g * group / 2;
         float* d = dst + g * group;
+        // (q - z) first: exact for these small integers, so a weight quantized to its zero point is 0.
 #pragma omp simd
         for (int64_t i = 0; i < group / 2; ++i) {
-          d[2 * i] = static_cast<float>(b[i] & 0xF) * sc - zs;
-          d[2 * i + 1] = static_cast<float>(b[i] >> 4) * sc - zs;
+          d[2 * i] = (static_cast<float>(b[i] & 0xF) - z) * sc;
+          d[2 * i + 1] = (static_cast<float>(b[i] >> 4) - z) * sc;
         }
       }
     }
