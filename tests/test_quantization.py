@@ -386,6 +386,9 @@ class _Models:
                         tensors[name] = dequantize_int4(*quantize_int4(t, group, False), group).to(t.dtype)
                     n += 1
             assert n >= 7 * 2, f"only {n} linear weights found in {sorted(tensors)}"
+            # The LM head is kept as int8 rows too (a tied embedding shares that table).
+            head = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
+            tensors[head] = dequantize_int8(*quantize_int8(tensors[head])).to(tensors[head].dtype)
             save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
             self.paths[key] = dst
         return self.paths[key]
@@ -520,10 +523,13 @@ def test_weight_bytes_exact(models, arch):
     assert len(shapes) == 4 * fllm.engine.hf_config.num_hidden_layers  # qkv, o, gate_up, down
     assert all(m.weight.dtype == torch.float32 for m in model.modules() if isinstance(m, LinearBase))
     linear_float = sum(n * k * 4 for n, k in shapes)
+    # The LM head (or the table a tied embedding shares with it) becomes int8 rows + a float32 scale each.
+    V, H = model.lm_head.weight.shape
+    head = V * H + 4 * V - V * H * 4
     expected = {
-        "int8": float_bytes - linear_float + sum(n * k + 4 * n for n, k in shapes),  # int8 q + f32 scale/row
-        "int4-g32": float_bytes - linear_float + sum(n * k // 2 + 2 * 4 * n * k // 32 for n, k in shapes),
-        "int4-g64": float_bytes - linear_float + sum(n * k // 2 + 2 * 4 * n * k // 64 for n, k in shapes),
+        "int8": float_bytes - linear_float + head + sum(n * k + 4 * n for n, k in shapes),  # int8 q + f32 scale/row
+        "int4-g32": float_bytes - linear_float + head + sum(n * k // 2 + 2 * 4 * n * k // 32 for n, k in shapes),
+        "int4-g64": float_bytes - linear_float + head + sum(n * k // 2 + 2 * 4 * n * k // 64 for n, k in shapes),
     }
     got = {
         "int8": models.llm(arch, "int8", 32).engine._worker.weight_bytes,
@@ -532,9 +538,13 @@ def test_weight_bytes_exact(models, arch):
     }
     assert got == expected, f"float {float_bytes}, linear float {linear_float}"
     assert float_bytes > got["int8"] > got["int4-g32"] > got["int4-g64"]
-    # the embedding and LM head stay float; no decoder linear keeps a float weight
+    # the LM head is int8 (sharing its table with a tied embedding); no decoder linear keeps a float weight
     qmodel = models.llm(arch, "int4", 32).engine.model
-    assert qmodel.embed_tokens.weight.dtype == torch.float32 and qmodel.lm_head.weight.dtype == torch.float32
+    assert qmodel.lm_head.qweight.dtype == torch.int8 and not hasattr(qmodel.lm_head, "weight")
+    if qmodel.tie_word_embeddings:
+        assert qmodel.embed_tokens.qweight is qmodel.lm_head.qweight
+    else:
+        assert qmodel.embed_tokens.weight.dtype == torch.float32
     assert not any(hasattr(m, "weight") for m in qmodel.modules() if isinstance(m, LinearBase))
 
 

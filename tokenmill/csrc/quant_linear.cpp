@@ -141,6 +141,44 @@ at::Tensor tiled_linear(const at::Tensor& x_in, int64_t N, int64_t K, const c10:
   return y;
 }
 
+// Decode (M <= 2): int8 rows straight into registers, no float tile: per 8 weights one widening load,
+// one convert and one FMA per row of x, so the loop keeps up with memory. Four weight rows share each
+// load of x; the row's scale multiplies the finished dot product.
+void int8_gemv(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, float* y, int64_t N,
+               int64_t n0, int64_t nb) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    int64_t r = 0;
+    for (; r + 4 <= nb; r += 4) {
+      const int8_t* w0 = w + (n0 + r) * K;
+      const int8_t* w1 = w0 + K;
+      const int8_t* w2 = w1 + K;
+      const int8_t* w3 = w2 + K;
+      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+      for (int64_t k = 0; k < K; ++k) {
+        const float xv = xm[k];
+        a0 += static_cast<float>(w0[k]) * xv;
+        a1 += static_cast<float>(w1[k]) * xv;
+        a2 += static_cast<float>(w2[k]) * xv;
+        a3 += static_cast<float>(w3[k]) * xv;
+      }
+      float* yr = y + m * N + n0 + r;
+      yr[0] = a0 * scale[n0 + r];
+      yr[1] = a1 * scale[n0 + r + 1];
+      yr[2] = a2 * scale[n0 + r + 2];
+      yr[3] = a3 * scale[n0 + r + 3];
+    }
+    for (; r < nb; ++r) {
+      const int8_t* wr = w + (n0 + r) * K;
+      float a = 0.f;
+#pragma omp simd reduction(+ : a)
+      for (int64_t k = 0; k < K; ++k) a += static_cast<float>(wr[k]) * xm[k];
+      y[m * N + n0 + r] = a * scale[n0 + r];
+    }
+  }
+}
+
 }  // namespace
 
 // x [M, K] float, w [N, K] int8, scale [N] float (per output row, symmetric).
@@ -152,6 +190,20 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const at::Tensor s = scale.contiguous();
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
+  if (x.dim() == 2 && x.size(0) <= 2 && x.size(1) == K) {
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    const int64_t M = xf.size(0);
+    at::Tensor y = at::empty({M, N}, xf.options());
+    const float* xp = xf.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    constexpr int64_t ROWS = 64;  // rows per work item
+    at::parallel_for(0, (N + ROWS - 1) / ROWS, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        int8_gemv(xp, M, K, wp, sp, yp, N, t * ROWS, std::min<int64_t>(ROWS, N - t * ROWS));
+    });
+    if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+    return y;
+  }
   return tiled_linear(x, N, K, bias, [&](int64_t n0, int64_t nb, float* tile) {
     for (int64_t r = 0; r < nb; ++r) {
       const int8_t* src = wp + (n0 + r) * K;

@@ -102,6 +102,9 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
         load_weights(model, iter_gguf_weights(path, cfg, storage))
     else:
         load_weights(model, iter_safetensors(path, storage))
+    if quant_config is not None and getattr(quant_config, "quantize_lm_head", False):
+        lm_head = model.lm_head
+        lm_head.quantize_int8(model.embed_tokens if getattr(model, "tie_word_embeddings", False) else None)
     model.eval()
     return model, cfg, max_model_len
 

@@ -78,6 +78,16 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     return ((q.reshape(N, K // group, group) - zero[..., None]) * scale[..., None]).reshape(N, K)
 
 
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ (q * scale)^T: the native kernel on CPU, else dequantize + F.linear."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if _native_ok(x2):
+        y = torch.ops.tokenmill.int8_linear(x2, q, scale, bias)
+    else:
+        y = F.linear(x2.float(), dequantize_int8(q, scale), None if bias is None else bias.float())
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 class _WeightOnlyMethod(UnquantizedLinearMethod):
     """Creates the float weight like the unquantized method (so loading is unchanged), packs it after."""
 
@@ -138,6 +148,8 @@ class WeightOnlyConfig(QuantizationConfig):
         self.name = name
         self.group_size = group_size
         self.symmetric = symmetric
+        # The LM head (and a tied embedding) as int8 rows: the largest matrix read per token at batch 1.
+        self.quantize_lm_head = True
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if self.name == "int8":
