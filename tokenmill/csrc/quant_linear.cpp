@@ -179,6 +179,32 @@ void int8_gemv(const float* x, int64_t M, int64_t K, const int8_t* w, const floa
   }
 }
 
+// Decode for int4 groups: x is split once into even and odd columns (xe, xo) so low and high nibbles
+// multiply contiguous vectors; each group's (q - z) * s * x accumulates into a lane array that stays in
+// registers across groups (no horizontal sum per group: groups are only 16 bytes).
+void int4_gemv(const float* xe, const float* xo, int64_t K, int64_t group, const uint8_t* w, const float* scale,
+               const float* zero, float* y, int64_t n0, int64_t nb) {
+  const int64_t G = K / group, half = group / 2;
+  for (int64_t r = 0; r < nb; ++r) {
+    const uint8_t* wr = w + (n0 + r) * (K / 2);
+    const float* sr = scale + (n0 + r) * G;
+    const float* zr = zero + (n0 + r) * G;
+    alignas(64) float lanes[64] = {0.f};
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* b = wr + g * half;
+      const float* e = xe + g * half;
+      const float* o = xo + g * half;
+      const float sc = sr[g], z = zr[g];
+#pragma omp simd aligned(lanes : 64)
+      for (int64_t i = 0; i < half; ++i)
+        lanes[i] += ((static_cast<float>(b[i] & 0xF) - z) * e[i] + (static_cast<float>(b[i] >> 4) - z) * o[i]) * sc;
+    }
+    float acc = 0.f;
+    for (int64_t i = 0; i < half; ++i) acc += lanes[i];
+    y[n0 + r] = acc;
+  }
+}
+
 }  // namespace
 
 // x [M, K] float, w [N, K] int8, scale [N] float (per output row, symmetric).
@@ -230,6 +256,28 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
   const float* zp = z.data_ptr<float>();
+  if (x.dim() == 2 && x.size(0) <= 2 && x.size(1) == K) {
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    const int64_t M = xf.size(0);
+    at::Tensor y = at::empty({M, N}, xf.options());
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = xf.data_ptr<float>() + m * K;
+      std::vector<float> xe(K / 2), xo(K / 2);
+      for (int64_t i = 0; i < K / 2; ++i) {
+        xe[i] = xm[2 * i];
+        xo[i] = xm[2 * i + 1];
+      }
+      float* ym = y.data_ptr<float>() + m * N;
+      constexpr int64_t ROWS = 64;
+      at::parallel_for(0, (N + ROWS - 1) / ROWS, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t)
+          int4_gemv(xe.data(), xo.data(), K, group, wp, sp, zp, ym, t * ROWS,
+                    std::min<int64_t>(ROWS, N - t * ROWS));
+      });
+    }
+    if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+    return y;
+  }
   return tiled_linear(x, N, K, bias, [&](int64_t n0, int64_t nb, float* tile) {
     for (int64_t r = 0; r < nb; ++r) {
       const uint8_t* src = wp + (n0 + r) * (K / 2);
