@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from tokenmill.serve.tool_parsers import partial_suffix
+from tokenmill.serve.stream_text import partial_suffix
 
 Split = tuple[str | None, str | None]  # (reasoning, content)
 

@@ -9,12 +9,15 @@ is closed as it stands, where `extract`, which sees the whole text, leaves it in
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 import random
 import re
 import string
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 from uuid import uuid4
+
+from tokenmill.serve.stream_text import EdgeTrimmer, ObjectScanner, ValueScanner, loads_or_none, partial_suffix, skip_ws
 
 
 @dataclass
@@ -45,155 +48,13 @@ class StreamDelta:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
-_WS = " \t\n\r"
-_SCALAR = frozenset("-+.0123456789eEtrufalsn")
-_SCALAR_START = frozenset("-0123456789tfn")
-_OUTSIDE = re.compile(r'[][{}"]')
-_INSIDE = re.compile(r'["\\]')
 _DECODER = json.JSONDecoder()
-
-
-class _ValueScanner:
-    """Finds where one JSON value ends as its text arrives. It follows strings, escapes and bracket depth
-    only: whether the inside is valid JSON is for the consumer of the text to find out."""
-
-    def __init__(self) -> None:
-        self.kind = ""  # "c" object or array, "s" string, "n" number or literal
-        self.depth = 0
-        self.in_str = False
-        self.esc = False
-        self.done = False
-        self.failed = False
-
-    def feed(self, text: str, i: int = 0) -> tuple[int, str]:
-        """Scan text from i: (where scanning stopped, the value's text seen). Leading whitespace is
-        skipped; a number or literal stops before the character that ends it."""
-        n = len(text)
-        if not self.kind:
-            while i < n and text[i] in _WS:
-                i += 1
-            if i == n:
-                return i, ""
-            c = text[i]
-            if c in "{[":
-                self.kind, self.depth = "c", 1
-            elif c == '"':
-                self.kind, self.in_str = "s", True
-            elif c in _SCALAR_START:
-                self.kind = "n"
-            else:
-                self.failed = True
-                return i, ""
-            start, i = i, i + 1
-        else:
-            start = i
-        if self.kind == "n":
-            while i < n and text[i] in _SCALAR:
-                i += 1
-            self.done = i < n
-            return i, text[start:i]
-        while i < n:
-            if self.esc:
-                self.esc = False
-                i += 1
-                continue
-            m = (_INSIDE if self.in_str else _OUTSIDE).search(text, i)
-            if m is None:
-                return n, text[start:]
-            i, c = m.end(), m.group()
-            if c == "\\":
-                self.esc = True
-            elif c == '"':
-                self.in_str = not self.in_str
-                if self.kind == "s":
-                    self.done = True
-                    return i, text[start:i]
-            elif c in "{[":
-                self.depth += 1
-            else:
-                self.depth -= 1
-                if self.depth == 0:
-                    self.done = True
-                    return i, text[start:i]
-        return i, text[start:i]
-
-
-class _ObjectScanner:
-    """Scans one JSON object as it arrives and hands each top-level member's value text to on_value."""
-
-    def __init__(self) -> None:
-        self.state = "open"  # open, first, key, colon, value, after, next
-        self.key = ""
-        self._key: list[str] = []
-        self._esc = False
-        self._value = _ValueScanner()
-        self.done = False
-        self.failed = False
-
-    def on_value(self, key: str, piece: str, end: bool) -> None:
-        """The next piece of `key`'s value text; `end` marks the last."""
-
-    def feed(self, text: str) -> int:
-        """Consume text up to the closing brace: how much was consumed (all of it unless the object
-        closed or turned out not to be one; then the rest starts at the offending character)."""
-        i, n = 0, len(text)
-        while i < n and not (self.done or self.failed):
-            st = self.state
-            if st == "value":
-                i, piece = self._value.feed(text, i)
-                if self._value.failed:
-                    self.failed = True
-                elif piece or self._value.done:
-                    self.on_value(self.key, piece, self._value.done)
-                    if self._value.done:
-                        self.state = "after"
-                continue
-            if st == "key":
-                j = i
-                while j < n:
-                    c = text[j]
-                    if self._esc:
-                        self._esc = False
-                    elif c == "\\":
-                        self._esc = True
-                    elif c == '"':
-                        break
-                    j += 1
-                self._key.append(text[i:j])
-                if j == n:
-                    return n
-                try:
-                    self.key = json.loads('"' + "".join(self._key) + '"')
-                except ValueError:
-                    self.failed = True
-                    return j
-                self.state, i = "colon", j + 1
-                continue
-            c = text[i]
-            if c in _WS:
-                i += 1
-                continue
-            if st == "open" and c == "{":
-                self.state = "first"
-            elif st in ("first", "next") and c == '"':
-                self.state, self._key = "key", []
-            elif st == "colon" and c == ":":
-                self.state, self._value = "value", _ValueScanner()
-            elif st == "after" and c == ",":
-                self.state = "next"
-            elif st in ("first", "after") and c == "}":
-                self.done = True
-            else:
-                self.failed = True
-                break
-            i += 1
-        return i
 
 
 ARG_KEYS = ("arguments", "parameters")
 
 
-class _CallScanner(_ObjectScanner):
+class _CallScanner(ObjectScanner):
     """`{"name": ..., "arguments": ...}`: the name once its string is complete, the arguments' text
     piece by piece (the first of ARG_KEYS to appear)."""
 
@@ -209,7 +70,7 @@ class _CallScanner(_ObjectScanner):
         if key == "name" and self._name is not None:
             self._name.append(piece)
             if end:
-                name = _loads("".join(self._name))
+                name = loads_or_none("".join(self._name))
                 self._name = None
                 if isinstance(name, str) and name:
                     self.name = name
@@ -219,27 +80,6 @@ class _CallScanner(_ObjectScanner):
             self._args_key = key
             self.args.append(piece)
             self._args_over = end
-
-
-def _loads(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i] in _WS:
-        i += 1
-    return i
-
-
-def partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of text that could be the start of marker."""
-    for k in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
 
 
 def dumps_arguments(value) -> str:
@@ -272,27 +112,7 @@ def _result(calls: list[ToolCall], pieces: list[str]) -> ExtractedToolCalls:
     return ExtractedToolCalls(bool(calls), calls, "".join(pieces).strip() or None)
 
 
-class _Edges:
-    """Drops a stream's leading and trailing whitespace: a whitespace run goes out only once text
-    follows it."""
-
-    def __init__(self) -> None:
-        self.started = False
-        self.pending = ""
-
-    def push(self, text: str) -> str:
-        if not self.started:
-            text = text.lstrip()
-            if not text:
-                return ""
-            self.started = True
-        text = self.pending + text
-        body = text.rstrip()
-        self.pending = text[len(body):]
-        return body
-
-
-class ToolParser:
+class ToolParser(ABC):
     """One instance per choice (it keeps streaming state).
 
     Streaming is a small state machine over a buffer of text not yet placed: `_advance` runs the
@@ -309,7 +129,7 @@ class ToolParser:
         self._buf = ""
         self._held = ""  # text of a call that may still turn out not to be one
         self._first = True  # no element yet in the current array
-        self._edges = _Edges()
+        self._edges = EdgeTrimmer()
         self._out = StreamDelta()
         self._call: _CallScanner | None = None
         self._index = 0  # of the current or next call
@@ -320,8 +140,9 @@ class ToolParser:
     def new_id() -> str:
         return "call_" + uuid4().hex[:24]
 
+    @abstractmethod
     def extract(self, text: str) -> ExtractedToolCalls:
-        raise NotImplementedError
+        """The whole output's calls and content."""
 
     def feed(self, delta_text: str) -> StreamDelta:
         self._buf += delta_text
@@ -421,15 +242,21 @@ class ToolParser:
                 self._state = bad
         return False
 
-    # A JSON array of call objects; "[" is consumed and self._held has the text since the array's
-    # start. At the first element that is not a call, the text since the last call becomes content.
-    def _st_elem(self, final: bool) -> bool:
+    def _array_next(self, final: bool) -> str:
+        """Inside an array: moves whitespace to the held text; returns the rest ("" when more text is needed;
+        at the end of the output the array was not one of calls)."""
         s = self._buf.lstrip()
         self._held += self._buf[:len(self._buf) - len(s)]
         self._buf = s
+        if not s and final:
+            self._drop_call()
+        return s
+
+    # A JSON array of call objects; "[" is consumed and self._held has the text since the array's
+    # start. At the first element that is not a call, the text since the last call becomes content.
+    def _st_elem(self, final: bool) -> bool:
+        s = self._array_next(final)
         if not s:
-            if final:
-                self._drop_call()
             return False
         if self._first and s[0] == "]":
             self._buf, self._held, self._state = s[1:], "", "text"
@@ -442,12 +269,8 @@ class ToolParser:
         return True
 
     def _st_comma(self, final: bool) -> bool:
-        s = self._buf.lstrip()
-        self._held += self._buf[:len(self._buf) - len(s)]
-        self._buf = s
+        s = self._array_next(final)
         if not s:
-            if final:
-                self._drop_call()
             return False
         if s[0] == ",":
             self._held += ","
@@ -629,7 +452,7 @@ class MistralToolParser(ToolParser):
 
     def __init__(self, tokenizer=None) -> None:
         super().__init__(tokenizer)
-        self._value = _ValueScanner()
+        self._value = ValueScanner()
 
     @staticmethod
     def new_id() -> str:
@@ -687,7 +510,7 @@ class MistralToolParser(ToolParser):
         if j and rest.startswith(self.ARGS):
             self._announce(self._buf[:j])
             self._held, self._buf = "", rest[len(self.ARGS):]
-            self._value, self._state = _ValueScanner(), "args"
+            self._value, self._state = ValueScanner(), "args"
             return True
         if not final and self.ARGS.startswith(rest):
             return False

@@ -9,8 +9,8 @@ from tokenmill.serve.tool_parsers import (
     ToolCall,
     ToolParser,
     dumps_arguments,
-    skip_ws,
 )
+from tokenmill.serve.stream_text import skip_ws
 
 _EMPTY_PARAMS = {"type": "object", "properties": {}}
 
