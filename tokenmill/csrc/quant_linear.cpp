@@ -1,11 +1,10 @@
-// Linear layers over quantized weights: y = x W^T with W stored packed (int8 rows with a scale per row)
-// and dequantized a tile at a time into a small float buffer that stays in L1/L2.
-//
-// Work is split over tiles of TILE_ROWS output rows (at::parallel_for). Each tile is dequantized once
-// into a thread-local float buffer (the weight's bytes are read from memory exactly once per call, in
-// their packed form), then multiplied with every row of x by a register-blocked micro-kernel (up to 4
-// rows of x by 4 weight rows, vectors along K), so the same code serves decode (M = 1: bandwidth-bound on
-// the packed bytes) and batches (compute-bound, no conversion in the inner loop).
+// Linear layers over packed weights: y = x W^T with W as int8 rows (a scale each) or int4 groups (a scale
+// and zero point each). Three paths, by the number of rows of x (packed_linear):
+// - decode (1-2 rows): each format's kernel widens the packed values in registers and multiplies at once,
+//   reading the packed bytes once: bandwidth-bound, as decoding is;
+// - 3-7 rows: tiles of TILE_ROWS weight rows dequantized into an L1-sized buffer, transposed, and multiplied
+//   by a register-blocked broadcast micro-kernel;
+// - 8 rows and more: the whole weight dequantized once and ATen's SGEMM.
 #include "vec.h"
 
 #include <ATen/ATen.h>
@@ -19,34 +18,10 @@ namespace tokenmill {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t TILE_ROWS = 16;  // weight rows dequantized per tile (a multiple of NR)
-constexpr int64_t NR = 4;          // weight rows per micro-kernel
+constexpr int64_t TILE_ROWS = 16;     // weight rows dequantized per tile
 constexpr int64_t GEMM_MIN_ROWS = 8;  // from this many rows of x on, dequantize whole and use ATen's SGEMM
-
-// y[i, j] = sum_k x[i, k] * w[j, k] for MR rows of x and NR rows of the float tile w.
-template <int MR>
-inline void micro(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, int64_t nr) {
-  const int64_t V = Vec::size();
-  const int64_t Kv = K - K % V;
-  Vec acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = Vec(0.f);
-  for (int64_t k = 0; k < Kv; k += V) {
-    Vec xv[MR];
-    for (int i = 0; i < MR; ++i) xv[i] = Vec::loadu(x + i * ldx + k);
-    for (int j = 0; j < NR; ++j) {
-      const Vec wv = Vec::loadu(w + j * K + k);
-      for (int i = 0; i < MR; ++i) acc[i][j] = at::vec::fmadd(xv[i], wv, acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < nr; ++j) {
-      float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[i][j]);
-      for (int64_t k = Kv; k < K; ++k) s += x[i * ldx + k] * w[j * K + k];
-      y[i * ldy + j] = s;
-    }
-  }
-}
+constexpr int64_t DECODE_MAX_ROWS = 2;  // up to this many rows of x, the format's own decode kernel
+constexpr int64_t DECODE_ROWS = 64;   // weight rows per decode work item
 
 // Batches: the tile transposed to [K, TILE_ROWS], and MR rows of x at a time against all TILE_ROWS weight
 // rows: vectors run along the output rows, x[m, k] is broadcast (the classic GEMM micro-kernel; no
@@ -72,18 +47,10 @@ inline void micro_t(const float* x, int64_t K, const float* tile_t, float* y, in
   }
 }
 
-// Multiplies all M rows of x with one dequantized tile (rows n0 .. n0 + nb of the output). `tile_t` is
-// scratch of TILE_ROWS * K floats for the transposed tile.
+// Multiplies all M rows of x (M > DECODE_MAX_ROWS) with one dequantized tile (rows n0 .. n0 + nb of the
+// output). `tile_t` is scratch of TILE_ROWS * K floats for the transposed tile.
 void tile_gemm(const float* x, int64_t M, int64_t K, const float* tile, int64_t nb, float* y, int64_t N,
                int64_t n0, float* tile_t) {
-  if (M <= 2) {  // decode: vectors along K, one pass over the tile per row of x
-    for (int64_t j0 = 0; j0 < nb; j0 += NR) {
-      const int64_t nr = std::min<int64_t>(NR, nb - j0);
-      if (M == 2) micro<2>(x, K, tile + j0 * K, K, y + n0 + j0, N, nr);
-      else micro<1>(x, K, tile + j0 * K, K, y + n0 + j0, N, nr);
-    }
-    return;
-  }
   for (int64_t r = 0; r < TILE_ROWS; ++r)
     for (int64_t k = 0; k < K; ++k) tile_t[k * TILE_ROWS + r] = tile[r * K + k];
   constexpr int MRB = 6;
@@ -99,17 +66,23 @@ void tile_gemm(const float* x, int64_t M, int64_t K, const float* tile, int64_t 
   }
 }
 
-// Runs `dequant(n0, nb, tile)` then tile_gemm over tiles of the N output rows, in parallel.
-template <typename Dequant>
-at::Tensor tiled_linear(const at::Tensor& x_in, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias,
-                        Dequant dequant) {
+// y = x W^T for a packed W. Up to DECODE_MAX_ROWS rows of x, `decode(xm, ym)` computes one row of y from
+// one row of x with the format's own kernel; beyond, `dequant(n0, nb, dst)` writes rows n0 .. n0 + nb of W
+// as floats, tile by tile (then tile_gemm) or all at once for ATen's SGEMM from GEMM_MIN_ROWS rows on.
+template <typename Dequant, typename Decode>
+at::Tensor packed_linear(const at::Tensor& x_in, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias,
+                         Dequant dequant, Decode decode) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "x must be [M, ", K, "], got ", x_in.sizes());
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
-  if (M >= GEMM_MIN_ROWS) {
+  if (M <= DECODE_MAX_ROWS) {
+    for (int64_t m = 0; m < M; ++m) decode(xp + m * K, yp + m * N);
+  } else if (M >= GEMM_MIN_ROWS) {
     // Compute-bound: dequantize the whole weight once (N x K floats, a few MB, cache-resident) and let
     // ATen's SGEMM (MKL / oneDNN) do the multiply at full speed; the dequantization costs 1/M of it.
     at::Tensor wf = at::empty({N, K}, x.options());
@@ -121,61 +94,59 @@ at::Tensor tiled_linear(const at::Tensor& x_in, int64_t N, int64_t K, const c10:
       }
     });
     at::mm_out(y, x, wf.t());
-    if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-    return y;
+  } else {
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> tile(TILE_ROWS * K, 0.f), tile_t(TILE_ROWS * K);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * TILE_ROWS;
+        const int64_t nb = std::min<int64_t>(TILE_ROWS, N - n0);
+        dequant(n0, nb, tile.data());
+        tile_gemm(xp, M, K, tile.data(), nb, yp, N, n0, tile_t.data());
+      }
+    });
   }
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    // Padded to whole micro-kernel rows; the padding rows are computed and never stored.
-    std::vector<float> tile(TILE_ROWS * K, 0.f);
-    std::vector<float> tile_t(M > 2 ? TILE_ROWS * K : 0);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * TILE_ROWS;
-      const int64_t nb = std::min<int64_t>(TILE_ROWS, N - n0);
-      dequant(n0, nb, tile.data());
-      tile_gemm(xp, M, K, tile.data(), nb, yp, N, n0, tile_t.data());
-    }
-  });
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
   return y;
 }
 
-// Decode (M <= 2): int8 rows straight into registers, no float tile: per 8 weights one widening load,
+// Calls fn(n0, nb) over the N output rows in DECODE_ROWS items, in parallel.
+template <typename Fn>
+void over_rows(int64_t N, Fn fn) {
+  at::parallel_for(0, (N + DECODE_ROWS - 1) / DECODE_ROWS, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) fn(t * DECODE_ROWS, std::min<int64_t>(DECODE_ROWS, N - t * DECODE_ROWS));
+  });
+}
+
+// Decode, one row of x: int8 rows straight into registers, no float tile: per 8 weights one widening load,
 // one convert and one FMA per row of x, so the loop keeps up with memory. Four weight rows share each
 // load of x; the row's scale multiplies the finished dot product.
-void int8_gemv(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, float* y, int64_t N,
-               int64_t n0, int64_t nb) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
-    int64_t r = 0;
-    for (; r + 4 <= nb; r += 4) {
-      const int8_t* w0 = w + (n0 + r) * K;
-      const int8_t* w1 = w0 + K;
-      const int8_t* w2 = w1 + K;
-      const int8_t* w3 = w2 + K;
-      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+void int8_gemv(const float* x, int64_t K, const int8_t* w, const float* scale, float* y, int64_t n0, int64_t nb) {
+  int64_t r = 0;
+  for (; r + 4 <= nb; r += 4) {
+    const int8_t* w0 = w + (n0 + r) * K;
+    const int8_t* w1 = w0 + K;
+    const int8_t* w2 = w1 + K;
+    const int8_t* w3 = w2 + K;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
-      for (int64_t k = 0; k < K; ++k) {
-        const float xv = xm[k];
-        a0 += static_cast<float>(w0[k]) * xv;
-        a1 += static_cast<float>(w1[k]) * xv;
-        a2 += static_cast<float>(w2[k]) * xv;
-        a3 += static_cast<float>(w3[k]) * xv;
-      }
-      float* yr = y + m * N + n0 + r;
-      yr[0] = a0 * scale[n0 + r];
-      yr[1] = a1 * scale[n0 + r + 1];
-      yr[2] = a2 * scale[n0 + r + 2];
-      yr[3] = a3 * scale[n0 + r + 3];
+    for (int64_t k = 0; k < K; ++k) {
+      const float xv = x[k];
+      a0 += static_cast<float>(w0[k]) * xv;
+      a1 += static_cast<float>(w1[k]) * xv;
+      a2 += static_cast<float>(w2[k]) * xv;
+      a3 += static_cast<float>(w3[k]) * xv;
     }
-    for (; r < nb; ++r) {
-      const int8_t* wr = w + (n0 + r) * K;
-      float a = 0.f;
+    y[n0 + r] = a0 * scale[n0 + r];
+    y[n0 + r + 1] = a1 * scale[n0 + r + 1];
+    y[n0 + r + 2] = a2 * scale[n0 + r + 2];
+    y[n0 + r + 3] = a3 * scale[n0 + r + 3];
+  }
+  for (; r < nb; ++r) {
+    const int8_t* wr = w + (n0 + r) * K;
+    float a = 0.f;
 #pragma omp simd reduction(+ : a)
-      for (int64_t k = 0; k < K; ++k) a += static_cast<float>(wr[k]) * xm[k];
-      y[m * N + n0 + r] = a * scale[n0 + r];
-    }
+    for (int64_t k = 0; k < K; ++k) a += static_cast<float>(wr[k]) * x[k];
+    y[n0 + r] = a * scale[n0 + r];
   }
 }
 
@@ -216,21 +187,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const at::Tensor s = scale.contiguous();
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
-  if (x.dim() == 2 && x.size(0) <= 2 && x.size(1) == K) {
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
-    const int64_t M = xf.size(0);
-    at::Tensor y = at::empty({M, N}, xf.options());
-    const float* xp = xf.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
-    constexpr int64_t ROWS = 64;  // rows per work item
-    at::parallel_for(0, (N + ROWS - 1) / ROWS, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        int8_gemv(xp, M, K, wp, sp, yp, N, t * ROWS, std::min<int64_t>(ROWS, N - t * ROWS));
-    });
-    if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-    return y;
-  }
-  return tiled_linear(x, N, K, bias, [&](int64_t n0, int64_t nb, float* tile) {
+  const auto dequant = [&](int64_t n0, int64_t nb, float* tile) {
     for (int64_t r = 0; r < nb; ++r) {
       const int8_t* src = wp + (n0 + r) * K;
       float* dst = tile + r * K;
@@ -238,6 +195,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 #pragma omp simd
       for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(src[k]) * sc;
     }
+  };
+  return packed_linear(x, N, K, bias, dequant, [&](const float* xm, float* ym) {
+    over_rows(N, [&](int64_t n0, int64_t nb) { int8_gemv(xm, K, wp, sp, ym, n0, nb); });
   });
 }
 
@@ -256,29 +216,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
   const float* zp = z.data_ptr<float>();
-  if (x.dim() == 2 && x.size(0) <= 2 && x.size(1) == K) {
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
-    const int64_t M = xf.size(0);
-    at::Tensor y = at::empty({M, N}, xf.options());
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = xf.data_ptr<float>() + m * K;
-      std::vector<float> xe(K / 2), xo(K / 2);
-      for (int64_t i = 0; i < K / 2; ++i) {
-        xe[i] = xm[2 * i];
-        xo[i] = xm[2 * i + 1];
-      }
-      float* ym = y.data_ptr<float>() + m * N;
-      constexpr int64_t ROWS = 64;
-      at::parallel_for(0, (N + ROWS - 1) / ROWS, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t)
-          int4_gemv(xe.data(), xo.data(), K, group, wp, sp, zp, ym, t * ROWS,
-                    std::min<int64_t>(ROWS, N - t * ROWS));
-      });
-    }
-    if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-    return y;
-  }
-  return tiled_linear(x, N, K, bias, [&](int64_t n0, int64_t nb, float* tile) {
+  const auto dequant = [&](int64_t n0, int64_t nb, float* tile) {
     for (int64_t r = 0; r < nb; ++r) {
       const uint8_t* src = wp + (n0 + r) * (K / 2);
       float* dst = tile + r * K;
@@ -295,6 +233,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         }
       }
     }
+  };
+  std::vector<float> xe(K / 2), xo(K / 2);
+  return packed_linear(x, N, K, bias, dequant, [&](const float* xm, float* ym) {
+    for (int64_t i = 0; i < K / 2; ++i) {
+      xe[i] = xm[2 * i];
+      xo[i] = xm[2 * i + 1];
+    }
+    over_rows(N, [&](int64_t n0, int64_t nb) { int4_gemv(xe.data(), xo.data(), K, group, wp, sp, zp, ym, n0, nb); });
   });
 }
 

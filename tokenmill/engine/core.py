@@ -46,13 +46,9 @@ class EngineCore:
         return self._tokenizer
 
     def _eos_token_ids(self) -> list[int]:
-        from tokenmill.model.loader import generation_eos_ids
+        from tokenmill.model.loader import eos_token_ids
 
-        eos = generation_eos_ids(self.config.model.model)
-        tok = self._load_tokenizer()
-        if tok.eos_token_id is not None:
-            eos.add(tok.eos_token_id)
-        return sorted(eos)
+        return sorted(eos_token_ids(self.config.model.model, self._load_tokenizer()))
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -22,11 +22,9 @@ log = logging.getLogger(__name__)
 
 
 def model_facts(config: EngineConfig, core_info, tokenizer, load_time_s: float = 0.0) -> ModelFacts:
-    from tokenmill.model.loader import generation_eos_ids
+    from tokenmill.model.loader import eos_token_ids
 
-    eos = set(generation_eos_ids(config.model.model))
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
+    eos = eos_token_ids(config.model.model, tokenizer)
     return ModelFacts(core_info.max_model_len, core_info.vocab_size, frozenset(eos), core_info.num_blocks,
                       core_info.block_size, load_time_s)
 

@@ -132,5 +132,13 @@ def generation_eos_ids(path: str) -> set[int]:
     return set(eos) if isinstance(eos, list) else {int(eos)}
 
 
+def eos_token_ids(path: str, tokenizer) -> set[int]:
+    """Tokens that end generation: generation_config.json's and the tokenizer's EOS."""
+    eos = generation_eos_ids(path)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return eos
+
+
 def is_hf_folder(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
