@@ -288,16 +288,15 @@ class Scheduler:
             prompt_lps = result.prompt_logprobs.get(rid)
             if not new and prompt_lps is None:
                 continue
-            grammar_done = False
+            grammar_end = grammar_done = False  # grammar_done: it stopped the request, its last token is text
             if req.grammar is not None:
-                new, grammar_done = self.structured.accept(req, new)
+                new, grammar_end = self.structured.accept(req, new)
             accepted, status = self._append(req, new)
-            if grammar_done and status is None:
+            if grammar_end and status is None:
                 if req.grammar.error is not None:  # a token outside the grammar: never pass it off as "stop"
                     status, req.stop_reason = RequestStatus.FINISHED_ABORTED, f"grammar error: {req.grammar.error}"
-                else:
-                    status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: only EOS could follow
-            grammar_done = grammar_done and status == RequestStatus.FINISHED_STOPPED and req.stop_reason is None
+                else:  # the grammar is complete: only EOS could follow
+                    status, grammar_done = RequestStatus.FINISHED_STOPPED, True
             if rejected:
                 self.kv.trim(req, req.num_tokens + self.num_lookahead_tokens)
                 if req.sent is not None:  # the worker must replace its table's tail, not just extend it

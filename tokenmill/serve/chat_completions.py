@@ -49,8 +49,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                               "is the output's format.", so_param)
         so, so_param = StructuredOutputsParams(json=plan.tool_schema()), "tools"
     text, ids = await chat_prompt(state, req, req.add_generation_prompt, req.continue_final_message)
-    if plan.reasoning_parser is not None:
-        reasoning = plan.splitter().reasoning
+    reasoning = plan.reasoning()
+    if reasoning is not None:
         plan.reasoning_ended = reasoning.ended_in_prompt(text)
         if so is not None and not plan.reasoning_ended:
             # The constraint starts where the reasoning ends.

@@ -38,13 +38,16 @@ class ChatPlan:
 
         return tool_choice_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
 
-    def splitter(self) -> "ChoiceSplitter":
-        reasoning = tools = None
-        if self.reasoning_parser is not None:
-            from tokenmill.serve.reasoning import get_reasoning_parser
+    def reasoning(self):
+        """A fresh reasoning parser, or None when the server has none."""
+        if self.reasoning_parser is None:
+            return None
+        from tokenmill.serve.reasoning import get_reasoning_parser
 
-            reasoning = get_reasoning_parser(self.reasoning_parser)(self.tokenizer,
-                                                                    reasoning_ended=self.reasoning_ended)
+        return get_reasoning_parser(self.reasoning_parser)(self.tokenizer, reasoning_ended=self.reasoning_ended)
+
+    def splitter(self) -> "ChoiceSplitter":
+        reasoning, tools = self.reasoning(), None
         if self.constrained_tools:
             from tokenmill.serve.tools import ConstrainedToolStream
 

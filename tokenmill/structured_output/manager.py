@@ -39,7 +39,6 @@ class RequestGrammar:
     matcher: Any = None  # llguidance.LLMatcher once compiled
     error: str | None = None
     active: bool = False  # the constraint applies to the next token
-    waited_s: float = 0.0  # compile time this request waited for (0: cached)
 
     def __post_init__(self) -> None:
         self.active = not self.start_after

@@ -78,27 +78,27 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     return ((q.reshape(N, K // group, group) - zero[..., None]) * scale[..., None]).reshape(N, K)
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ (q * scale)^T: the native kernel on CPU, else dequantize + F.linear."""
+def packed_matmul(x: torch.Tensor, native, dequantize, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T for a packed W: `native(x2d, bias)` (the kernel) on CPU, else F.linear on
+    `dequantize()`, the reference. Returns x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
     if _native_ok(x2):
-        y = torch.ops.tokenmill.int8_linear(x2, q, scale, bias)
+        y = native(x2, bias)
     else:
-        y = F.linear(x2.float(), dequantize_int8(q, scale), None if bias is None else bias.float())
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+        y = F.linear(x2.float(), dequantize(), None if bias is None else bias.float())
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return packed_matmul(x, lambda x2, b: torch.ops.tokenmill.int8_linear(x2, q, scale, b),
+                         lambda: dequantize_int8(q, scale), bias)
 
 
 class _WeightOnlyMethod(UnquantizedLinearMethod):
     """Creates the float weight like the unquantized method (so loading is unchanged), packs it after."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if _native_ok(x2):
-            y = self._native(layer, x2, bias)
-        else:
-            y = F.linear(x2.float(), self.dequantize(layer), None if bias is None else bias.float())
-        return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
+        return packed_matmul(x, lambda x2, b: self._native(layer, x2, b), lambda: self.dequantize(layer), bias)
 
 
 class Int8LinearMethod(_WeightOnlyMethod):
