@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.layers import fused
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32. `offset=1.0` gives Gemma's (1 + weight) scaling."""
@@ -15,10 +17,8 @@ class RMSNorm(nn.Module):
                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.float()
-        if self.offset:
-            w = w + self.offset
-        return (x * w).to(dtype)
+        return fused.rms_norm(x, self.weight, self.eps, self.offset)
+
+    def add(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, norm(x + h)): a residual add and this norm in one pass."""
+        return fused.add_rms_norm(x, h, self.weight, self.eps, self.offset)

@@ -123,10 +123,11 @@ class MLPBlock(nn.Module):
                                                        **build.linear(f"{prefix}.gate_up_proj"))
         self.down_proj = RowParallelLinear(m.intermediate_size, spec.hidden_size, m.bias,
                                            **build.linear(f"{prefix}.down_proj"))
+        self.act_name = m.activation
         self.act = act_fn(m.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated(self.gate_up_proj(x), self.act))
+        return self.down_proj(gated(self.gate_up_proj(x), self.act, self.act_name))
 
 
 class DecoderLayer(nn.Module):
@@ -145,12 +146,20 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = build.norm(h, spec)
         self.mlp = MLPBlock(spec, build, f"{prefix}.mlp")
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (block output, residual stream): the caller adds them, fused with the next norm (the
+        first layer gets residual=None and x the embeddings)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            residual, x = self.input_layernorm.add(residual, x)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), meta))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x = self.post_attention_layernorm(self.self_attn(positions, x, meta))
+            residual, x = self.pre_feedforward_layernorm.add(residual, x)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
+        residual, x = self.post_attention_layernorm.add(residual, self.self_attn(positions, x, meta))
+        return self.mlp(x), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -195,9 +204,10 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids).to(self.compute_dtype)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, meta, residual)
+        return self.norm.add(residual, x)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 [N, vocab]."""
