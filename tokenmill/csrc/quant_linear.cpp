@@ -4,12 +4,17 @@
 //   reading the packed bytes once: bandwidth-bound, as decoding is;
 // - 3-7 rows: tiles of TILE_ROWS weight rows dequantized into an L1-sized buffer, transposed, and multiplied
 //   by a register-blocked broadcast micro-kernel;
-// - 8 rows and more: the whole weight dequantized once and ATen's SGEMM.
+// - 8 rows and more: panels of weight rows dequantized into L2 and multiplied by ATen's SGEMM.
 #include "vec.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TOKENMILL_AVX2_INTRINSICS 1
+#endif
 
 #include <algorithm>
 #include <vector>
@@ -19,7 +24,8 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t TILE_ROWS = 16;     // weight rows dequantized per tile
-constexpr int64_t GEMM_MIN_ROWS = 8;  // from this many rows of x on, dequantize whole and use ATen's SGEMM
+constexpr int64_t GEMM_MIN_ROWS = 8;  // from this many rows of x on, dequantized panels and SGEMM
+constexpr int64_t PANEL_BYTES = 192 * 1024;  // one dequantized weight panel: fits L2 beside x
 constexpr int64_t DECODE_MAX_ROWS = 2;  // up to this many rows of x, the format's own decode kernel
 constexpr int64_t DECODE_ROWS = 64;   // weight rows per decode work item
 
@@ -83,17 +89,20 @@ at::Tensor packed_linear(const at::Tensor& x_in, int64_t N, int64_t K, const c10
   if (M <= DECODE_MAX_ROWS) {
     for (int64_t m = 0; m < M; ++m) decode(xp + m * K, yp + m * N);
   } else if (M >= GEMM_MIN_ROWS) {
-    // Compute-bound: dequantize the whole weight once (N x K floats, a few MB, cache-resident) and let
-    // ATen's SGEMM (MKL / oneDNN) do the multiply at full speed; the dequantization costs 1/M of it.
-    at::Tensor wf = at::empty({N, K}, x.options());
-    float* wp = wf.data_ptr<float>();
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n0 = t * TILE_ROWS;
-        dequant(n0, std::min<int64_t>(TILE_ROWS, N - n0), wp + n0 * K);
+    // Compute-bound: panels of weight rows dequantized into a per-thread buffer that stays in L2, each
+    // multiplied by all of x with SGEMM (single-threaded inside the parallel loop), written straight into
+    // y's columns. Never a whole float copy of W: that would be written to and read back from DRAM.
+    const int64_t panel = std::max<int64_t>(TILE_ROWS, PANEL_BYTES / (K * 4) / TILE_ROWS * TILE_ROWS);
+    at::parallel_for(0, (N + panel - 1) / panel, 1, [&](int64_t p0, int64_t p1) {
+      std::vector<float> buf(panel * K);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * panel, nb = std::min(panel, N - n0);
+        for (int64_t r = 0; r < nb; r += TILE_ROWS)
+          dequant(n0 + r, std::min<int64_t>(TILE_ROWS, nb - r), buf.data() + r * K);
+        at::Tensor yv = y.narrow(1, n0, nb);  // rows of stride N: SGEMM's leading dimension
+        at::mm_out(yv, x, at::from_blob(buf.data(), {nb, K}, x.options()).t());
       }
     });
-    at::mm_out(y, x, wf.t());
   } else {
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> tile(TILE_ROWS * K, 0.f), tile_t(TILE_ROWS * K);
@@ -176,6 +185,41 @@ void int4_gemv(const float* xe, const float* xo, int64_t K, int64_t group, const
   }
 }
 
+#ifdef TOKENMILL_AVX2_INTRINSICS
+// int4_gemv by hand: per 16 packed bytes one load, two masks, four widenings to 8 x int32, four converts,
+// four (q - z) and four FMAs against the even/odd x vectors; the group's scale is applied once per group.
+inline __m256 widen8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+
+void int4_gemv_avx2(const float* xe, const float* xo, int64_t K, int64_t group, const uint8_t* w, const float* scale,
+                    const float* zero, float* y, int64_t n0, int64_t nb) {
+  const int64_t G = K / group, half = group / 2;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t r = 0; r < nb; ++r) {
+    const uint8_t* wr = w + (n0 + r) * (K / 2);
+    const float* sr = scale + (n0 + r) * G;
+    const float* zr = zero + (n0 + r) * G;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 z = _mm256_set1_ps(zr[g]);
+      __m256 ga = _mm256_setzero_ps(), gb = _mm256_setzero_ps();
+      for (int64_t i = g * half; i < (g + 1) * half; i += 16) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + i));
+        const __m128i lo = _mm_and_si128(b, low4);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+        ga = _mm256_fmadd_ps(_mm256_sub_ps(widen8(lo), z), _mm256_loadu_ps(xe + i), ga);
+        gb = _mm256_fmadd_ps(_mm256_sub_ps(widen8(_mm_srli_si128(lo, 8)), z), _mm256_loadu_ps(xe + i + 8), gb);
+        ga = _mm256_fmadd_ps(_mm256_sub_ps(widen8(hi), z), _mm256_loadu_ps(xo + i), ga);
+        gb = _mm256_fmadd_ps(_mm256_sub_ps(widen8(_mm_srli_si128(hi, 8)), z), _mm256_loadu_ps(xo + i + 8), gb);
+      }
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(sr[g]), _mm256_add_ps(ga, gb), acc);
+    }
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    y[n0 + r] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  }
+}
+#endif
+
 }  // namespace
 
 // x [M, K] float, w [N, K] int8, scale [N] float (per output row, symmetric).
@@ -240,7 +284,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       xe[i] = xm[2 * i];
       xo[i] = xm[2 * i + 1];
     }
-    over_rows(N, [&](int64_t n0, int64_t nb) { int4_gemv(xe.data(), xo.data(), K, group, wp, sp, zp, ym, n0, nb); });
+    over_rows(N, [&](int64_t n0, int64_t nb) {
+#ifdef TOKENMILL_AVX2_INTRINSICS
+      if (group % 32 == 0) return int4_gemv_avx2(xe.data(), xo.data(), K, group, wp, sp, zp, ym, n0, nb);
+#endif
+      int4_gemv(xe.data(), xo.data(), K, group, wp, sp, zp, ym, n0, nb);
+    });
   });
 }
 

@@ -26,7 +26,8 @@ def model_facts(config: EngineConfig, core_info, tokenizer, load_time_s: float =
 
     eos = eos_token_ids(config.model.model, tokenizer)
     return ModelFacts(core_info.max_model_len, core_info.vocab_size, frozenset(eos), core_info.num_blocks,
-                      core_info.block_size, load_time_s)
+                      core_info.block_size, load_time_s, int(getattr(core_info.model_cost, "weight_bytes", 0)),
+                      core_info.bytes_per_block)
 
 
 class LLMEngine:

@@ -19,6 +19,8 @@ class ModelFacts:
     num_blocks: int = 0
     block_size: int = 0
     load_time_s: float = 0.0
+    weight_bytes: int = 0  # resident: packed bytes for quantized weights
+    kv_bytes_per_block: int = 0  # K and V (and their scales) of one block over all layers
 
 
 def child_ids(request_id: str, n: int) -> list[str]:

