@@ -307,3 +307,26 @@ def test_bad_checkpoint_scale_is_named(tmp_path, value, words):
     _with_tensors(path, {"model.layers.1.self_attn.k_scale": value})
     with pytest.raises(ValueError, match=rf"layers\.1\.self_attn\.k_scale.*{words}"):
         LLM(str(path), max_model_len=64, num_gpu_blocks_override=16, kv_cache_dtype="fp8")
+
+
+@needs_native
+@pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.5, 0.25)])
+def test_every_fp8_code_reads_back_exactly(k_scale, v_scale):
+    """One-token decodes (attention weight exactly 1) over V rows holding every finite e4m3 value,
+    subnormals and both zeros included: the kernel writes each code and decodes it to the same float."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    values = codes[codes.isfinite()]  # 254 codes: all but the two NaNs
+    D = 64
+    v = torch.cat([values, values[: 4 * D - len(values)]]).view(4, 1, D) * v_scale  # 4 tokens x 1 KV head
+    k = torch.randn(4, 1, D)
+    q = torch.randn(4, 2, D)
+    layout_kw = dict(query_start=torch.arange(4), query_len=torch.ones(4, dtype=torch.long),
+                     kv_len=torch.ones(4, dtype=torch.long), block_table=torch.arange(4, dtype=torch.int32).view(4, 1),
+                     slot_mapping=torch.arange(4) * 16, num_tokens=4, max_query_len=1, max_kv_len=1)
+    from tokenmill.layers.attention_backends import BatchLayout
+
+    caches = dict(k_cache=torch.zeros(4, 16, 1, D, dtype=FP8), v_cache=torch.zeros(4, 16, 1, D, dtype=FP8))
+    out, layer = run("cpu_paged", caches, q, k, v, BatchLayout(**layout_kw), 2, 1, D, k_scale=k_scale,
+                     v_scale=v_scale)
+    assert torch.equal(out, v.expand(4, 2, D))
+    assert torch.equal(layer.v_cache[:, 0].float() * v_scale, v)
