@@ -257,15 +257,21 @@ def test_same_budget_holds_more_blocks(tiny_llama):
         runner = llm.engine.runner
         allocated = sum(c.numel() * c.element_size() for c in runner.kv_caches())
         assert allocated == blocks[kv] * runner.bytes_per_block <= 1 << 20  # the scales are counted
+        assert runner.backend.bytes_per_block(runner.attn_layers, runner.kv_dtype) == runner.bytes_per_block
     assert blocks["int8"] >= 1.9 * blocks["float32"]  # head_dim 16: (16 * 4) / (16 + 4) = 3.2x
     assert blocks["fp8_e4m3"] >= 1.9 * blocks["float32"]
 
 
 def test_kv_cache_dtype_names_and_errors():
+    import argparse
+
     from tokenmill.engine_args import EngineArgs
 
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
     for name in ("auto", "int8", "fp8", "fp8_e4m3"):
-        assert EngineArgs(kv_cache_dtype=name).create_engine_config().cache.kv_cache_dtype == name
+        args = EngineArgs.from_cli_args(parser.parse_args(["m", "--kv-cache-dtype", name]))
+        assert args.create_engine_config().cache.kv_cache_dtype == name
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of .*int8, fp8, fp8_e4m3; got 'int4'"):
         EngineArgs(kv_cache_dtype="int4").create_engine_config()
 

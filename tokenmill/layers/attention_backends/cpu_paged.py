@@ -91,9 +91,8 @@ class CPUPagedBackend(AttentionBackend):
 
     def _forward_quantized(self, layer: Attention, q, qf, k, v, out, meta: CPUPagedMetadata) -> torch.Tensor:
         """int8 / fp8 caches: the kernel quantizes the new float32 K/V as it writes them."""
-        empty = _EMPTY
-        ks = layer.k_scale_cache if layer.k_scale_cache is not None else empty
-        vs = layer.v_scale_cache if layer.v_scale_cache is not None else empty
+        ks = layer.k_scale_cache if layer.k_scale_cache is not None else _NO_SCALES
+        vs = layer.v_scale_cache if layer.v_scale_cache is not None else _NO_SCALES
         torch.ops.tokenmill.paged_attention_quant(
             out, qf, k.to(torch.float32).contiguous(), v.to(torch.float32).contiguous(), layer.k_cache, layer.v_cache,
             ks, vs, meta.slot_mapping, meta.block_table, meta.query_start, meta.query_len, meta.kv_len,
@@ -102,4 +101,4 @@ class CPUPagedBackend(AttentionBackend):
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-_EMPTY = torch.empty(0)
+_NO_SCALES = torch.empty(0)  # fp8: its per-layer scales are plain floats
