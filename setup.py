@@ -56,6 +56,7 @@ def native_extensions():
     ext = CppExtension(
         "tokenmill._C",
         sources=sorted(glob.glob("tokenmill/csrc/*.cpp")),
+        depends=sorted(glob.glob("tokenmill/csrc/*.h")),  # a changed header rebuilds
         extra_compile_args=["-O3", "-fopenmp", "-std=c++17", *arch_flags],
         extra_link_args=["-fopenmp"],
     )

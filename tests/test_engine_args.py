@@ -157,7 +157,7 @@ def test_unknown_llm_kwarg_names_it_and_suggests(fake_engine):
     (dict(gpu_memory_utilization=1.5), ["gpu_memory_utilization", "(0, 1]", "1.5"]),
     (dict(gpu_memory_utilization=0.0), ["gpu_memory_utilization", "(0, 1]"]),
     (dict(kv_cache_memory_fraction=2.0), ["kv_cache_memory_fraction", "(0, 1]"]),
-    (dict(kv_cache_dtype="fp8"), ["kv_cache_dtype", "'fp8'"]),
+    (dict(kv_cache_dtype="fp4"), ["kv_cache_dtype", "'fp4'", "int8", "fp8_e4m3"]),
     (dict(scheduling_policy="lifo"), ["policy", "'lifo'"]),
     (dict(tensor_parallel_size=0), ["tensor_parallel_size", "at least 1"]),
     (dict(pipeline_parallel_size=-1), ["pipeline_parallel_size", "at least 1"]),
@@ -185,7 +185,7 @@ def test_cli_rejects_bad_values(tmp_path, capsys):
     assert run(["generate", str(tmp_path), "--prompt", "x", "-tp", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: tensor parallelism") and len(err.strip().splitlines()) == 1
-    for flags in (["--kv-cache-memory-bytes", "12Q"], ["--kv-cache-dtype", "fp8"], ["--block-size", "x"]):
+    for flags in (["--kv-cache-memory-bytes", "12Q"], ["--kv-cache-dtype", "fp4"], ["--block-size", "x"]):
         assert run(["generate", str(tmp_path), "--prompt", "x", *flags]) == 2
         assert flags[0] in capsys.readouterr().err
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# KV cache: the float dtypes, or quantized (vLLM names; fp8 = fp8_e4m3), see attention_backends/kv_quant.py.
+KV_CACHE_DTYPES = DTYPES + ("int8", "fp8", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("uni", "mp")
 
@@ -23,7 +25,7 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     block_size: int = 16
-    kv_cache_dtype: str = "auto"  # auto: the weights' storage dtype
+    kv_cache_dtype: str = "auto"  # auto: the weights' storage dtype; int8 | fp8 | fp8_e4m3: quantized
     kv_cache_memory_bytes: int | None = None  # None: sized from free memory (the two fractions below)
     num_gpu_blocks_override: int | None = None  # vLLM's name: explicit number of KV blocks
     enable_prefix_caching: bool = True
@@ -84,8 +86,8 @@ class EngineConfig:
                             ("gpu_memory_utilization", c.gpu_memory_utilization)):
             if not 0 < value <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {value}.")
-        if c.kv_cache_dtype not in DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}; got {c.kv_cache_dtype!r}.")
+        if c.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {c.kv_cache_dtype!r}.")
         if (c.kv_offload_bytes or c.kv_offload_dir) and not c.enable_prefix_caching:
             raise ValueError("kv_offload_bytes / kv_offload_dir need prefix caching (enable_prefix_caching=True).")
         if s.policy not in SCHEDULING_POLICIES:

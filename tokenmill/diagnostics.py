@@ -149,8 +149,9 @@ class ModelCost:
         matmul = linear + lm_head
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # as stored: packed is small
         attn = [m for m in model.modules() if isinstance(m, Attention)]
-        elem = kv_dtype.itemsize
-        kv_per_token = sum(2 * a.num_kv_heads * a.head_dim * elem for a in attn)
+        from tokenmill.layers.attention_backends.kv_quant import block_bytes
+
+        kv_per_token = sum(block_bytes(1, a.num_kv_heads, a.head_dim, kv_dtype) for a in attn)
         attn_flops = sum(4 * a.num_heads * a.head_dim for a in attn)
         return cls(matmul, weight_bytes, kv_per_token, attn_flops, lm_head)
 

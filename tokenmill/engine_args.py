@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence, get_type_hints
 from tokenmill.config import (
     DTYPES,
     EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
@@ -71,8 +72,9 @@ class EngineArgs:
         "device's default).", metavar="NAME")
     # KV cache
     block_size: int = _arg(CacheConfig.block_size, "Tokens per KV cache block (default: %(default)s).")
-    kv_cache_dtype: str = _arg(CacheConfig.kv_cache_dtype, "KV cache dtype; auto: the weights' storage dtype "
-                               "(default: %(default)s).", choices=DTYPES)
+    kv_cache_dtype: str = _arg(CacheConfig.kv_cache_dtype, "KV cache dtype; auto: the weights' storage dtype; "
+                               "int8: per-token-per-head scales; fp8 (= fp8_e4m3): per-layer scales "
+                               "(default: %(default)s).", choices=KV_CACHE_DTYPES)
     enable_prefix_caching: bool = _arg(CacheConfig.enable_prefix_caching,
                                        "Reuse KV cache blocks of shared prompt prefixes (default: on).")
     kv_cache_memory_bytes: int | None = _arg(

@@ -12,6 +12,7 @@
 // Only keys a query may see are read: never the padding after a request's last token, never blocks
 // that slid out of the window.
 #include "vec.h"
+#include "kv_quant.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,6 +44,10 @@ inline fVec load_f<at::BFloat16>(const at::BFloat16* p) {
   at::vec::load_to_float(p, out);
   return out;
 }
+template <>
+inline fVec load_f<int8_t>(const int8_t* p) { return kvq::load_int8(p); }
+template <>
+inline fVec load_f<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* p) { return kvq::load_fp8(p); }
 
 inline float hsum(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, v);
@@ -164,8 +169,8 @@ inline void prefetch_block(const void* p, int64_t bytes) {
 // A block holds each token's K (or V) of all KV heads side by side: walking it token by token reads
 // contiguous memory, and the next block (anywhere in the pool) is prefetched while this one is used.
 template <typename T>
-void decode_item(const float* q, const T* kc, const T* vc, const int32_t* table, const Geometry& g, int64_t t0,
-                 int64_t t1, float* o, float* m, float* l, std::vector<float>& buf) {
+void decode_item(const float* q, const T* kc, const T* vc, const float* ks, const float* vs, const int32_t* table,
+                 const Geometry& g, int64_t t0, int64_t t1, float* o, float* m, float* l, std::vector<float>& buf) {
   const int64_t n = t1 - t0, G = g.G, D = g.D, H = g.H;
   const int64_t block_bytes = g.BS * g.tok_stride * (int64_t)sizeof(T);
   buf.resize(H * n);
@@ -187,11 +192,15 @@ void decode_item(const float* q, const T* kc, const T* vc, const int32_t* table,
       prefetch_block(vbase + off, row_bytes);  // the partition's K and V fit in L2
       const T* row = base + off;
       const int64_t i = t - t0;
-      for (int64_t h = 0; h < g.Hk; ++h)
+      // int8 rows: the row's scale multiplies its finished dot products.
+      const float* row_scales = ks ? ks + ((int64_t)table[b] * g.BS + (t - b * g.BS)) * g.Hk : nullptr;
+      for (int64_t h = 0; h < g.Hk; ++h) {
+        const float scale = row_scales ? g.scale * row_scales[h] : g.scale;
         head_chunks(G, [&](int64_t j0, auto ng) {
           const int64_t head = h * G + j0;
-          dot_heads<T, decltype(ng)::value>(q + head * D, row + h * D, D, g.scale, sc + head * n + i, n);
+          dot_heads<T, decltype(ng)::value>(q + head * D, row + h * D, D, scale, sc + head * n + i, n);
         });
+      }
     }
   }
   for (int64_t j = 0; j < H; ++j) {
@@ -199,6 +208,13 @@ void decode_item(const float* q, const T* kc, const T* vc, const int32_t* table,
     if (g.cap > 0.f) soft_cap(s, n, g.cap);
     m[j] = row_max(s, n);
     l[j] = exp_sum(s, n, m[j]);
+  }
+  if (vs) {  // int8 V rows: fold each row's scale into its softmax weights (after their sum is taken)
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* row_scales = vs + ((int64_t)table[t / g.BS] * g.BS + t % g.BS) * g.Hk;
+      for (int64_t h = 0; h < g.Hk; ++h)
+        for (int64_t j = h * G; j < (h + 1) * G; ++j) sc[j * n + (t - t0)] *= row_scales[h];
+    }
   }
   std::fill(o, o + H * D, 0.f);
   // V pass, a block at a time (its rows were prefetched during the K pass).
@@ -322,8 +338,8 @@ struct PrefillScratch {
 
 // Rows of the tile's keys as float pointers: straight into the cache for float32, converted for bf16.
 template <typename T>
-inline void key_rows(const T* cache, const int32_t* table, const Geometry& g, int64_t h, int64_t k0, int64_t nk,
-                     std::vector<float>& buf, std::vector<const float*>& rows) {
+inline void key_rows(const T* cache, const float* scales, const int32_t* table, const Geometry& g, int64_t h,
+                     int64_t k0, int64_t nk, std::vector<float>& buf, std::vector<const float*>& rows) {
   rows.resize(nk);
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t i = 0; i < nk; ++i) {
@@ -334,11 +350,19 @@ inline void key_rows(const T* cache, const int32_t* table, const Geometry& g, in
     buf.resize(nk * g.D);
     for (int64_t i = 0; i < nk; ++i) {
       const int64_t t = k0 + i;
-      const T* src = cache + ((int64_t)table[t / g.BS] * g.BS + t % g.BS) * g.tok_stride + h * g.D;
+      const int64_t slot = (int64_t)table[t / g.BS] * g.BS + t % g.BS;
+      const T* src = cache + slot * g.tok_stride + h * g.D;
       float* dst = buf.data() + i * g.D;
       int64_t d = 0;
-      for (; d + VS <= g.D; d += VS) load_f(src + d).store(dst + d);
-      for (; d < g.D; ++d) dst[d] = static_cast<float>(src[d]);
+      if (scales) {  // int8: dequantized with the row's scale into the tile buffer
+        const float s = scales[slot * g.Hk + h];
+        const fVec sv(s);
+        for (; d + VS <= g.D; d += VS) (load_f(src + d) * sv).store(dst + d);
+        for (; d < g.D; ++d) dst[d] = static_cast<float>(src[d]) * s;
+      } else {
+        for (; d + VS <= g.D; d += VS) load_f(src + d).store(dst + d);
+        for (; d < g.D; ++d) dst[d] = static_cast<float>(src[d]);
+      }
       rows[i] = dst;
     }
   }
@@ -346,7 +370,8 @@ inline void key_rows(const T* cache, const int32_t* table, const Geometry& g, in
 
 // Query positions [pos0, pos0 + nq) of one request and KV head; query rows r = i*G + j.
 template <typename T>
-void prefill_item(const float* q, int64_t q_row_stride, const T* kc, const T* vc, const int32_t* table,
+void prefill_item(const float* q, int64_t q_row_stride, const T* kc, const T* vc, const float* ks, const float* vs,
+                  const int32_t* table,
                   const Geometry& g, int64_t h, int64_t pos0, int64_t nq, float* out, int64_t out_row_stride,
                   PrefillScratch& w) {
   const int64_t G = g.G, D = g.D, rows = nq * G;
@@ -367,7 +392,7 @@ void prefill_item(const float* q, int64_t q_row_stride, const T* kc, const T* vc
   const fVec neg_inf(NEG_INF), zero(0.f);
   for (int64_t k0 = klo; k0 < khi; k0 += KEY_TILE) {
     const int64_t nk = std::min(khi, k0 + KEY_TILE) - k0;
-    key_rows(kc, table, g, h, k0, nk, w.kbuf, w.krows);
+    key_rows(kc, ks, table, g, h, k0, nk, w.kbuf, w.krows);
     qk_tile(w.krows.data(), nk, D, w.qt.data(), R, w.st.data());
     // Key k is visible to rows [lo, hi): causal (pos >= key) and inside the window (pos < key + window).
     for (int64_t k = 0; k < nk; ++k) {
@@ -404,7 +429,7 @@ void prefill_item(const float* q, int64_t q_row_stride, const T* kc, const T* vc
         for (int64_t d = 0; d < D; ++d) a[d] *= c;
       }
     }
-    key_rows(vc, table, g, h, k0, nk, w.vbuf, w.vrows);
+    key_rows(vc, vs, table, g, h, k0, nk, w.vbuf, w.vrows);
     pv_tile(w.st.data(), R, rows, nk, w.vrows.data(), D, w.acc.data());
   }
   for (int64_t i = 0; i < nq; ++i)
@@ -429,7 +454,7 @@ struct PrefillItem {
 template <typename T>
 void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& query_len,
-            const at::Tensor& kv_len, const Geometry& g) {
+            const at::Tensor& kv_len, const Geometry& g, const float* ks = nullptr, const float* vs = nullptr) {
   const int64_t B = query_len.size(0);
   const int32_t* qs = query_start.data_ptr<int32_t>();
   const int32_t* ql = query_len.data_ptr<int32_t>();
@@ -485,7 +510,7 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
       const PrefillItem& it = prefill[i];
       const int64_t row = qs[it.req] + it.i0;
       const int64_t pos0 = kl[it.req] - ql[it.req] + it.i0;
-      prefill_item<T>(qp + row * H * D + it.head * G * D, H * D, kc, vc, tables + it.req * g.table_stride, g,
+      prefill_item<T>(qp + row * H * D + it.head * G * D, H * D, kc, vc, ks, vs, tables + it.req * g.table_stride, g,
                       it.head, pos0, it.i1 - it.i0, op + row * H * D + it.head * G * D, H * D, w);
       return;
     }
@@ -500,7 +525,7 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
     }
     float* m = o + H * D;
     float* l = m + H;
-    decode_item<T>(qp + (int64_t)qs[it.req] * H * D, kc, vc, tables + it.req * g.table_stride, g, it.t0, it.t1,
+    decode_item<T>(qp + (int64_t)qs[it.req] * H * D, kc, vc, ks, vs, tables + it.req * g.table_stride, g, it.t0, it.t1,
                    o, m, l, buf);
     if (it.part < 0) {
       float* dst = op + (int64_t)qs[it.req] * H * D;
@@ -552,17 +577,16 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   });
 }
 
-void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
-                     const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& query_len,
-                     const at::Tensor& kv_len, double scale, int64_t sliding_window, double soft_cap) {
+// Checks shared by both ops; the step's geometry.
+Geometry check_geometry(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& query_len,
+                        const at::Tensor& kv_len, double scale, int64_t sliding_window, double soft_cap) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "paged_attention: float32 q/out");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
               "paged_attention: q, out, k, v must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "paged_attention: cache layout");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
-              "paged_attention: new K/V must already have the cache dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == k.size(0), "slot_mapping");
   for (const at::Tensor* t : {&block_table, &query_start, &query_len, &kv_len})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "paged_attention: int32 metadata");
@@ -578,7 +602,17 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, c
   g.scale = (float)scale;
   g.cap = (float)soft_cap;
   g.window = sliding_window;
+  return g;
+}
 
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& query_len,
+                     const at::Tensor& kv_len, double scale, int64_t sliding_window, double soft_cap) {
+  const Geometry g = check_geometry(out, q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start, query_len,
+                                    kv_len, scale, sliding_window, soft_cap);
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "paged_attention: new K/V must already have the cache dtype");
   if (k.size(0) > 0) write_kv(k, v, k_cache, v_cache, slot_mapping);
   if (k_cache.scalar_type() == at::kFloat) {
     attend<float>(out, q, k_cache, v_cache, block_table, query_start, query_len, kv_len, g);
@@ -586,6 +620,71 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, c
     attend<at::BFloat16>(out, q, k_cache, v_cache, block_table, query_start, query_len, kv_len, g);
   } else {
     TORCH_CHECK(false, "paged_attention: cache dtype must be float32 or bfloat16, got ", k_cache.scalar_type());
+  }
+}
+
+// Quantizes this step's float32 K/V into their cache slots (int8 rows with their scales, or fp8).
+void write_kv_quant(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                    at::Tensor& k_scales, at::Tensor& v_scales, const at::Tensor& slot_mapping, float k_scale,
+                    float v_scale) {
+  const int64_t T = k.size(0), Hk = k.size(1), D = k.size(2), row = Hk * D;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (int8) {
+        for (int64_t h = 0; h < Hk; ++h) {
+          kvq::quantize_row_int8(kp + t * row + h * D, D, k_cache.data_ptr<int8_t>() + slot * row + h * D,
+                                 k_scales.data_ptr<float>() + slot * Hk + h);
+          kvq::quantize_row_int8(vp + t * row + h * D, D, v_cache.data_ptr<int8_t>() + slot * row + h * D,
+                                 v_scales.data_ptr<float>() + slot * Hk + h);
+        }
+      } else {
+        kvq::quantize_row_fp8(kp + t * row, row, k_scale, k_cache.data_ptr<c10::Float8_e4m3fn>() + slot * row);
+        kvq::quantize_row_fp8(vp + t * row, row, v_scale, v_cache.data_ptr<c10::Float8_e4m3fn>() + slot * row);
+      }
+    }
+  });
+}
+
+// Paged attention over a quantized cache. k/v: this step's float32 K/V, quantized on write.
+// int8 caches: k_scales/v_scales [num_blocks, block_size, Hk] float32 (per slot and KV head); k_scale,
+// v_scale unused (1). fp8 caches: k_scales/v_scales empty; k_scale/v_scale the layer's scales, folded into
+// the softmax scale and the output.
+void paged_attention_quant(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_scales, at::Tensor v_scales,
+                           const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                           const at::Tensor& query_start, const at::Tensor& query_len, const at::Tensor& kv_len,
+                           double scale, int64_t sliding_window, double soft_cap, double k_scale, double v_scale) {
+  Geometry g = check_geometry(out, q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start, query_len,
+                              kv_len, scale, sliding_window, soft_cap);
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "paged_attention_quant: new K/V must be float32 (they are quantized on write)");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention_quant: K and V caches differ in dtype");
+  const auto dtype = k_cache.scalar_type();
+  if (dtype == at::kChar) {
+    const std::vector<int64_t> want = {k_cache.size(0), g.BS, g.Hk};
+    for (const at::Tensor* t : {&k_scales, &v_scales})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == want,
+                  "paged_attention_quant: int8 caches need float32 scales [num_blocks, block_size, Hk], got ",
+                  t->scalar_type(), " ", t->sizes());
+  } else {
+    TORCH_CHECK(dtype == at::kFloat8_e4m3fn, "paged_attention_quant: cache dtype must be int8 or float8_e4m3fn, got ",
+                dtype);
+    TORCH_CHECK(k_scale > 0 && v_scale > 0, "paged_attention_quant: fp8 k_scale/v_scale must be positive");
+  }
+  if (k.size(0) > 0)
+    write_kv_quant(k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping, (float)k_scale, (float)v_scale);
+  if (dtype == at::kChar) {
+    attend<int8_t>(out, q, k_cache, v_cache, block_table, query_start, query_len, kv_len, g,
+                   k_scales.data_ptr<float>(), v_scales.data_ptr<float>());
+  } else {
+    g.scale *= (float)k_scale;
+    attend<c10::Float8_e4m3fn>(out, q, k_cache, v_cache, block_table, query_start, query_len, kv_len, g);
+    if (v_scale != 1.0) out.mul_(v_scale);
   }
 }
 
@@ -600,5 +699,11 @@ TORCH_LIBRARY(tokenmill, m) {
       "Tensor slot_mapping, Tensor block_table, Tensor query_start, Tensor query_len, Tensor kv_len, "
       "float scale, int sliding_window, float soft_cap) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &tokenmill::paged_attention);
+  m.def(
+      "paged_attention_quant(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+      "Tensor(d!) k_scales, Tensor(e!) v_scales, Tensor slot_mapping, Tensor block_table, Tensor query_start, "
+      "Tensor query_len, Tensor kv_len, float scale, int sliding_window, float soft_cap, float k_scale, "
+      "float v_scale) -> ()");
+  m.impl("paged_attention_quant", c10::DispatchKey::CPU, &tokenmill::paged_attention_quant);
   m.def("cpu_capability() -> str", &tokenmill::cpu_capability);
 }

@@ -14,6 +14,7 @@ import torch
 from tokenmill.core.batch import ModelRunnerOutput, PromptLogprobs, ScheduledBatch, StepTimings
 from tokenmill.executor.input_batch import InputBatch, StepInputs
 from tokenmill.layers.attention import Attention, AttentionTimer
+from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend
 from tokenmill.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
 
@@ -54,8 +55,8 @@ class ModelRunner:
         self._attn_read_groups: list[tuple[int | None, int]] = []
 
     def block_bytes(self, kv_dtype: torch.dtype) -> int:
-        """K and V of one block over all layers."""
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim for a in self.attn_layers) * kv_dtype.itemsize
+        """K and V of one block over all layers (with int8's scales)."""
+        return sum(kv_quant.block_bytes(self.block_size, a.num_kv_heads, a.head_dim, kv_dtype) for a in self.attn_layers)
 
     @property
     def bytes_per_block(self) -> int:
@@ -67,7 +68,7 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         groups: dict[int | None, int] = {}
         for a in self.attn_layers:
-            per_token = 2 * a.num_kv_heads * a.head_dim * kv_dtype.itemsize
+            per_token = kv_quant.block_bytes(1, a.num_kv_heads, a.head_dim, kv_dtype)
             groups[a.sliding_window] = groups.get(a.sliding_window, 0) + per_token
         self._attn_read_groups = list(groups.items())
 
@@ -83,8 +84,8 @@ class ModelRunner:
         return total
 
     def kv_caches(self) -> list[torch.Tensor]:
-        """Every layer's K and V pool, each indexed by block on its first dimension."""
-        return [t for a in self.attn_layers for t in (a.k_cache, a.v_cache)]
+        """Every layer's K and V pool (and int8's scales), each indexed by block on its first dimension."""
+        return [t for a in self.attn_layers for t in kv_quant.layer_caches(a)]
 
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -51,8 +51,11 @@ def available_memory_bytes() -> int:
 
 
 def kv_dtype_for(name: str, model: torch.nn.Module) -> torch.dtype:
+    from tokenmill.layers.attention_backends.kv_quant import QUANT_KV_DTYPES
     from tokenmill.platform import parse_dtype
 
+    if name in QUANT_KV_DTYPES:
+        return QUANT_KV_DTYPES[name]
     dtype = parse_dtype(name)
     if dtype is not None:
         return dtype
@@ -103,8 +106,9 @@ class Worker:
         kv_dtype = kv_dtype_for(getattr(cache, "kv_cache_dtype", "auto"), model)
         num_blocks = self.determine_num_blocks(kv_dtype)
         self.runner.allocate_kv_cache(num_blocks, kv_dtype)
-        log.info("KV cache: %d blocks x %d tokens, %.1f MiB (%s); attention backend %s", num_blocks, cache.block_size,
-                 num_blocks * self.runner.bytes_per_block / 2**20, kv_dtype, backend_cls.describe())
+        log.info("KV cache: %d blocks x %d tokens, %.1f MiB (kv_cache_dtype %s: %s); attention backend %s", num_blocks,
+                 cache.block_size, num_blocks * self.runner.bytes_per_block / 2**20,
+                 getattr(cache, "kv_cache_dtype", "auto"), str(kv_dtype).removeprefix("torch."), backend_cls.describe())
         offload = None
         from tokenmill.executor.kv_transfer import build_transfer
 
@@ -162,7 +166,7 @@ class Worker:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - blocks * per_block
         for a in self.runner.attn_layers:
-            a.k_cache = a.v_cache = None
+            a.k_cache = a.v_cache = a.k_scale_cache = a.v_scale_cache = None
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)

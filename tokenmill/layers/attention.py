@@ -48,6 +48,12 @@ class Attention(nn.Module):
         # Set by AttentionBackend.allocate_kv_cache, in the backend's layout.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # Quantized caches (attention_backends/kv_quant.py): int8's per-slot scales [num_blocks, block_size,
+        # Hk], and fp8's per-layer scales (the checkpoint's self_attn.k_scale / v_scale, else 1.0).
+        self.k_scale_cache: torch.Tensor | None = None
+        self.v_scale_cache: torch.Tensor | None = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.backend: AttentionBackend | None = None
         self.timer: AttentionTimer | None = None  # set by the model runner when attention is timed
 

@@ -17,6 +17,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from tokenmill.layers.attention_backends.kv_quant import KV_SCALE_NAMES, load_kv_scale
 from tokenmill.layers.linear import default_weight_loader
 
 
@@ -50,6 +51,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         if name is None:
             continue
         parent, part, leaf = _split(name)
+        if leaf in KV_SCALE_NAMES:  # fp8 KV cache scales of FP8 checkpoints: not parameters
+            load_kv_scale(model, _join(parent, part), leaf, tensor)
+            continue
         shard_id = None
         target = name
         if name not in params and part in unpacked:

@@ -54,9 +54,12 @@ class AttentionBackend:
         raise NotImplementedError
 
     def bytes_per_block(self, layers: list[Attention], dtype: torch.dtype) -> int:
-        """K and V bytes of one block over all layers, for sizing the pool."""
+        """K and V bytes of one block over all layers (int8's per-slot scales included), for sizing the pool."""
+        from tokenmill.layers.attention_backends.kv_quant import slot_scale_bytes
+
         per_layer = (torch.Size(self.kv_cache_shape(1, a.num_kv_heads, a.head_dim)).numel() for a in layers)
-        return 2 * sum(per_layer) * dtype.itemsize
+        slots = sum(self.block_size * a.num_kv_heads for a in layers)
+        return 2 * sum(per_layer) * dtype.itemsize + 2 * slots * slot_scale_bytes(dtype)
 
     def allocate_kv_cache(self, layers: list[Attention], num_blocks: int, dtype: torch.dtype) -> None:
         raise NotImplementedError

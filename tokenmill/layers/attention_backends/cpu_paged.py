@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill import native
+from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend, BatchLayout
 from tokenmill.layers.attention_backends.registry import register_backend
 
 if TYPE_CHECKING:
     from tokenmill.layers.attention import Attention
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, kv_quant.FP8)
 
 
 @dataclass
@@ -56,13 +57,13 @@ class CPUPagedBackend(AttentionBackend):
 
     def allocate_kv_cache(self, layers: list[Attention], num_blocks: int, dtype: torch.dtype) -> None:
         if dtype not in CACHE_DTYPES:
-            raise ValueError(f"cpu_paged attention keeps its KV cache in float32 or bfloat16, not {dtype}; "
+            raise ValueError(f"cpu_paged attention keeps its KV cache in float32 or bfloat16 (or quantized: int8, "
+                             f"float8_e4m3fn), not {dtype}; "
                              "use --attention-backend torch_sdpa for other cache dtypes")
         for a in layers:
             shape = self.kv_cache_shape(num_blocks, a.num_kv_heads, a.head_dim)
             # Never zeroed: the kernel reads only slots written before (a request's visible keys).
-            a.k_cache = torch.empty(shape, dtype=dtype, device=self.device)
-            a.v_cache = torch.empty(shape, dtype=dtype, device=self.device)
+            kv_quant.allocate(a, shape, dtype, self.device)
             a.backend = self
 
     def build_metadata(self, layout: BatchLayout) -> CPUPagedMetadata:
@@ -80,8 +81,24 @@ class CPUPagedBackend(AttentionBackend):
         cache_dtype = layer.k_cache.dtype
         qf = q.to(torch.float32).contiguous()
         out = torch.empty_like(qf)
+        if kv_quant.is_quantized(cache_dtype):
+            return self._forward_quantized(layer, q, qf, k, v, out, meta)
         torch.ops.tokenmill.paged_attention(
             out, qf, k.to(cache_dtype).contiguous(), v.to(cache_dtype).contiguous(), layer.k_cache, layer.v_cache,
             meta.slot_mapping, meta.block_table, meta.query_start, meta.query_len, meta.kv_len,
             float(layer.scale), int(layer.sliding_window or 0), float(layer.logits_soft_cap or 0.0))
         return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+    def _forward_quantized(self, layer: Attention, q, qf, k, v, out, meta: CPUPagedMetadata) -> torch.Tensor:
+        """int8 / fp8 caches: the kernel quantizes the new float32 K/V as it writes them."""
+        ks = layer.k_scale_cache if layer.k_scale_cache is not None else _NO_SCALES
+        vs = layer.v_scale_cache if layer.v_scale_cache is not None else _NO_SCALES
+        torch.ops.tokenmill.paged_attention_quant(
+            out, qf, k.to(torch.float32).contiguous(), v.to(torch.float32).contiguous(), layer.k_cache, layer.v_cache,
+            ks, vs, meta.slot_mapping, meta.block_table, meta.query_start, meta.query_len, meta.kv_len,
+            float(layer.scale), int(layer.sliding_window or 0), float(layer.logits_soft_cap or 0.0),
+            float(layer.k_scale), float(layer.v_scale))
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+_NO_SCALES = torch.empty(0)  # fp8: its per-layer scales are plain floats

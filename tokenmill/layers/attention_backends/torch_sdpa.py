@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend, BatchLayout
 from tokenmill.layers.attention_backends.registry import register_backend
 
@@ -73,8 +74,7 @@ class TorchSDPABackend(AttentionBackend):
         for a in layers:
             shape = self.kv_cache_shape(num_blocks, a.num_kv_heads, a.head_dim)
             # Not zeroed here (4 GiB of memset takes seconds): build_metadata zeroes each block on first use.
-            a.k_cache = torch.empty(shape, dtype=dtype, device=self.device)
-            a.v_cache = torch.empty(shape, dtype=dtype, device=self.device)
+            kv_quant.allocate(a, shape, dtype, self.device)
             a.backend = self
         self.layers = list(layers)
         self.initialized = torch.zeros(num_blocks, dtype=torch.bool)
@@ -97,8 +97,7 @@ class TorchSDPABackend(AttentionBackend):
         fresh = fresh.unique()
         dev_ids = fresh.to(self.device)
         for a in self.layers:
-            a.k_cache.index_fill_(0, dev_ids, 0)
-            a.v_cache.index_fill_(0, dev_ids, 0)
+            kv_quant.zero_blocks(a, dev_ids)
         self.initialized[fresh] = True
         self.num_uninitialized -= fresh.numel()
 
@@ -144,8 +143,12 @@ class TorchSDPABackend(AttentionBackend):
         """q: [T, H, D], k/v: [T, Hk, D]; caches: [num_blocks, block_size, Hk, D]. Returns [T, H, D]."""
         k_cache, v_cache = layer.k_cache, layer.v_cache
         num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        quantized = kv_quant.is_quantized(k_cache.dtype)
+        if quantized:
+            kv_quant.write_reference(layer, k, v, meta.slot_mapping)
+        else:
+            k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
         for g in meta.groups:
             B, NB = g.block_tables.shape
@@ -153,8 +156,12 @@ class TorchSDPABackend(AttentionBackend):
             qg = q.index_select(0, g.token_index.view(-1)).view(B, Q, num_heads, -1).transpose(1, 2)  # [B, H, Q, D]
             # index_select over whole blocks is ~4x faster than advanced indexing on CPU.
             flat = g.block_tables.view(-1)
-            kg = k_cache.index_select(0, flat).view(B, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-            vg = v_cache.index_select(0, flat).view(B, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+            if quantized:
+                kg, vg = kv_quant.gather_dequantized(layer, flat, q.dtype)
+            else:
+                kg, vg = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
+            kg = kg.view(B, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+            vg = vg.view(B, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
             mask = g.mask(layer.sliding_window)
             if layer.logits_soft_cap is None:
                 o = F.scaled_dot_product_attention(
