@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import chain
 
+import numpy as np
 import torch
 
 from tokenmill.core.batch import ScheduledBatch
@@ -79,47 +80,49 @@ class InputBatch:
             state.num_computed_tokens = c.num_computed_tokens
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Packed token ids and positions, the block table as one tensor, slots, and sampled rows."""
+        """Packed token ids and positions, the block table as one array, slots, and sampled rows. Built with
+        numpy (a few µs per op on these small arrays, against torch's dispatch cost per op), handed over as
+        tensors sharing the memory."""
         reqs = [self.requests[rid] for rid in batch.req_ids]
         lens = batch.num_scheduled_tokens
-        starts = [r.num_computed_tokens for r in reqs]
+        B = len(reqs)
         spec = [batch.spec_token_ids.get(rid, []) for rid in batch.req_ids]
         ids = list(chain.from_iterable(
-            r.token_ids[st : st + n - len(sp)] + sp for r, st, n, sp in zip(reqs, starts, lens, spec)))
-        B, T = len(reqs), len(ids)
-        q_len = torch.tensor(lens, dtype=torch.long)
-        start_pos = torch.tensor(starts, dtype=torch.long)
-        q_end = torch.cumsum(q_len, 0)
+            r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n - len(sp)] + sp
+            for r, n, sp in zip(reqs, lens, spec)))
+        T = len(ids)
+        q_len = np.asarray(lens, dtype=np.int64)
+        start_pos = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, B)
+        q_end = np.cumsum(q_len)
         q_start = q_end - q_len
-        req_idx = torch.repeat_interleave(torch.arange(B), q_len)
-        positions = torch.arange(T) - q_start[req_idx] + start_pos[req_idx]
+        req_idx = np.repeat(np.arange(B), q_len)
+        positions = np.arange(T) - q_start[req_idx] + start_pos[req_idx]
         # Block table: one scatter of the concatenated rows into [B, max blocks].
-        nblocks = torch.tensor([len(r.block_ids) for r in reqs], dtype=torch.long)
-        table = torch.zeros(B, int(nblocks.max()), dtype=torch.long)
-        flat = torch.tensor(list(chain.from_iterable(r.block_ids for r in reqs)), dtype=torch.long)
-        row = torch.repeat_interleave(torch.arange(B), nblocks)
-        col = torch.arange(flat.numel()) - torch.repeat_interleave(torch.cumsum(nblocks, 0) - nblocks, nblocks)
-        table[row, col] = flat
+        nblocks = np.fromiter((len(r.block_ids) for r in reqs), np.int64, B)
+        table = np.zeros((B, int(nblocks.max())), dtype=np.int64)
+        flat = np.fromiter(chain.from_iterable(r.block_ids for r in reqs), np.int64, int(nblocks.sum()))
+        table[np.repeat(np.arange(B), nblocks), np.arange(flat.size) - np.repeat(_run_starts(nblocks), nblocks)] = flat
         bs = self.block_size
         slots = table[req_idx, positions // bs] * bs + positions % bs
         kv_len = start_pos + q_len
+        t = torch.from_numpy
         layout = BatchLayout(
-            query_start=q_start, query_len=q_len, kv_len=kv_len, block_table=table, slot_mapping=slots,
-            num_tokens=T, max_query_len=max(lens), max_kv_len=int(kv_len.max()),
+            query_start=t(q_start), query_len=t(q_len), kv_len=t(kv_len), block_table=t(table),
+            slot_mapping=t(slots), num_tokens=T, max_query_len=max(lens), max_kv_len=int(kv_len.max()),
         )
-        rows = torch.tensor(batch.num_sample_rows, dtype=torch.long)
-        sample_rows = q_end.repeat_interleave(rows) - rows.repeat_interleave(rows) + _ranks(rows)
+        rows = np.asarray(batch.num_sample_rows, dtype=np.int64)
+        sample_rows = np.repeat(q_end - rows, rows) + _ranks(rows)
         prompt_rows = []
-        for i, (r, st) in enumerate(zip(reqs, starts)):
+        for i, r in enumerate(reqs):
             rng = batch.prompt_logprob_ranges.get(r.req_id)
             if rng is not None:
                 prompt_rows.append((r, int(q_start[i]), rng[1], rng[0]))
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=positions.to(self.device),
+            positions=t(positions).to(self.device),
             layout=layout,
             requests=reqs,
-            sample_rows=sample_rows.to(self.device),
+            sample_rows=t(sample_rows).to(self.device),
             rows_per_request=list(batch.num_sample_rows),
             spec=spec,
             # For the roofline: keys each new token attends to (causal pairs) and KV tokens read.
@@ -129,8 +132,11 @@ class InputBatch:
         )
 
 
-def _ranks(counts: torch.Tensor) -> torch.Tensor:
+def _run_starts(counts: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sum: where each run of `counts` starts."""
+    return np.cumsum(counts) - counts
+
+
+def _ranks(counts: np.ndarray) -> np.ndarray:
     """[0..c0-1, 0..c1-1, ...] for counts [c0, c1, ...]."""
-    total = int(counts.sum())
-    starts = torch.cumsum(counts, 0) - counts
-    return torch.arange(total) - starts.repeat_interleave(counts)
+    return np.arange(int(counts.sum())) - np.repeat(_run_starts(counts), counts)
