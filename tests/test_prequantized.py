@@ -217,7 +217,7 @@ def write_checkpoint(src: Path, dst: Path, pack, quantization_config: dict | Non
                 out.update({name[: -len("weight")] + k: v for k, v in packed.items()})
         else:
             out[name] = t
-    assert n >= 14, sorted(tensors)
+    assert n >= 13, sorted(tensors)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     if quantization_config is not None:
         cfg = json.loads((dst / "config.json").read_text())
@@ -308,6 +308,24 @@ def test_model_equals_float_model_on_dequantized_checkpoint(models, monkeypatch,
     _same(_greedy(qllm, prompts), ref, f"{fmt} fallback vs float")
 
 
+def test_modules_to_not_convert_stay_float(models, tmp_path, caplog):
+    """GPTQ's modules_to_not_convert: that layer is a float weight in the checkpoint and in memory."""
+    pack, config = packer("gptq", 32, False)
+    keep = re.compile(r"layers\.1\.mlp\.down_proj\.weight$")
+    only = re.compile(f"(?!.*{keep.pattern}){LINEAR_RE.pattern}")
+    config = dict(config, modules_to_not_convert=["model.layers.1.mlp.down_proj"])
+    qpath = write_checkpoint(models.base("llama"), tmp_path / "q", pack, config, only)
+    fpath = write_checkpoint(models.base("llama"), tmp_path / "f", pack, None, only)
+    with caplog.at_level("INFO"):
+        qllm = LLM(str(qpath), **ENGINE_KW)
+    assert re.search(r"weights: [\d.]+ MiB resident \(gptq\)", caplog.text), caplog.text
+    model = qllm.engine.model
+    assert model.get_submodule("layers.1.mlp.down_proj").weight.dtype == torch.float32
+    assert model.get_submodule("layers.0.mlp.down_proj").qweight.dtype == torch.uint8
+    prompts = _prompts(qllm.engine.vocab_size, seed=8)
+    _same(_greedy(qllm, prompts), _greedy(LLM(str(fpath), **ENGINE_KW), prompts), "gptq with a float layer")
+
+
 def test_flag_must_agree_with_the_checkpoint(models):
     qpath, fpath = models.pair("llama", "gptq", 32, True)
     LLM(str(qpath), quantization="gptq", **ENGINE_KW)  # agreeing flag: fine
@@ -355,6 +373,25 @@ def test_quantize_cli_round_trip(models, tmp_path, method, group, sym, capsys):
     if not sym:
         prompts = _prompts(loaded.engine.vocab_size, seed=5)
         _same(_greedy(loaded, prompts), _greedy(at_load, prompts), f"{method}: quantize vs at-load", atol=1e-6)
+
+
+def test_quantize_gguf(models, tmp_path):
+    """A GGUF input: the same packed tensors as `--quantization int4` on that GGUF."""
+    pytest.importorskip("gguf")
+    from gguf_tiny import write_gguf
+
+    from tokenmill.quantize import quantize_checkpoint
+
+    gguf_path = write_gguf(models.base("llama"), tmp_path / "tiny.gguf")
+    report = quantize_checkpoint(str(gguf_path), str(tmp_path / "q"), "int4", 32,
+                                 tokenizer=str(models.base("llama")))  # this tiny GGUF has no tokenizer
+    assert report.quantized == 2 * 7
+    loaded = LLM(str(report.out), **ENGINE_KW)
+    at_load = LLM(str(gguf_path), tokenizer=str(models.base("llama")), quantization="int4", **ENGINE_KW)
+    a, b = dict(loaded.engine.model.named_parameters()), dict(at_load.engine.model.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    prompts = _prompts(loaded.engine.vocab_size, seed=6)
+    _same(_greedy(loaded, prompts), _greedy(at_load, prompts), "gguf: quantize vs at-load", atol=1e-6)
 
 
 def test_quantize_refuses_bad_input(models, tmp_path):

@@ -28,7 +28,7 @@ class QuantizeReport:
 
 
 def quantize_checkpoint(model: str, out: str, method: str = "int4", group_size: int = 32,
-                        symmetric: bool = False) -> QuantizeReport:
+                        symmetric: bool = False, tokenizer: str | None = None) -> QuantizeReport:
     from safetensors.torch import save_file
 
     from tokenmill.layers.linear import LinearBase
@@ -76,9 +76,9 @@ def quantize_checkpoint(model: str, out: str, method: str = "int4", group_size: 
     if quantized == 0:
         raise ValueError(f"{model!r}: no linear layer weights found to quantize")
     dst.mkdir(parents=True, exist_ok=True)
+    _copy_tokenizer(tokenizer or model, dst)  # first: the step that fails on a GGUF without a tokenizer
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     _write_config(model, cfg, dst, packed_config.to_json())
-    _copy_tokenizer(model, dst)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return QuantizeReport(dst, quantized, copied, nbytes)
 
@@ -104,6 +104,8 @@ def _write_config(model: str, cfg, dst: Path, quantization_config: dict) -> None
 def _copy_tokenizer(model: str, dst: Path) -> None:
     """The tokenizer and generation config: every small file of the folder but weights and config.json;
     for a GGUF, the tokenizer it embeds."""
+    if not (Path(model).is_dir() or Path(model).is_file()):
+        raise FileNotFoundError(f"tokenizer {model!r} not found")
     from tokenmill.model.loader import is_gguf, load_tokenizer
 
     if is_gguf(model):
@@ -128,11 +130,13 @@ def add_quantize_parser(subparsers) -> None:
     p.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128),
                    help="int4: input columns per scale and zero point (default: %(default)s).")
     p.add_argument("--symmetric", action="store_true", help="int4: symmetric groups (zero point 8).")
+    p.add_argument("--tokenizer", help="Folder whose tokenizer (and generation config) files to copy, or a .gguf "
+                   "(default: the model's).")
     p.set_defaults(func=cmd_quantize)
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    report = quantize_checkpoint(args.model, args.out, args.method, args.group_size, args.symmetric)
+    report = quantize_checkpoint(args.model, args.out, args.method, args.group_size, args.symmetric, args.tokenizer)
     print(f"wrote {report.out}: {report.quantized} linear weights as {args.method}, {report.copied} tensors copied, "
           f"{report.bytes / 2**20:.1f} MiB")
     return 0

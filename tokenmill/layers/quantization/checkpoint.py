@@ -54,6 +54,9 @@ def checkpoint_quant_config(raw: dict, path: str = "?") -> QuantizationConfig:
         if bits != 4:
             raise ValueError(f"{where}: {method} with bits={bits!r} is not supported (4 bits only)")
         group = int(raw.get("group_size", raw.get("q_group_size", 128)))
+        if raw.get("lm_head") or raw.get("dynamic"):
+            raise ValueError(f"{where}: a quantized lm_head or per-module 'dynamic' overrides are not supported")
+        ignored = tuple(raw.get("modules_to_not_convert") or ())
         if method == "gptq":
             if raw.get("desc_act"):
                 raise NotImplementedError(f"{where}: GPTQ with desc_act=true (act-order) is not supported; "
@@ -61,13 +64,13 @@ def checkpoint_quant_config(raw: dict, path: str = "?") -> QuantizationConfig:
             fmt = str(raw.get("checkpoint_format", "gptq")).lower()
             if fmt not in ("gptq", "gptq_v2"):
                 raise ValueError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
-            return Int4CheckpointConfig("gptq", group, zero_plus_one=fmt == "gptq")
+            return Int4CheckpointConfig("gptq", group, zero_plus_one=fmt == "gptq", ignored=ignored)
         version = str(raw.get("version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(f"{where}: AWQ version {version!r} is not supported (gemm only)")
         if raw.get("zero_point") is False:
             raise ValueError(f"{where}: AWQ with zero_point=false is not supported (qzeros are expected)")
-        return Int4CheckpointConfig("awq", group)
+        return Int4CheckpointConfig("awq", group, ignored=ignored)
     if method == "fp8":
         from tokenmill.layers.quantization.fp8 import Fp8Config
 

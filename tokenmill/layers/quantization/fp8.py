@@ -49,7 +49,9 @@ class Fp8Config(QuantizationConfig):
         self.ignored = tuple(p.removeprefix("model.") for p in ignored)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        if any(prefix == p or prefix.endswith("." + p) for p in self.ignored):
+        from tokenmill.layers.quantization.gptq_awq import skipped
+
+        if skipped(prefix, self.ignored):
             return None
         return Fp8LinearMethod()
 

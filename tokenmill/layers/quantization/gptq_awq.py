@@ -63,6 +63,11 @@ def awq_pack(values: torch.Tensor) -> torch.Tensor:
     return pack_int32(v.reshape(values.shape), values.dim() - 1)
 
 
+def skipped(prefix: str, ignored: tuple[str, ...]) -> bool:
+    """Whether layer `prefix` (e.g. layers.0.mlp.down_proj) is one of the checkpoint's float modules."""
+    return any(prefix == p or prefix.endswith("." + p) or prefix.startswith(p + ".") for p in ignored)
+
+
 def pack_rows_int4(q: torch.Tensor) -> torch.Tensor:
     """[N, K] nibbles -> the kernel's uint8 [N, K/2], even column in the low nibble."""
     return q[:, 0::2] | (q[:, 1::2] << 4)
@@ -71,7 +76,7 @@ def pack_rows_int4(q: torch.Tensor) -> torch.Tensor:
 class Int4CheckpointConfig(QuantizationConfig):
     """quantization_config of a GPTQ or AWQ checkpoint (4 bits only)."""
 
-    def __init__(self, name: str, group_size: int, zero_plus_one: bool = False) -> None:
+    def __init__(self, name: str, group_size: int, zero_plus_one: bool = False, ignored: tuple[str, ...] = ()) -> None:
         if name not in ("gptq", "awq"):
             raise ValueError(f"not an int4 checkpoint format: {name!r}")
         if group_size != -1 and (group_size <= 0 or group_size % 2):
@@ -79,8 +84,11 @@ class Int4CheckpointConfig(QuantizationConfig):
         self.name = name
         self.group_size = group_size
         self.zero_plus_one = zero_plus_one  # GPTQ v1: the stored zero is the zero - 1
+        self.ignored = tuple(p.removeprefix("model.") for p in ignored)  # modules_to_not_convert: kept float
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if skipped(prefix, self.ignored):
+            return None
         return Int4CheckpointMethod(self)
 
 
