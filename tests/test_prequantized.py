@@ -26,7 +26,7 @@ from prequant_packers import awq_pack, fp8_pack, gptq_pack
 from safetensors.torch import load_file, save_file
 from tiny import make_tiny_model
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, native
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.quantization import weight_only as wo
 from tokenmill.layers.quantization.checkpoint import checkpoint_quant_config
@@ -129,7 +129,7 @@ def test_int4_checkpoint_tensor_dequantizes_within_one_step(monkeypatch, fmt, gr
 
 
 @pytest.mark.parametrize("per_channel,shape", [(False, "scalar"), (True, "n1"), (True, "n")])
-def test_fp8_tensor_dequantizes_within_one_step(per_channel, shape):
+def test_fp8_tensor_dequantizes_within_one_step(monkeypatch, per_channel, shape):
     N, K = 40, 96
     w = _weight(N, K, seed=3)
     w[0, :3] = torch.tensor([1e-6, -3e-5, 0.0])  # subnormal range of the per-tensor scale
@@ -144,7 +144,39 @@ def test_fp8_tensor_dequantizes_within_one_step(per_channel, shape):
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (N,)
     torch.testing.assert_close(layer.quant_method.dequantize(layer), deq, rtol=0, atol=0)
     x = torch.randn(2, 5, K)
-    torch.testing.assert_close(layer(x), (x.double() @ deq.double().T).float(), rtol=1e-5, atol=1e-5)
+    ref = (x.double() @ deq.double().T).float()
+    for flag in (None, False):  # the kernel where built, then the fallback
+        monkeypatch.setattr(wo, "_NATIVE", flag)
+        torch.testing.assert_close(layer(x), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x[0, :1]), ref[0, :1], rtol=1e-5, atol=1e-5)  # decode: one row
+
+
+@pytest.mark.skipif(not (native.available() and hasattr(torch.ops.tokenmill, "fp8_linear")),
+                    reason="tokenmill._C not built or without fp8_linear")
+def test_fp8_kernel_matches_reference():
+    """Every e4m3fn byte (NaNs aside) converts exactly, in the decode path (1-2 rows) and the batch path;
+    random weights, scales and biases agree with the dequantized reference."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[~torch.isnan(codes.view(torch.float8_e4m3fn).float())]
+    w = codes.view(torch.float8_e4m3fn).reshape(2, -1).contiguous()  # [2, 127]
+    K = w.shape[1]
+    one = torch.ones(2)
+    eye = torch.eye(K)
+    for M in (1, 2):  # one-hot rows of x read single weights
+        cols = torch.cat([torch.ops.tokenmill.fp8_linear(eye[k:k + M], w, one, None) for k in range(0, K - 1, M)])
+        assert torch.equal(cols.T, w.float()[:, :cols.shape[0]])
+    assert torch.equal(torch.ops.tokenmill.fp8_linear(eye, w, one, None).T, w.float())
+    g = torch.Generator().manual_seed(1)
+    for N, K in ((1, 16), (33, 96), (100, 257)):
+        t, deq, _ = fp8_pack(torch.randn(N, K, generator=g), per_channel=True, scale_shape="n")
+        b = torch.randn(N, generator=g)
+        for M in (1, 2, 3, 17):
+            x = torch.randn(M, K, generator=g)
+            y = torch.ops.tokenmill.fp8_linear(x, t["weight"], t["weight_scale"].float(), b)
+            torch.testing.assert_close(y, (x.double() @ deq.double().T + b.double()).float(), rtol=1e-5,
+                                       atol=1e-5 * math.sqrt(K))
+    with pytest.raises(RuntimeError, match="float8_e4m3fn"):
+        torch.ops.tokenmill.fp8_linear(torch.randn(1, K), deq, torch.ones(N), None)
 
 
 def test_fp8_row_tiles_equal_one_matmul(monkeypatch):
@@ -154,6 +186,7 @@ def test_fp8_row_tiles_equal_one_matmul(monkeypatch):
     tensors, deq, _ = fp8_pack(_weight(N, K, 4), per_channel=True)
     layer = _loaded_layer(FP8_CONFIG, tensors, K, N, torch.randn(N))
     x = torch.randn(3, K)
+    monkeypatch.setattr(wo, "_NATIVE", False)
     whole = layer(x)
     monkeypatch.setattr(fp8, "TILE_ELEMENTS", 7 * K)  # 7 rows a tile: 15 tiles, the last one short
     torch.testing.assert_close(layer(x), whole, rtol=1e-6, atol=1e-6)

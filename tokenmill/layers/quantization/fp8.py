@@ -6,9 +6,10 @@ and tensor/channel strategy). A fused layer (qkv, gate_up) gets one per-tensor s
 scale is kept per output row (float32 [N], 4 bytes a row): a lossless form of both kinds. The weight
 stays 1 byte per element. `input_scale` (static activation scales) is ignored: activations stay float.
 
-There is no native kernel: `apply` converts a tile of rows at a time to float32 (bounded temporary
-memory), scales it and multiplies, so the numerics are those of the float layer on the dequantized
-weight.
+On CPU `apply` runs the native kernel (csrc/fp8_linear.cpp: bytes widened to float in registers for
+decode, one conversion + SGEMM for batches); the fallback, and the reference it is tested against,
+converts a tile of rows at a time to float32 (bounded temporary memory), scales it and multiplies: the
+numerics of the float layer on the dequantized weight.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, set_weight_attrs
+from tokenmill.layers.quantization.weight_only import _native_ok  # one switch for every packed format
 
 FP8 = torch.float8_e4m3fn
 TILE_ELEMENTS = 1 << 20  # weights converted to float32 per step of apply (4 MiB)
@@ -26,7 +28,11 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ (weight * scale[:, None])^T (+ bias), float32 math; returns x's dtype."""
     N, K = weight.shape
-    x2 = x.reshape(-1, K).float()
+    x2 = x.reshape(-1, K)
+    if _native_ok(x2) and hasattr(torch.ops.tokenmill, "fp8_linear"):
+        y = torch.ops.tokenmill.fp8_linear(x2, weight, scale, bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], N)
+    x2 = x2.float()
     b = None if bias is None else bias.float()
     rows = max(1, TILE_ELEMENTS // max(K, 1))
     if rows >= N:
