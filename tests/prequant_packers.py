@@ -33,17 +33,21 @@ def quantize_groups(w: torch.Tensor, group: int, symmetric: bool, min_zero: int 
     return q.reshape(N, K).to(torch.uint8), scale, zero.to(torch.uint8), deq
 
 
-def gptq_pack(w: torch.Tensor, group: int, symmetric: bool, v1: bool = True):
+def gptq_pack(w: torch.Tensor, group: int, symmetric: bool, v1: bool = True, act_order: torch.Tensor | None = None):
     """AutoGPTQ layout: qweight [K/8, N] packed along K, qzeros [K/g, N/8] packed along N (v1: zero - 1),
-    scales [K/g, N], g_idx [K]. group -1: one group over K."""
+    scales [K/g, N], g_idx [K]. group -1: one group over K. `act_order`: a permutation of the K columns,
+    quantized in that order (desc_act): group j holds columns act_order[j*g:(j+1)*g]."""
     N, K = w.shape
     g = K if group == -1 else group
-    q, scale, zero, deq = quantize_groups(w, g, symmetric, min_zero=1 if v1 else 0)
+    perm = torch.arange(K) if act_order is None else act_order
+    inv = torch.argsort(perm)
+    q, scale, zero, deq = quantize_groups(w[:, perm], g, symmetric, min_zero=1 if v1 else 0)
+    q, deq = q[:, inv], deq[:, inv]  # back to the columns' own order
     qk = q.T  # [K, N]
     qweight = _words([qk[j::8] for j in range(8)])  # row i: inputs 8i..8i+7
     stored = (zero.to(torch.int64) - (1 if v1 else 0)).T  # [G, N]
     qzeros = _words([stored[:, j::8] for j in range(8)])
-    g_idx = (torch.arange(K) // g).to(torch.int32)
+    g_idx = (inv // g).to(torch.int32)  # column k sits at position inv[k] of the quantization order
     return {"qweight": qweight, "qzeros": qzeros, "scales": scale.T.contiguous(), "g_idx": g_idx}, deq, scale
 
 

@@ -10,7 +10,8 @@
   with the kernels and with the fallback.
 - `tokenmill quantize`: the written folder loads without a flag, holds the same packed bytes as
   quantize-at-load and generates the same tokens.
-- Errors: mismatched flag, bits != 4, act-order, a group that does not divide K, wrong shapes / dtypes.
+- Act-order GPTQ (desc_act): columns sorted by group at load, x gathered to match.
+- Errors: mismatched flag, bits != 4, bad act-order g_idx, a group that does not divide K, wrong shapes / dtypes.
 """
 from __future__ import annotations
 
@@ -56,6 +57,11 @@ def packer(fmt: str, group: int = 32, sym: bool = False):
     """(pack(w) -> (tensors, dequantized), quantization_config)."""
     if fmt in ("gptq", "gptq_v2"):
         return (lambda w: gptq_pack(w, group, sym, v1=fmt == "gptq")[:2]), gptq_config(group, sym, fmt)
+    if fmt == "gptq-act":  # one column order per input size: the parts of a fused layer share their input
+        def pack(w):
+            order = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(w.shape[1]))
+            return gptq_pack(w, group, sym, act_order=order)[:2]
+        return pack, dict(gptq_config(group, sym), desc_act=True)
     if fmt == "awq":
         return (lambda w: awq_pack(w, group, sym)[:2]), awq_config(group)
     if fmt == "fp8-tensor":
@@ -96,7 +102,8 @@ def _loaded_layer(config: dict, tensors: dict, K: int, N: int, bias: torch.Tenso
 
 
 INT4_CASES = [("gptq", 32, True), ("gptq", 128, False), ("gptq", -1, False), ("gptq_v2", 64, False),
-              ("awq", 32, False), ("awq", 128, True), ("awq", 64, False)]
+              ("gptq-act", 32, False), ("gptq-act", 64, True), ("awq", 32, False), ("awq", 128, True),
+              ("awq", 64, False)]
 
 
 @pytest.mark.parametrize("fmt,group,sym", INT4_CASES, ids=[f"{f}-g{g}-{'sym' if s else 'asym'}" for f, g, s in INT4_CASES])
@@ -111,17 +118,24 @@ def test_int4_checkpoint_tensor_dequantizes_within_one_step(monkeypatch, fmt, gr
     else:
         assert tensors["qweight"].shape == (K, N // 8) and tensors["qzeros"].shape == (K // group, N // 8)
     g = K if group == -1 else group
-    scale = tensors["scales"].float().T.repeat_interleave(g, dim=1)  # [N, K]: each weight's step
+    groups = tensors["g_idx"].long() if "g_idx" in tensors else torch.arange(K) // g
+    scale = tensors["scales"].float().T[:, groups]  # [N, K]: each weight's step
     assert ((deq - w).abs() <= scale * (1 + 1e-3)).all(), "the packer itself is off by more than a step"
     b = torch.randn(N)
     layer = _loaded_layer(config, tensors, K, N, b)
     assert layer.qweight.dtype == torch.uint8 and layer.qweight.shape == (N, K // 2)
     assert not hasattr(layer, "qzeros") and not hasattr(layer, "g_idx") and not hasattr(layer, "scales")
+    assert (deq[:, 5] == 0).all() or not sym  # symmetric: zero is a level
     back = layer.quant_method.dequantize(layer)
+    if fmt == "gptq-act":  # columns sorted by group: W[:, perm]
+        perm = layer.perm
+        assert not torch.equal(perm, torch.arange(K)) and torch.equal(tensors["g_idx"][perm].long(),
+                                                                      torch.arange(K) // group)
+        deq = deq[:, perm]
     torch.testing.assert_close(back, deq, rtol=0, atol=0)  # the repack is lossless
-    assert (back[:, 5] == 0).all() or not sym  # symmetric: zero is a level
     x = torch.randn(3, K)
-    ref = (x.double() @ deq.double().T + b.double()).float()
+    ref = (x.double() @ deq.double().T + b.double()).float() if fmt != "gptq-act" else \
+        (x[:, layer.perm].double() @ deq.double().T + b.double()).float()
     monkeypatch.setattr(wo, "_NATIVE", False)
     torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4 * math.sqrt(K))
     monkeypatch.setattr(wo, "_NATIVE", None)
@@ -189,14 +203,14 @@ def test_fp8_row_tiles_equal_one_matmul(monkeypatch):
     monkeypatch.setattr(wo, "_NATIVE", False)
     whole = layer(x)
     monkeypatch.setattr(fp8, "TILE_ELEMENTS", 7 * K)  # 7 rows a tile: 15 tiles, the last one short
-    torch.testing.assert_close(layer(x), whole, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer(x), whole, rtol=1e-5, atol=1e-5)  # SGEMM blocking differs by width
 
 
 # ---------------------------------------------------------------------------------------------------
 # Fused parts and tensor-parallel shards
 # ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt,group", [("gptq", 32), ("awq", 32), ("gptq", -1), ("fp8-tensor", 0)])
+@pytest.mark.parametrize("fmt,group", [("gptq", 32), ("awq", 32), ("gptq", -1), ("fp8-tensor", 0), ("gptq-act", 32)])
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_fused_parts_and_shards(fmt, group, tp_size):
     pack, config = packer(fmt, group)
@@ -210,6 +224,11 @@ def test_fused_parts_and_shards(fmt, group, tp_size):
         kw["quant_method"] = _method(config)
         gate_up = MergedColumnParallelLinear(H, [inter, inter], **kw)
         kw["quant_method"] = _method(config)
+        if fmt == "gptq-act" and tp_size > 1:  # groups would be cut across ranks
+            with pytest.raises(NotImplementedError, match="act-order"):
+                RowParallelLinear(inter, H, prefix="layers.0.mlp.down_proj", **kw)
+            kw["quant_method"] = _method(gptq_config(group, False))
+            packed["down"] = packer("gptq", group)[0](parts["down"])
         down = RowParallelLinear(inter, H, **kw)
         for layer, ids in ((qkv, ("q", "k", "v")), (gate_up, (0, 1)), (down, (None,))):
             params = dict(layer.named_parameters())
@@ -226,6 +245,8 @@ def test_fused_parts_and_shards(fmt, group, tp_size):
         want_gate_up = torch.cat([rows(packed[0][1], inter // tp_size), rows(packed[1][1], inter // tp_size)])
         want_down = packed["down"][1][:, rank * inter // tp_size:(rank + 1) * inter // tp_size]
         for layer, want in ((qkv, want_qkv), (gate_up, want_gate_up), (down, want_down)):
+            if hasattr(layer, "perm"):
+                want = want[:, layer.perm]
             torch.testing.assert_close(layer.quant_method.dequantize(layer), want, rtol=0, atol=0,
                                        msg=lambda m: f"{type(layer).__name__} rank {rank}/{tp_size}: {m}")
 
@@ -314,6 +335,7 @@ def _same(a, b, label: str, atol: float = 2e-4) -> None:
 
 
 MODEL_CASES = [("llama", "gptq", 32, True), ("qwen2", "gptq", 32, False), ("llama", "gptq_v2", -1, False),
+               ("llama", "gptq-act", 32, False),
                ("llama", "awq", 32, False), ("qwen3", "awq", 32, True), ("llama", "fp8-tensor", 0, False),
                ("qwen3", "fp8-channel", 0, False)]
 
@@ -465,9 +487,15 @@ def test_bad_checkpoints_fail_naming_what_is_wrong(models, tmp_path):
     gptq, _ = models.pair("llama", "gptq", 32, True)
     awq, _ = models.pair("llama", "awq", 32, False)
     fp8, _ = models.pair("llama", "fp8-tensor", 0, False)
+    act, _ = models.pair("llama", "gptq-act", 32, False)
     cases = [
         (_edit(gptq, tmp_path / "bits", {"bits": 8}), ValueError, r"gptq with bits=8 is not supported"),
-        (_edit(gptq, tmp_path / "act", {"desc_act": True}), NotImplementedError, r"desc_act=true"),
+        (_edit(act, tmp_path / "act", None, lambda t: t.update({
+            "model.layers.0.mlp.up_proj.g_idx": torch.zeros_like(t["model.layers.0.mlp.up_proj.g_idx"])})),
+         ValueError, r"weight model\.layers\.0\.mlp\.up_proj\.g_idx is not a grouping of the 64 input columns"),
+        (_edit(act, tmp_path / "act2", None, lambda t: t.update({
+            "model.layers.0.self_attn.v_proj.g_idx": t["model.layers.0.self_attn.v_proj.g_idx"].flip(0).contiguous()})),
+         ValueError, r"weight model\.layers\.0\.self_attn\.v_proj\.g_idx differs between the parts"),
         (_edit(gptq, tmp_path / "group", {"group_size": 48}), ValueError,
          r"gptq group size 48 does not divide the input size 64 of layer layers\.0\.self_attn\.qkv_proj"),
         (_edit(gptq, tmp_path / "shape", None, lambda t: t.update({

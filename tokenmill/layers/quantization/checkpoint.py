@@ -1,7 +1,7 @@
 """Pre-quantized checkpoints: the `quantization_config` of config.json picks the quant method (as vLLM
 does), and `--quantization` must agree with it.
 
-Supported quant_method values: "gptq" (bits 4, desc_act false), "awq" (bits 4, version gemm), "fp8"
+Supported quant_method values: "gptq" (bits 4, desc_act true or false), "awq" (bits 4, version gemm), "fp8"
 (per-tensor weight scales, no block-wise scales), "compressed-tensors" when every config group is
 float 8-bit weights with a tensor or channel strategy, and "tokenmill" (written by `tokenmill quantize`).
 """
@@ -58,13 +58,11 @@ def checkpoint_quant_config(raw: dict, path: str = "?") -> QuantizationConfig:
             raise ValueError(f"{where}: a quantized lm_head or per-module 'dynamic' overrides are not supported")
         ignored = tuple(raw.get("modules_to_not_convert") or ())
         if method == "gptq":
-            if raw.get("desc_act"):
-                raise NotImplementedError(f"{where}: GPTQ with desc_act=true (act-order) is not supported; "
-                                          "re-quantize with desc_act=false")
             fmt = str(raw.get("checkpoint_format", "gptq")).lower()
             if fmt not in ("gptq", "gptq_v2"):
                 raise ValueError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
-            return Int4CheckpointConfig("gptq", group, zero_plus_one=fmt == "gptq", ignored=ignored)
+            return Int4CheckpointConfig("gptq", group, zero_plus_one=fmt == "gptq", ignored=ignored,
+                                        act_order=bool(raw.get("desc_act")))
         version = str(raw.get("version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(f"{where}: AWQ version {version!r} is not supported (gemm only)")

@@ -4,10 +4,11 @@ Both store, per linear layer, 4-bit values eight to an int32 (value j of a word 
 one scale per (group of input columns, output column) and a 4-bit zero point packed the same way;
 the float weight is W[n, k] = (q[k, n] - zero[k // g, n]) * scale[k // g, n]:
 
-- GPTQ (AutoGPTQ / optimum, desc_act false): `qweight` [K/8, N] packed along K (the input), `qzeros`
-  [K/g, N/8] packed along N, `scales` [K/g, N], `g_idx` [K] (k // g when desc_act is false). The
-  common "v1" checkpoints store zero - 1 (the nibble read back + 1 is the zero, 1..16); gptq_v2
-  checkpoints store the zero itself. group_size -1: one group over all of K.
+- GPTQ (AutoGPTQ / optimum): `qweight` [K/8, N] packed along K (the input), `qzeros` [K/g, N/8]
+  packed along N, `scales` [K/g, N], `g_idx` [K]: the group of each input column, k // g, or with
+  desc_act (act-order) any assignment of g columns to each group. The common "v1" checkpoints store
+  zero - 1 (the nibble read back + 1 is the zero, 1..16); gptq_v2 checkpoints store the zero itself.
+  group_size -1: one group over all of K.
 - AWQ (GEMM version): `qweight` [K, N/8] packed along N, value j of a word holding column
   AWQ_ORDER[j] of its eight, `qzeros` [K/g, N/8] packed the same way, `scales` [K/g, N].
 
@@ -16,6 +17,9 @@ The parameters are created with the checkpoint's names and layouts, so the norma
 `pack_factors`); `process_weights_after_loading` unpacks them into packed uint8 [N, K/2] (even column
 in the low nibble) with float32 scale/zero [N, K/g], a lossless transform, and the layer then runs
 exactly like `--quantization int4` (the native int4_linear kernel, or dequantize + F.linear).
+Act-order: the input columns are sorted by group at load (W[:, perm], groups contiguous again) and
+`apply` gathers x[..., perm] first, one index_select per layer call; a row-parallel layer split over
+ranks would need groups cut mid-way, so act-order with tensor parallelism there is refused.
 """
 from __future__ import annotations
 
@@ -76,7 +80,8 @@ def pack_rows_int4(q: torch.Tensor) -> torch.Tensor:
 class Int4CheckpointConfig(QuantizationConfig):
     """quantization_config of a GPTQ or AWQ checkpoint (4 bits only)."""
 
-    def __init__(self, name: str, group_size: int, zero_plus_one: bool = False, ignored: tuple[str, ...] = ()) -> None:
+    def __init__(self, name: str, group_size: int, zero_plus_one: bool = False, ignored: tuple[str, ...] = (),
+                 act_order: bool = False) -> None:
         if name not in ("gptq", "awq"):
             raise ValueError(f"not an int4 checkpoint format: {name!r}")
         if group_size != -1 and (group_size <= 0 or group_size % 2):
@@ -85,6 +90,7 @@ class Int4CheckpointConfig(QuantizationConfig):
         self.group_size = group_size
         self.zero_plus_one = zero_plus_one  # GPTQ v1: the stored zero is the zero - 1
         self.ignored = tuple(p.removeprefix("model.") for p in ignored)  # modules_to_not_convert: kept float
+        self.act_order = act_order and name == "gptq"  # desc_act: g_idx is any grouping of the columns
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if skipped(prefix, self.ignored):
@@ -98,6 +104,7 @@ class Int4CheckpointMethod(Int4LinearMethod):
     def __init__(self, config: Int4CheckpointConfig) -> None:
         super().__init__(config.group_size, symmetric=False)
         self.config = config
+        self._g_idx_loaded = False
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
@@ -110,6 +117,9 @@ class Int4CheckpointMethod(Int4LinearMethod):
         if any(n % PACK for n in output_partition_sizes):
             raise ValueError(f"{fmt}: output sizes {output_partition_sizes} of layer {where} are not multiples of "
                              f"{PACK} (int4 packed into int32)")
+        if self.config.act_order and K != input_size:
+            raise NotImplementedError(f"act-order (desc_act) GPTQ with the input of layer {where} split over "
+                                      "tensor-parallel ranks is not supported")
         self.group_size = g
         G = K // g
         group_dim = None if per_channel else 0  # one group over all of K is not cut by tensor parallelism
@@ -133,9 +143,12 @@ class Int4CheckpointMethod(Int4LinearMethod):
             layer.register_parameter("g_idx", g_idx)
 
     def _load_g_idx(self, layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor) -> None:
-        """The same [K] tensor for every part of a fused layer; a row-parallel rank takes its slice. Only
-        the trivial order (k // group) is supported: anything else is an act-order checkpoint."""
+        """The same [K] tensor for every part of a fused layer; a row-parallel rank takes its slice.
+        Without desc_act it must be the trivial order k // group; with it, g columns in each group."""
         K = param.shape[0]
+        if self.config.act_order:
+            self._load_act_order(param, loaded)
+            return
         full = K * layer.tp_size if loaded.shape == (K * layer.tp_size,) and layer.tp_size > 1 else K
         if tuple(loaded.shape) != (full,):
             raise ValueError(f"has shape {tuple(loaded.shape)}, expected ({full},)")
@@ -146,6 +159,25 @@ class Int4CheckpointMethod(Int4LinearMethod):
                              "not supported")
         param.data.copy_(loaded[start:start + K])
 
+    def _load_act_order(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        K, g = param.shape[0], self.group_size
+        if tuple(loaded.shape) != (K,):
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected ({K},)")
+        idx = loaded.to(torch.int64)
+        if int(idx.min()) < 0 or int(idx.max()) >= K // g or \
+                not (torch.bincount(idx, minlength=K // g) == g).all():
+            raise ValueError(f"is not a grouping of the {K} input columns into {K // g} groups of {g}")
+        if self._g_idx_loaded and not torch.equal(param.data.to(torch.int64), idx):
+            raise ValueError("differs between the parts of a fused layer (they share one input, so one order)")
+        param.data.copy_(loaded)
+        self._g_idx_loaded = True
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        perm = getattr(layer, "perm", None)
+        if perm is not None:  # act-order: the weight's columns are sorted by group
+            x = x.index_select(-1, perm)
+        return super().apply(layer, x, bias)
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.config.name == "gptq":
             q = unpack_int32(layer.qweight.data, 0)  # [K, N]
@@ -155,6 +187,12 @@ class Int4CheckpointMethod(Int4LinearMethod):
         else:
             q = awq_unpack(layer.qweight.data)
             zeros = awq_unpack(layer.qzeros.data).float()
+        perm = None
+        if self.config.act_order:
+            g_idx = layer.g_idx.data.to(torch.int64)
+            if not torch.equal(g_idx, torch.arange(g_idx.numel()) // self.group_size):
+                perm = torch.argsort(g_idx, stable=True)  # columns of group 0, then group 1, ...
+                q = q[perm]
         packed = pack_rows_int4(q.T.contiguous())
         scale = layer.scales.data.float().T.contiguous()
         for name in ("qweight", "qzeros", "scales", "g_idx"):
@@ -162,3 +200,5 @@ class Int4CheckpointMethod(Int4LinearMethod):
                 delattr(layer, name)
         for name, t in (("qweight", packed), ("scale", scale), ("zero", zeros.T.contiguous())):
             layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
+        if perm is not None:
+            layer.register_buffer("perm", perm)
