@@ -106,7 +106,8 @@ INT4_CASES = [("gptq", 32, True), ("gptq", 128, False), ("gptq", -1, False), ("g
               ("awq", 64, False)]
 
 
-@pytest.mark.parametrize("fmt,group,sym", INT4_CASES, ids=[f"{f}-g{g}-{'sym' if s else 'asym'}" for f, g, s in INT4_CASES])
+@pytest.mark.parametrize("fmt,group,sym", INT4_CASES,
+                         ids=[f"{f}-g{g}-{'sym' if s else 'asym'}" for f, g, s in INT4_CASES])
 def test_int4_checkpoint_tensor_dequantizes_within_one_step(monkeypatch, fmt, group, sym):
     N, K = 48, 256
     w = _weight(N, K, seed=group + 7 * sym)
@@ -499,7 +500,8 @@ def test_bad_checkpoints_fail_naming_what_is_wrong(models, tmp_path):
         (_edit(gptq, tmp_path / "group", {"group_size": 48}), ValueError,
          r"gptq group size 48 does not divide the input size 64 of layer layers\.0\.self_attn\.qkv_proj"),
         (_edit(gptq, tmp_path / "shape", None, lambda t: t.update({
-            "model.layers.1.self_attn.k_proj.qweight": t["model.layers.1.self_attn.k_proj.qweight"][:, :16].contiguous()})),
+            "model.layers.1.self_attn.k_proj.qweight":
+                t["model.layers.1.self_attn.k_proj.qweight"][:, :16].contiguous()})),
          ValueError, r"weight model\.layers\.1\.self_attn\.k_proj\.qweight has shape \(8, 16\), expected \(8, 32\)"),
         (_edit(gptq, tmp_path / "gidx", None, lambda t: t.update({
             "model.layers.0.mlp.up_proj.g_idx": t["model.layers.0.mlp.up_proj.g_idx"].flip(0).contiguous()})),

@@ -20,5 +20,5 @@ def get_quantization_config(name: str | None, group_size: int = 32, symmetric: b
     return WeightOnlyConfig(name, group_size, symmetric)
 
 
-__all__ = ["CHECKPOINT_METHODS", "QUANTIZATION_METHODS", "QuantizationConfig", "QuantizeMethodBase", "UnquantizedLinearMethod",
-           "get_quantization_config", "set_weight_attrs"]
+__all__ = ["CHECKPOINT_METHODS", "QUANTIZATION_METHODS", "QuantizationConfig", "QuantizeMethodBase",
+           "UnquantizedLinearMethod", "get_quantization_config", "set_weight_attrs"]
