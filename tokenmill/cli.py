@@ -1,4 +1,4 @@
-"""The `tokenmill` command line: `generate`, `chat` and `serve` on a local model (vLLM's flag names).
+"""The `tokenmill` command line: `generate`, `chat`, `serve` and `quantize` on a local model (vLLM's flag names).
 
 Each subcommand is an `add_<name>_parser(subparsers)` that registers its flags and a `cmd_<name>(args)`
 that runs it. Shared flags come from `add_engine_args` / `engine_kwargs` (generated from EngineArgs;
@@ -322,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_parser(subparsers)
     add_serve_parser(subparsers)
     add_bench_parser(subparsers)
+    from tokenmill.quantize import add_quantize_parser
+
+    add_quantize_parser(subparsers)
     return parser
 
 

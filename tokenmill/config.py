@@ -18,7 +18,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     trust_remote_code: bool = False
-    quantization: str | None = None  # int8 | int4: quantize the linear layers' weights at load
+    quantization: str | None = None  # int8 | int4: quantize at load; gptq | awq | fp8: pre-quantized checkpoint
     quantization_group_size: int = 32  # int4: input columns per scale/zero (32, 64, 128)
 
 

@@ -61,8 +61,9 @@ class EngineArgs:
                      "(default: %(default)s). See also --sampling-seed.")
     quantization: str | None = _arg(
         ModelConfig.quantization, "Quantize the linear layers' weights at load: int8 (per output channel) or int4 "
-        "(groups of --quantization-group-size columns); activations stay float (default: none).",
-        choices=("int8", "int4"))
+        "(groups of --quantization-group-size columns); activations stay float. gptq, awq, fp8: the checkpoint is "
+        "pre-quantized (found from its config.json without the flag; with it, they must agree) (default: none).",
+        choices=("int8", "int4", "gptq", "awq", "fp8"))
     quantization_group_size: int = _arg(ModelConfig.quantization_group_size,
                                         "int4: input columns per scale and zero point: 32, 64 or 128 "
                                         "(default: %(default)s).")

@@ -36,6 +36,15 @@ def assign(param: torch.Tensor, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded)
 
 
+def stored(param: torch.Tensor, dim: int, n: int) -> int:
+    """A logical size along `dim` in stored elements: packed formats keep several values per element
+    (eight int4 in an int32) or one scale per group of input columns (`pack_factors` {dim: per element})."""
+    factor = getattr(param, "pack_factors", {}).get(dim, 1)
+    if n % factor:
+        raise ValueError(f"cuts {n} along dim {dim}, not a multiple of its packing ({factor} per element)")
+    return n // factor
+
+
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None) -> None:
     """Unsharded parameters (norms, replicated layers): the checkpoint tensor as is."""
     if shard_id is not None:
@@ -133,12 +142,13 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None) -> None:
         if shard_id is not None:
             raise ValueError(f"is a shard ({shard_id!r}) of a layer that packs no shards")
-        self._load_part(param, loaded_weight, 0, param.shape[_output_dim(param)], self.output_size, self.tp_rank)
+        self._load_part(param, loaded_weight, 0, self.output_size_per_partition, self.output_size, self.tp_rank)
 
     def _load_part(self, param: torch.Tensor, loaded: torch.Tensor, offset: int, size: int, full: int,
                    shard_rank: int) -> None:
         """Rows [shard_rank*size, +size) of a `full`-row checkpoint part into rows [offset, +size) of param."""
         dim = _output_dim(param)
+        offset, size, full = (stored(param, dim, n) for n in (offset, size, full))
         expected = list(param.shape)
         expected[dim] = full
         check_shape(loaded, expected)
@@ -251,7 +261,7 @@ class RowParallelLinear(LinearBase):
             raise ValueError(f"is a shard ({shard_id!r}) of a layer that packs no shards")
         size = param.shape[dim]
         expected = list(param.shape)
-        expected[dim] = self.input_size
+        expected[dim] = stored(param, dim, self.input_size)
         check_shape(loaded_weight, expected)
         param.data.copy_(loaded_weight.narrow(dim, self.tp_rank * size, size))
 
@@ -282,9 +292,10 @@ def _output_dim(param: torch.Tensor) -> int:
 def _split_full(layer: ColumnParallelLinear, param: torch.Tensor, loaded: torch.Tensor, full_sizes: list[int]) -> None:
     dim = _output_dim(param)
     expected = list(param.shape)
-    expected[dim] = sum(full_sizes)
+    expected[dim] = stored(param, dim, sum(full_sizes))
     check_shape(loaded, expected)
     offset = 0
     for shard_id, size in zip(layer.shard_ids, full_sizes):
+        size = stored(param, dim, size)
         layer.weight_loader(param, loaded.narrow(dim, offset, size), shard_id)
         offset += size

@@ -51,14 +51,16 @@ def safetensors_files(path: str) -> list[Path]:
     return files
 
 
-def iter_safetensors(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors by name, floats converted to `dtype` (None: as stored, for quantized checkpoints whose
+    scales must not lose precision and whose fp8 weights stay fp8; the loaders convert into place)."""
     from safetensors import safe_open
 
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt") as st:  # memory-mapped
             for name in st.keys():
                 t = st.get_tensor(name)
-                yield name, t.to(dtype) if t.is_floating_point() else t
+                yield name, t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
 def config_dtype(cfg) -> torch.dtype:
@@ -82,6 +84,10 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
         cfg = hf_config_from_gguf(path)
     else:
         cfg = load_hf_config(path)
+    from tokenmill.layers.quantization.checkpoint import resolve_quantization
+
+    quant_config = resolve_quantization(cfg, quant_config, path)
+    prequantized = getattr(cfg, "quantization_config", None) is not None
     storage, compute = choose_dtypes(dtype, config_dtype(cfg), device)
     max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
     if max_model_len is None:
@@ -101,7 +107,7 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
 
         load_weights(model, iter_gguf_weights(path, cfg, storage))
     else:
-        load_weights(model, iter_safetensors(path, storage))
+        load_weights(model, iter_safetensors(path, None if prequantized else storage))
     if quant_config is not None and getattr(quant_config, "quantize_lm_head", False):
         lm_head = model.lm_head
         lm_head.quantize_int8(model.embed_tokens if getattr(model, "tie_word_embeddings", False) else None)
