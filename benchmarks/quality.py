@@ -24,13 +24,13 @@ from quantized_decode import embedded_model  # noqa: E402
 
 # label -> (LLM keyword arguments, allowed relative increase over float32 or None)
 CONFIGS = {
-    "float32": (dict(quantization="gguf_dequant"), None),
+    "float32": (dict(quantization="none"), None),
     "int8": (dict(quantization="int8"), 0.01),
     "int4-g32": (dict(quantization="int4", quantization_group_size=32), 0.05),
     "int4-g128": (dict(quantization="int4", quantization_group_size=128), None),
     "gguf-q4_1": (dict(), None),
-    "kv-int8": (dict(quantization="gguf_dequant", kv_cache_dtype="int8"), 0.005),
-    "kv-fp8": (dict(quantization="gguf_dequant", kv_cache_dtype="fp8_e4m3"), None),
+    "kv-int8": (dict(quantization="none", kv_cache_dtype="int8"), 0.005),
+    "kv-fp8": (dict(quantization="none", kv_cache_dtype="fp8_e4m3"), None),
 }
 
 
@@ -71,9 +71,6 @@ def main() -> None:
     ids = None
     for c in labels:
         kw, _ = CONFIGS[c]
-        kw = dict(kw)
-        if not model.endswith(".gguf") and kw.get("quantization") == "gguf_dequant":
-            kw.pop("quantization")
         llm = LLM(model, max_model_len=args.window + 8, max_num_batched_tokens=args.chunk,
                   enable_prefix_caching=False, **kw)
         if ids is None:

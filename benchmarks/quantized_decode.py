@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from measure import OtherLoad, env_str, measure_bandwidth, warn_if_busy  # noqa: E402
 
-# label -> LLM keyword arguments. "float32" dequantizes a GGUF at load (the reference); "gguf" keeps its
-# blocks (the default for .gguf files).
+# label -> LLM keyword arguments. "float32" (quantization "none") dequantizes a GGUF at load, the reference;
+# "gguf" keeps its blocks (the default for .gguf files).
 CONFIGS = {
-    "float32": dict(quantization="gguf_dequant"),
+    "float32": dict(quantization="none"),
     "int8": dict(quantization="int8"),
     "int4-g32": dict(quantization="int4", quantization_group_size=32),
     "int4-g128": dict(quantization="int4", quantization_group_size=128),
@@ -42,17 +42,10 @@ def embedded_model() -> str:
     return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def config_kwargs(label: str, model: str) -> dict:
-    kw = dict(CONFIGS[label])
-    if not model.endswith(".gguf") and kw.get("quantization") == "gguf_dequant":
-        kw.pop("quantization")  # a float checkpoint is its own reference
-    return kw
-
-
 def build(model: str, label: str, max_model_len: int):
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(model, max_model_len=max_model_len, enable_prefix_caching=False, **config_kwargs(label, model))
+    llm = LLM(model, max_model_len=max_model_len, enable_prefix_caching=False, **CONFIGS[label])
     llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)
     return llm
 
