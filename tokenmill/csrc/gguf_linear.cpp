@@ -195,23 +195,25 @@ inline __m256 dot2(const __m256* w, const float* x0, const float* x1) {
   return _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x1), _mm256_mul_ps(w[0], _mm256_loadu_ps(x0)));
 }
 
-// One weight row against MR rows of x (ldx apart). xs: per-32-column sums of x (ldxs apart).
+// One weight row against MR rows of x (ldx apart). xs: per-32-column sums of x (ldxs apart). Two sets of
+// accumulators (even / odd blocks or sub-blocks) so consecutive blocks do not wait on one FMA chain.
 template <int MR>
 void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, const float* x, int64_t ldx,
                   const float* xs, int64_t ldxs, float* out) {
-  __m256 acc[MR];
-  float off[MR];
-  for (int m = 0; m < MR; ++m) {
-    acc[m] = _mm256_setzero_ps();
-    off[m] = 0.f;
-  }
+  __m256 acc[2][MR];
+  float off[2][MR];
+  for (int p = 0; p < 2; ++p)
+    for (int m = 0; m < MR; ++m) {
+      acc[p][m] = _mm256_setzero_ps();
+      off[p][m] = 0.f;
+    }
   const int64_t nb = K / f.block;
   const __m256i m15 = _mm256_set1_epi32(0xF);
   switch (qt) {
     case Q4_0:
     case Q4_1: {
       const bool has_min = qt == Q4_1;
-      for (int64_t b = 0; b < nb; ++b) {
+      const auto step = [&](int64_t b, __m256* A, float* O) {
         const uint8_t* blk = row + b * f.bytes;
         const float d = f16(blk);
         const float o = has_min ? f16(blk + 2) : -8.f * d;
@@ -223,23 +225,35 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
         const __m256 vd = _mm256_set1_ps(d);
         for (int m = 0; m < MR; ++m) {
           const float* xm = x + m * ldx + b * 32;
-          acc[m] = _mm256_fmadd_ps(vd, dot4(w, xm, xm + 8, xm + 16, xm + 24), acc[m]);
-          off[m] += o * xs[m * ldxs + b];
+          A[m] = _mm256_fmadd_ps(vd, dot4(w, xm, xm + 8, xm + 16, xm + 24), A[m]);
+          O[m] += o * xs[m * ldxs + b];
         }
+      };
+      int64_t b = 0;
+      for (; b + 2 <= nb; b += 2) {
+        step(b, acc[0], off[0]);
+        step(b + 1, acc[1], off[1]);
       }
+      if (b < nb) step(b, acc[0], off[0]);
       break;
     }
     case Q8_0: {
-      for (int64_t b = 0; b < nb; ++b) {
+      const auto step = [&](int64_t b, __m256* A) {
         const uint8_t* blk = row + b * f.bytes;
         const __m256 vd = _mm256_set1_ps(f16(blk));
         const uint8_t* q = blk + 2;
         const __m256 w[4] = {f32(i8x8(q)), f32(i8x8(q + 8)), f32(i8x8(q + 16)), f32(i8x8(q + 24))};
         for (int m = 0; m < MR; ++m) {
           const float* xm = x + m * ldx + b * 32;
-          acc[m] = _mm256_fmadd_ps(vd, dot4(w, xm, xm + 8, xm + 16, xm + 24), acc[m]);
+          A[m] = _mm256_fmadd_ps(vd, dot4(w, xm, xm + 8, xm + 16, xm + 24), A[m]);
         }
+      };
+      int64_t b = 0;
+      for (; b + 2 <= nb; b += 2) {
+        step(b, acc[0]);
+        step(b + 1, acc[1]);
       }
+      if (b < nb) step(b, acc[0]);
       break;
     }
     case Q4_K:
@@ -271,9 +285,9 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
           const int64_t g = b * 8 + 2 * c;  // 32-column group of the low sub-block
           for (int m = 0; m < MR; ++m) {
             const float* xm = x + m * ldx + g * 32;
-            acc[m] = _mm256_fmadd_ps(s0, dot4(wl, xm, xm + 8, xm + 16, xm + 24), acc[m]);
-            acc[m] = _mm256_fmadd_ps(s1, dot4(wh, xm + 32, xm + 40, xm + 48, xm + 56), acc[m]);
-            off[m] -= mn[2 * c] * xs[m * ldxs + g] + mn[2 * c + 1] * xs[m * ldxs + g + 1];
+            acc[0][m] = _mm256_fmadd_ps(s0, dot4(wl, xm, xm + 8, xm + 16, xm + 24), acc[0][m]);
+            acc[1][m] = _mm256_fmadd_ps(s1, dot4(wh, xm + 32, xm + 40, xm + 48, xm + 56), acc[1][m]);
+            off[c & 1][m] -= mn[2 * c] * xs[m * ldxs + g] + mn[2 * c + 1] * xs[m * ldxs + g + 1];
           }
         }
       }
@@ -307,10 +321,10 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
             for (int m = 0; m < MR; ++m) {
               const float* xl = x + m * ldx + b * 256 + e0 + 32 * kl;
               const float* xh = x + m * ldx + b * 256 + e0 + 32 * kh;
-              acc[m] = _mm256_fmadd_ps(sl0, dot2(wl, xl, xl + 8), acc[m]);
-              acc[m] = _mm256_fmadd_ps(sl1, dot2(wl + 2, xl + 16, xl + 24), acc[m]);
-              acc[m] = _mm256_fmadd_ps(sh0, dot2(wh, xh, xh + 8), acc[m]);
-              acc[m] = _mm256_fmadd_ps(sh1, dot2(wh + 2, xh + 16, xh + 24), acc[m]);
+              acc[0][m] = _mm256_fmadd_ps(sl0, dot2(wl, xl, xl + 8), acc[0][m]);
+              acc[1][m] = _mm256_fmadd_ps(sl1, dot2(wl + 2, xl + 16, xl + 24), acc[1][m]);
+              acc[0][m] = _mm256_fmadd_ps(sh0, dot2(wh, xh, xh + 8), acc[0][m]);
+              acc[1][m] = _mm256_fmadd_ps(sh1, dot2(wh + 2, xh + 16, xh + 24), acc[1][m]);
             }
           }
         }
@@ -319,7 +333,7 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
     }
     default: TORCH_CHECK(false, "gguf: no block kernel for ggml type ", qt);
   }
-  for (int m = 0; m < MR; ++m) out[m] = hsum(acc[m]) + off[m];
+  for (int m = 0; m < MR; ++m) out[m] = hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + (off[0][m] + off[1][m]);
 }
 #endif
 
