@@ -183,16 +183,68 @@ inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_ep
 inline __m256i i8x8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 f32(__m256i v) { return _mm256_cvtepi32_ps(v); }
 
-// sum_i w[i] * x[off_i .. off_i + 8) over 4 vectors of weights against 4 runs of x.
-inline __m256 dot4(const __m256* w, const float* x0, const float* x1, const float* x2, const float* x3) {
-  __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(x0));
-  t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x1), t);
-  t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x2), t);
-  return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x3), t);
+// The integer weights of 32 columns as 4 float vectors (columns 0..7, 8..15, 16..23, 24..31).
+// Q4_0 / Q4_1: 16 bytes, low nibbles are columns 0..15, high nibbles 16..31.
+inline void q4_block(const uint8_t* q, __m256* w) {
+  const __m256i m15 = _mm256_set1_epi32(0xF);
+  const __m256i e0 = u8x8(q), e1 = u8x8(q + 8);
+  w[0] = f32(_mm256_and_si256(e0, m15));
+  w[1] = f32(_mm256_and_si256(e1, m15));
+  w[2] = f32(_mm256_srli_epi32(e0, 4));
+  w[3] = f32(_mm256_srli_epi32(e1, 4));
 }
 
-inline __m256 dot2(const __m256* w, const float* x0, const float* x1) {
-  return _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x1), _mm256_mul_ps(w[0], _mm256_loadu_ps(x0)));
+inline void q8_block(const uint8_t* q, __m256* w) {
+  for (int v = 0; v < 4; ++v) w[v] = f32(i8x8(q + 8 * v));
+}
+
+// Q4_K / Q5_K chunk c (columns 64c .. 64c + 63 of the super-block): sub-block 2c in wl (low nibbles of
+// qs[32c ..]), 2c + 1 in wh (high nibbles); Q5_K adds bit 2c / 2c + 1 of qh[l] as the fifth bit. hi4: the
+// 32 qh bytes widened and shifted left by 4 (so bit j lands on bit 4 after >> j).
+inline void k4_chunk(const uint8_t* qs, int c, bool five, const __m256i* hi4, __m256* wl, __m256* wh) {
+  const __m256i m15 = _mm256_set1_epi32(0xF), b16 = _mm256_set1_epi32(16);
+  for (int v = 0; v < 4; ++v) {
+    const __m256i e = u8x8(qs + 32 * c + 8 * v);
+    __m256i lo = _mm256_and_si256(e, m15), hi = _mm256_srli_epi32(e, 4);
+    if (five) {
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srli_epi32(hi4[v], 2 * c), b16));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi32(hi4[v], 2 * c + 1), b16));
+    }
+    wl[v] = f32(lo);
+    wh[v] = f32(hi);
+  }
+}
+
+inline void q5_high_bits(const uint8_t* qh, __m256i* hi4) {
+  for (int v = 0; v < 4; ++v) hi4[v] = _mm256_slli_epi32(u8x8(qh + 8 * v), 4);
+}
+
+// Q6_K half h, p in {0, 1}: 32-column group k = p in wl (low nibbles of ql[32p ..], qh bits 2p) and k = p + 2
+// in wh (high nibbles, qh bits 2p + 4), both minus 32. ql points at the half's 64 bytes, qh at its 4 widened
+// vectors of 8 qh bytes.
+inline void q6_pair(const uint8_t* ql, const __m256i* qh, int p, __m256* wl, __m256* wh) {
+  const __m256i m15 = _mm256_set1_epi32(0xF), m3 = _mm256_set1_epi32(3), b32 = _mm256_set1_epi32(32);
+  for (int v = 0; v < 4; ++v) {
+    const __m256i e = u8x8(ql + 32 * p + 8 * v);
+    const __m256i lo = _mm256_or_si256(_mm256_and_si256(e, m15),
+                                       _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh[v], 2 * p), m3), 4));
+    const __m256i hi = _mm256_or_si256(_mm256_srli_epi32(e, 4),
+                                       _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh[v], 2 * p + 4), m3), 4));
+    wl[v] = f32(_mm256_sub_epi32(lo, b32));
+    wh[v] = f32(_mm256_sub_epi32(hi, b32));
+  }
+}
+
+// sum_v w[v] * x[8v ..] over 4 (dot4) or 2 (dot2) vectors.
+inline __m256 dot4(const __m256* w, const float* x) {
+  __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
+  t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), t);
+  t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), t);
+  return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), t);
+}
+
+inline __m256 dot2(const __m256* w, const float* x) {
+  return _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(x)));
 }
 
 // One weight row against MR rows of x (ldx apart). xs: per-32-column sums of x (ldxs apart). Two sets of
@@ -208,7 +260,6 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
       off[p][m] = 0.f;
     }
   const int64_t nb = K / f.block;
-  const __m256i m15 = _mm256_set1_epi32(0xF);
   switch (qt) {
     case Q4_0:
     case Q4_1: {
@@ -217,15 +268,11 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
         const uint8_t* blk = row + b * f.bytes;
         const float d = f16(blk);
         const float o = has_min ? f16(blk + 2) : -8.f * d;
-        const uint8_t* q = blk + (has_min ? 4 : 2);
-        const __m256i e0 = u8x8(q), e1 = u8x8(q + 8);
-        // low nibbles are columns 0..15, high nibbles 16..31
-        const __m256 w[4] = {f32(_mm256_and_si256(e0, m15)), f32(_mm256_and_si256(e1, m15)),
-                             f32(_mm256_srli_epi32(e0, 4)), f32(_mm256_srli_epi32(e1, 4))};
+        __m256 w[4];
+        q4_block(blk + (has_min ? 4 : 2), w);
         const __m256 vd = _mm256_set1_ps(d);
         for (int m = 0; m < MR; ++m) {
-          const float* xm = x + m * ldx + b * 32;
-          A[m] = _mm256_fmadd_ps(vd, dot4(w, xm, xm + 8, xm + 16, xm + 24), A[m]);
+          A[m] = _mm256_fmadd_ps(vd, dot4(w, x + m * ldx + b * 32), A[m]);
           O[m] += o * xs[m * ldxs + b];
         }
       };
@@ -241,12 +288,9 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
       const auto step = [&](int64_t b, __m256* A) {
         const uint8_t* blk = row + b * f.bytes;
         const __m256 vd = _mm256_set1_ps(f16(blk));
-        const uint8_t* q = blk + 2;
-        const __m256 w[4] = {f32(i8x8(q)), f32(i8x8(q + 8)), f32(i8x8(q + 16)), f32(i8x8(q + 24))};
-        for (int m = 0; m < MR; ++m) {
-          const float* xm = x + m * ldx + b * 32;
-          A[m] = _mm256_fmadd_ps(vd, dot4(w, xm, xm + 8, xm + 16, xm + 24), A[m]);
-        }
+        __m256 w[4];
+        q8_block(blk + 2, w);
+        for (int m = 0; m < MR; ++m) A[m] = _mm256_fmadd_ps(vd, dot4(w, x + m * ldx + b * 32), A[m]);
       };
       int64_t b = 0;
       for (; b + 2 <= nb; b += 2) {
@@ -263,30 +307,18 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
         const uint8_t* blk = row + b * f.bytes;
         float sc[8], mn[8];
         k_scales(blk + 4, f16(blk), f16(blk + 2), sc, mn);
+        __m256i hi4[4];
+        if (five) q5_high_bits(blk + 16, hi4);
         const uint8_t* qs = blk + (five ? 48 : 16);
-        __m256i hi4[4];  // Q5_K: qh bytes widened and shifted so bit j lands on bit 4 after >> j
-        if (five)
-          for (int v = 0; v < 4; ++v) hi4[v] = _mm256_slli_epi32(u8x8(blk + 16 + 8 * v), 4);
         for (int c = 0; c < 4; ++c) {
-          __m256i e[4];
-          for (int v = 0; v < 4; ++v) e[v] = u8x8(qs + 32 * c + 8 * v);
           __m256 wl[4], wh[4];
-          const __m256i b16 = _mm256_set1_epi32(16);
-          for (int v = 0; v < 4; ++v) {
-            __m256i lo = _mm256_and_si256(e[v], m15), hi = _mm256_srli_epi32(e[v], 4);
-            if (five) {
-              lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srli_epi32(hi4[v], 2 * c), b16));
-              hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi32(hi4[v], 2 * c + 1), b16));
-            }
-            wl[v] = f32(lo);
-            wh[v] = f32(hi);
-          }
+          k4_chunk(qs, c, five, hi4, wl, wh);
           const __m256 s0 = _mm256_set1_ps(sc[2 * c]), s1 = _mm256_set1_ps(sc[2 * c + 1]);
           const int64_t g = b * 8 + 2 * c;  // 32-column group of the low sub-block
           for (int m = 0; m < MR; ++m) {
             const float* xm = x + m * ldx + g * 32;
-            acc[0][m] = _mm256_fmadd_ps(s0, dot4(wl, xm, xm + 8, xm + 16, xm + 24), acc[0][m]);
-            acc[1][m] = _mm256_fmadd_ps(s1, dot4(wh, xm + 32, xm + 40, xm + 48, xm + 56), acc[1][m]);
+            acc[0][m] = _mm256_fmadd_ps(s0, dot4(wl, xm), acc[0][m]);
+            acc[1][m] = _mm256_fmadd_ps(s1, dot4(wh, xm + 32), acc[1][m]);
             off[c & 1][m] -= mn[2 * c] * xs[m * ldxs + g] + mn[2 * c + 1] * xs[m * ldxs + g + 1];
           }
         }
@@ -294,37 +326,26 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
       break;
     }
     case Q6_K: {
-      const __m256i m3 = _mm256_set1_epi32(3), b32 = _mm256_set1_epi32(32);
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + b * f.bytes;
         const int8_t* scl = reinterpret_cast<const int8_t*>(blk + 192);
         const float d = f16(blk + 208);
         for (int h = 0; h < 2; ++h) {
-          const uint8_t* ql = blk + 64 * h;
           __m256i qh[4];
           for (int v = 0; v < 4; ++v) qh[v] = u8x8(blk + 128 + 32 * h + 8 * v);
-          for (int p = 0; p < 2; ++p) {  // 32-groups k = p (low nibbles) and k = p + 2 (high nibbles)
+          for (int p = 0; p < 2; ++p) {
             __m256 wl[4], wh[4];
-            for (int v = 0; v < 4; ++v) {
-              const __m256i e = u8x8(ql + 32 * p + 8 * v);
-              const __m256i lo = _mm256_or_si256(
-                  _mm256_and_si256(e, m15), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh[v], 2 * p), m3), 4));
-              const __m256i hi = _mm256_or_si256(
-                  _mm256_srli_epi32(e, 4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh[v], 2 * p + 4), m3), 4));
-              wl[v] = f32(_mm256_sub_epi32(lo, b32));
-              wh[v] = f32(_mm256_sub_epi32(hi, b32));
-            }
-            const int kl = p, kh = p + 2;
-            const int e0 = 128 * h;
-            const __m256 sl0 = _mm256_set1_ps(d * scl[(e0 + 32 * kl) / 16]), sl1 = _mm256_set1_ps(d * scl[(e0 + 32 * kl) / 16 + 1]);
-            const __m256 sh0 = _mm256_set1_ps(d * scl[(e0 + 32 * kh) / 16]), sh1 = _mm256_set1_ps(d * scl[(e0 + 32 * kh) / 16 + 1]);
+            q6_pair(blk + 64 * h, qh, p, wl, wh);
+            const int il = 8 * h + 2 * p, ih = 8 * h + 2 * (p + 2);  // scale of the first 16 columns
+            const __m256 sl0 = _mm256_set1_ps(d * scl[il]), sl1 = _mm256_set1_ps(d * scl[il + 1]);
+            const __m256 sh0 = _mm256_set1_ps(d * scl[ih]), sh1 = _mm256_set1_ps(d * scl[ih + 1]);
             for (int m = 0; m < MR; ++m) {
-              const float* xl = x + m * ldx + b * 256 + e0 + 32 * kl;
-              const float* xh = x + m * ldx + b * 256 + e0 + 32 * kh;
-              acc[0][m] = _mm256_fmadd_ps(sl0, dot2(wl, xl, xl + 8), acc[0][m]);
-              acc[1][m] = _mm256_fmadd_ps(sl1, dot2(wl + 2, xl + 16, xl + 24), acc[1][m]);
-              acc[0][m] = _mm256_fmadd_ps(sh0, dot2(wh, xh, xh + 8), acc[0][m]);
-              acc[1][m] = _mm256_fmadd_ps(sh1, dot2(wh + 2, xh + 16, xh + 24), acc[1][m]);
+              const float* xl = x + m * ldx + b * 256 + 128 * h + 32 * p;
+              const float* xh = xl + 64;
+              acc[0][m] = _mm256_fmadd_ps(sl0, dot2(wl, xl), acc[0][m]);
+              acc[1][m] = _mm256_fmadd_ps(sl1, dot2(wl + 2, xl + 16), acc[1][m]);
+              acc[0][m] = _mm256_fmadd_ps(sh0, dot2(wh, xh), acc[0][m]);
+              acc[1][m] = _mm256_fmadd_ps(sh1, dot2(wh + 2, xh + 16), acc[1][m]);
             }
           }
         }
@@ -334,6 +355,68 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
     default: TORCH_CHECK(false, "gguf: no block kernel for ggml type ", qt);
   }
   for (int m = 0; m < MR; ++m) out[m] = hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + (off[0][m] + off[1][m]);
+}
+
+// One row of blocks into K floats with the same widening as the dot products (the SGEMM path's scratch).
+void dequant_row_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, float* y) {
+  const int64_t nb = K / f.block;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * f.bytes;
+    float* yb = y + b * f.block;
+    __m256 w[4], wl[4], wh[4];
+    switch (qt) {
+      case Q4_0:
+      case Q4_1: {
+        const float d = f16(blk);
+        const __m256 vd = _mm256_set1_ps(d), vo = _mm256_set1_ps(qt == Q4_1 ? f16(blk + 2) : -8.f * d);
+        q4_block(blk + (qt == Q4_1 ? 4 : 2), w);
+        for (int v = 0; v < 4; ++v) _mm256_storeu_ps(yb + 8 * v, _mm256_fmadd_ps(w[v], vd, vo));
+        break;
+      }
+      case Q8_0: {
+        const __m256 vd = _mm256_set1_ps(f16(blk));
+        q8_block(blk + 2, w);
+        for (int v = 0; v < 4; ++v) _mm256_storeu_ps(yb + 8 * v, _mm256_mul_ps(w[v], vd));
+        break;
+      }
+      case Q4_K:
+      case Q5_K: {
+        const bool five = qt == Q5_K;
+        float sc[8], mn[8];
+        k_scales(blk + 4, f16(blk), f16(blk + 2), sc, mn);
+        __m256i hi4[4];
+        if (five) q5_high_bits(blk + 16, hi4);
+        for (int c = 0; c < 4; ++c) {
+          k4_chunk(blk + (five ? 48 : 16), c, five, hi4, wl, wh);
+          const __m256 s0 = _mm256_set1_ps(sc[2 * c]), m0 = _mm256_set1_ps(-mn[2 * c]);
+          const __m256 s1 = _mm256_set1_ps(sc[2 * c + 1]), m1 = _mm256_set1_ps(-mn[2 * c + 1]);
+          for (int v = 0; v < 4; ++v) {
+            _mm256_storeu_ps(yb + 64 * c + 8 * v, _mm256_fmadd_ps(wl[v], s0, m0));
+            _mm256_storeu_ps(yb + 64 * c + 32 + 8 * v, _mm256_fmadd_ps(wh[v], s1, m1));
+          }
+        }
+        break;
+      }
+      case Q6_K: {
+        const int8_t* scl = reinterpret_cast<const int8_t*>(blk + 192);
+        const float d = f16(blk + 208);
+        for (int h = 0; h < 2; ++h) {
+          __m256i qh[4];
+          for (int v = 0; v < 4; ++v) qh[v] = u8x8(blk + 128 + 32 * h + 8 * v);
+          for (int p = 0; p < 2; ++p) {
+            q6_pair(blk + 64 * h, qh, p, wl, wh);
+            for (int v = 0; v < 4; ++v) {
+              const int el = 128 * h + 32 * p + 8 * v, eh = el + 64;
+              _mm256_storeu_ps(yb + el, _mm256_mul_ps(wl[v], _mm256_set1_ps(d * scl[el / 16])));
+              _mm256_storeu_ps(yb + eh, _mm256_mul_ps(wh[v], _mm256_set1_ps(d * scl[eh / 16])));
+            }
+          }
+        }
+        break;
+      }
+      default: TORCH_CHECK(false, "gguf: no block kernel for ggml type ", qt);
+    }
+  }
 }
 #endif
 
@@ -380,7 +463,13 @@ void decode(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K
 
 void dequant_rows(int64_t qt, const Format& f, const uint8_t* wp, int64_t n0, int64_t n1, int64_t K, float* dst) {
   at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
-    for (int64_t n = a; n < b; ++n) dequant_row(qt, f, wp + n * (K / f.block) * f.bytes, K, dst + (n - n0) * K);
+    for (int64_t n = a; n < b; ++n) {
+#ifdef TOKENMILL_GGUF_AVX2
+      dequant_row_avx2(qt, f, wp + n * (K / f.block) * f.bytes, K, dst + (n - n0) * K);
+#else
+      dequant_row(qt, f, wp + n * (K / f.block) * f.bytes, K, dst + (n - n0) * K);
+#endif
+    }
   });
 }
 
