@@ -1,6 +1,7 @@
 """Load a GGUF file (llama.cpp's format) with the `gguf` package: hyper-parameters from its metadata,
-tensors dequantized (Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, F16, BF16, F32, ...) into our dtype and
-renamed to transformers' names, and the tokenizer built from the metadata (cached after the first start).
+tensors renamed to transformers' names and either kept as the file's block rows (the layers that
+layers/quantization/gguf.py keeps as blocks) or dequantized (Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, F16,
+BF16, F32, ...) into our dtype, and the tokenizer built from the metadata (cached after the first start).
 """
 from __future__ import annotations
 
