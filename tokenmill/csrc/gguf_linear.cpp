@@ -32,6 +32,10 @@ enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 }
 constexpr int64_t GEMM_MIN_ROWS = 8;         // from this many rows of x: dequantize, then SGEMM
 constexpr int64_t MAX_FUSED_ROWS = 4;        // rows of x sharing one pass over a weight row
 constexpr int64_t SCRATCH_FLOATS = 1 << 20;  // SGEMM path: dequantized rows per chunk (4 MiB)
+// Decode: a weight smaller than this runs on one thread. Waking a second one costs microseconds on an idle
+// machine and a scheduler time slice (milliseconds) when the other core is busy; below this size the
+// second thread saves less than that.
+constexpr int64_t PARALLEL_MIN_BYTES = 512 << 10;
 
 struct Format {
   int64_t block;  // weights per block
@@ -433,7 +437,9 @@ void decode(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K
             float* yp) {
   const std::vector<float> xs = group_sums(xp, M, K);
   const int64_t G = K / 32;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  const int64_t row_bytes = (K / f.block) * f.bytes;
+  const int64_t grain = std::max<int64_t>(16, PARALLEL_MIN_BYTES / row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     float out[MAX_FUSED_ROWS];
 #ifndef TOKENMILL_GGUF_AVX2
     std::vector<float> buf(K);
