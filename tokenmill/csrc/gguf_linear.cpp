@@ -361,6 +361,40 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
   for (int m = 0; m < MR; ++m) out[m] = hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + (off[0][m] + off[1][m]);
 }
 
+// Batch 1, Q4_0 / Q4_1: two weight rows per pass share each load of x (held in registers) and keep two
+// independent accumulator chains.
+void q4_rows2(const Format& f, bool has_min, const uint8_t* r0, const uint8_t* r1, int64_t nb, const float* x,
+              const float* xs, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  float o0 = 0.f, o1 = 0.f;
+  const int64_t qoff = has_min ? 4 : 2;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * 32;
+    const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
+                 x3 = _mm256_loadu_ps(xb + 24);
+    const uint8_t* b0 = r0 + b * f.bytes;
+    const uint8_t* b1 = r1 + b * f.bytes;
+    const float d0 = f16(b0), d1 = f16(b1);
+    __m256 w[4], v[4];
+    q4_block(b0 + qoff, w);
+    q4_block(b1 + qoff, v);
+    __m256 t0 = _mm256_mul_ps(w[0], x0), t1 = _mm256_mul_ps(v[0], x0);
+    t0 = _mm256_fmadd_ps(w[1], x1, t0);
+    t1 = _mm256_fmadd_ps(v[1], x1, t1);
+    t0 = _mm256_fmadd_ps(w[2], x2, t0);
+    t1 = _mm256_fmadd_ps(v[2], x2, t1);
+    t0 = _mm256_fmadd_ps(w[3], x3, t0);
+    t1 = _mm256_fmadd_ps(v[3], x3, t1);
+    a0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), t0, a0);
+    a1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), t1, a1);
+    const float s = xs[b];
+    o0 += (has_min ? f16(b0 + 2) : -8.f * d0) * s;
+    o1 += (has_min ? f16(b1 + 2) : -8.f * d1) * s;
+  }
+  out[0] = hsum(a0) + o0;
+  out[1] = hsum(a1) + o1;
+}
+
 // One row of blocks into K floats with the same widening as the dot products (the SGEMM path's scratch).
 void dequant_row_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, float* y) {
   const int64_t nb = K / f.block;
@@ -444,8 +478,18 @@ void decode(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K
 #ifndef TOKENMILL_GGUF_AVX2
     std::vector<float> buf(K);
 #endif
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = wp + n * (K / f.block) * f.bytes;
+    int64_t n = n0;
+#ifdef TOKENMILL_GGUF_AVX2
+    if (M == 1 && (qt == Q4_0 || qt == Q4_1)) {
+      for (; n + 2 <= n1; n += 2) {
+        q4_rows2(f, qt == Q4_1, wp + n * row_bytes, wp + (n + 1) * row_bytes, K / f.block, xp, xs.data(), out);
+        yp[n] = out[0];
+        yp[n + 1] = out[1];
+      }
+    }
+#endif
+    for (; n < n1; ++n) {
+      const uint8_t* row = wp + n * row_bytes;
       for (int64_t m0 = 0; m0 < M; m0 += MAX_FUSED_ROWS) {
         const int64_t mr = std::min<int64_t>(MAX_FUSED_ROWS, M - m0);
         const float* x = xp + m0 * K;
