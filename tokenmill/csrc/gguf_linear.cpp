@@ -5,7 +5,8 @@
 //   reading each weight byte once per call. Per block of 32: integer weights as 4 float vectors, 4 FMAs
 //   with x, one scaled accumulate; the min/offset term of Q4_0/Q4_1/Q4_K/Q5_K is one multiply by the
 //   block's sum of x, summed once per call (xsum). K-quants decode their sub-block scales once per
-//   super-block.
+//   super-block. At batch 1, Q4_0/Q4_1 take two weight rows per pass so they share the loads of x. Weights
+//   under PARALLEL_MIN_BYTES run on one thread.
 // - More rows: the weight is dequantized into a float scratch (in row chunks) and ATen's SGEMM multiplies.
 #include "vec.h"
 
