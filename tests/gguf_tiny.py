@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -22,7 +23,87 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: str | Path, out: str | Path, qtype=None) -> Path:
+def _f16(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float16).astype(np.float32)
+
+
+def _k_quantize(w: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K math for super-blocks w [nb, 256]: w ~ d*sc*q - dmin*mn per 32 values, sc/mn 6-bit."""
+    nb = w.shape[0]
+    sub = w.reshape(nb, 8, 32)
+    lo = np.minimum(sub.min(-1), 0.0)
+    scale, mn = (sub.max(-1) - lo) / qmax, -lo
+    d, dmin = _f16(scale.max(-1) / 63), _f16(mn.max(-1) / 63)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[:, None] > 0, np.clip(np.round(scale / d[:, None]), 0, 63), 0).astype(np.uint8)
+        mq = np.where(dmin[:, None] > 0, np.clip(np.round(mn / dmin[:, None]), 0, 63), 0).astype(np.uint8)
+        eff_s, eff_m = d[:, None] * sc, dmin[:, None] * mq
+        q = np.where(eff_s[..., None] > 0, np.round((sub + eff_m[..., None]) / eff_s[..., None]), 0)
+    return d, dmin, sc, mq, np.clip(q, 0, qmax).astype(np.uint8).reshape(nb, 256)
+
+
+def _k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """8 six-bit scales and mins -> the 12 bytes Q4_K/Q5_K store them in."""
+    out = np.empty((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    out[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:] & 0xF) | ((mn[:, 4:] & 0xF) << 4)
+    return out
+
+
+def quantize_k(a: np.ndarray, qtype) -> np.ndarray:
+    """A plain quantizer for Q4_K, Q5_K and Q6_K (gguf-py only dequantizes them): [rows, K] float ->
+    [rows, K / 256 * type_size] block bytes in the ggml layout."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    rows, K = a.shape
+    w = a.astype(np.float32).reshape(-1, 256)
+    nb = w.shape[0]
+    half = lambda x: x.astype(np.float16).view(np.uint8).reshape(nb, 2)  # noqa: E731
+    if qtype in (T.Q4_K, T.Q5_K):
+        five = qtype == T.Q5_K
+        d, dmin, sc, mn, q = _k_quantize(w, 31 if five else 15)
+        low = (q & 0xF).reshape(nb, 4, 2, 32)
+        qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(nb, 128)
+        parts = [half(d), half(dmin), _k_scales(sc, mn)]
+        if five:
+            bits = ((q.reshape(nb, 8, 32) >> 4) & 1) << np.arange(8, dtype=np.uint8)[None, :, None]
+            parts.append(np.bitwise_or.reduce(bits, axis=1).astype(np.uint8))
+        blocks = np.concatenate(parts + [qs], axis=1)
+    elif qtype == T.Q6_K:
+        sub = w.reshape(nb, 16, 16)
+        scale = np.abs(sub).max(-1) / 31
+        d = _f16(scale.max(-1) / 127)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sc = np.where(d[:, None] > 0, np.clip(np.round(scale / d[:, None]), -128, 127), 0)
+            eff = d[:, None] * sc
+            q = np.where(eff[..., None] > 0, np.round(sub / eff[..., None]), 0)
+        q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(nb, 2, 128)
+        ql, qh = [], []
+        for h in range(2):
+            low = (q[:, h] & 0xF).reshape(nb, 2, 64)
+            ql.append(low[:, 0] | (low[:, 1] << 4))
+            hi = ((q[:, h].reshape(nb, 4, 32) >> 4) & 3) << (2 * np.arange(4, dtype=np.uint8))[None, :, None]
+            qh.append(np.bitwise_or.reduce(hi, axis=1).astype(np.uint8))
+        blocks = np.concatenate(ql + qh + [sc.astype(np.int8).view(np.uint8), half(d)], axis=1)
+    else:
+        raise ValueError(f"quantize_k does not do {qtype!r}")
+    return blocks.reshape(rows, -1)
+
+
+def quantize(a: np.ndarray, qtype) -> np.ndarray:
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if qtype in (T.Q4_K, T.Q5_K, T.Q6_K):
+        return quantize_k(a, qtype)
+    return gguf.quants.quantize(a, qtype)
+
+
+def write_gguf(hf_dir: str | Path, out: str | Path, qtype=None,
+               types: Callable[[str], object] | None = None) -> Path:
+    """`qtype` for every matrix, or `types(gguf_name)` per matrix (None: float32)."""
     import gguf
     from safetensors.torch import load_file
     import transformers as tf
@@ -69,9 +150,10 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype=None) -> Path:
                 a = permute(a, cfg.num_key_value_heads)
         if arch == "gemma3" and g.endswith("norm.weight"):
             a = a + 1.0
-        if a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            q = gguf.quants.quantize(a, qtype)
-            w.add_tensor(g, q, raw_shape=q.shape, raw_dtype=qtype)
+        t = types(g) if types is not None else qtype
+        if a.ndim == 2 and t is not None and t != gguf.GGMLQuantizationType.F32:
+            q = quantize(a, t)
+            w.add_tensor(g, q, raw_shape=q.shape, raw_dtype=t)
         else:
             w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
     w.write_header_to_file()

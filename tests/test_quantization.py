@@ -557,7 +557,7 @@ def test_unknown_method_is_a_value_error(models):
         LLM(str(models.path("llama")), quantization="int3", **ENGINE_KW)
     with pytest.raises(ValueError, match=r"int3.*int8.*int4"):
         get_quantization_config("int3")
-    assert set(QUANTIZATION_METHODS) == {"int8", "int4"}
+    assert set(QUANTIZATION_METHODS) == {"int8", "int4", "gguf"}
     assert get_quantization_config(None) is None
     assert isinstance(get_quantization_config("int4", 64), WeightOnlyConfig)
 

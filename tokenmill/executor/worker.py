@@ -95,7 +95,8 @@ class Worker:
 
         self.init_device()
         mc, cache = self.config.model, self.config.cache
-        quant = get_quantization_config(getattr(mc, "quantization", None), getattr(mc, "quantization_group_size", 32))
+        quant = get_quantization_config(getattr(mc, "quantization", None), getattr(mc, "quantization_group_size", 32),
+                                        model=mc.model, device=str(self.device))
         model, self.hf_config, self.max_model_len = load_model(mc.model, mc.dtype, mc.max_model_len, str(self.device),
                                                                quant_config=quant)
         quant = getattr(model, "quant_config", quant)  # a pre-quantized checkpoint's, found in its config.json

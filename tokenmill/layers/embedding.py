@@ -43,6 +43,10 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:n].copy_(loaded_weight[self.vocab_start : self.vocab_end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "gguf_qtype", None) is not None:  # GGUF block rows (layers/quantization/gguf.py)
+            from tokenmill.layers.quantization.gguf import embedding_lookup
+
+            return embedding_lookup(self, input_ids)
         if getattr(self, "qweight", None) is not None:  # int8 rows shared with a quantized LM head
             return self.qweight[input_ids].float() * self.scale[input_ids].unsqueeze(-1)
         if self.tp_size == 1:
@@ -86,6 +90,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             tied.qweight, tied.scale = self.qweight, self.scale  # one table, not two copies
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "gguf_qtype", None) is not None:
+            from tokenmill.layers.quantization.gguf import gguf_matmul
+
+            return gguf_matmul(hidden, self.weight, self.gguf_qtype, self.embedding_dim).float()
         if getattr(self, "qweight", None) is not None:
             from tokenmill.layers.quantization.weight_only import int8_matmul
 

@@ -111,12 +111,35 @@ class GGUFFile:
 
     # ---- tensors -------------------------------------------------------------------------
     def raw(self, t: TensorInfo) -> np.ndarray:
-        """The tensor's bytes, as the `gguf` package's dequantize expects them (rows of blocks)."""
+        """The tensor's bytes, as the `gguf` package's dequantize expects them (rows of blocks).
+        ValueError naming the tensor if its type is unknown, its rows are not whole blocks, or its bytes
+        run past the next tensor or the end of the file (a truncated or corrupt file)."""
         import gguf
 
-        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.ggml_type)]
+        try:
+            qtype = gguf.GGMLQuantizationType(t.ggml_type)
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise ValueError(f"{self.path}: tensor {t.name} has unknown ggml type {t.ggml_type}") from None
+        if not t.shape or t.shape[0] % block:
+            raise ValueError(f"{self.path}: tensor {t.name} of type {qtype.name} has shape {t.shape}, whose first "
+                             f"dimension is not a whole number of {block}-value blocks")
         n = int(np.prod(t.shape))
         nbytes = n // block * type_size
         start = self.data_offset + t.offset
+        end = self._end_of(t)
+        if start + nbytes > end:
+            raise ValueError(f"{self.path}: tensor {t.name} ({qtype.name}, shape {t.shape}) needs {nbytes} bytes but "
+                             f"only {max(end - start, 0)} are there before the next tensor or the end of the file "
+                             f"(truncated or corrupt file)")
         row_bytes = t.shape[0] // block * type_size
         return self._mm[start : start + nbytes].reshape(-1, row_bytes)
+
+    def _end_of(self, t: TensorInfo) -> int:
+        """Where the tensor's bytes must end: the next tensor's start, or the end of the file."""
+        if not hasattr(self, "_ends"):
+            offsets = sorted({x.offset for x in self.tensors})
+            nxt = dict(zip(offsets, offsets[1:]))
+            self._ends = {x.name: self.data_offset + nxt[x.offset] if x.offset in nxt else len(self._mm)
+                          for x in self.tensors}
+        return self._ends[t.name]

@@ -1,6 +1,7 @@
 """Load a GGUF file (llama.cpp's format) with the `gguf` package: hyper-parameters from its metadata,
-tensors dequantized (Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, F16, BF16, F32, ...) into our dtype and
-renamed to transformers' names, and the tokenizer built from the metadata (cached after the first start).
+tensors renamed to transformers' names and either kept as the file's block rows (the layers that
+layers/quantization/gguf.py keeps as blocks) or dequantized (Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, F16,
+BF16, F32, ...) into our dtype, and the tokenizer built from the metadata (cached after the first start).
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -136,9 +137,12 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def iter_gguf_weights(path: str, cfg, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(transformers name, full dequantized tensor) pairs for model/weights.py's loader, which hands
-    each to its parameter's weight_loader like a safetensors tensor. Dequantized at load for now."""
+def iter_gguf_weights(path: str, cfg, dtype: torch.dtype,
+                      keep_blocks: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(transformers name, full tensor) pairs for model/weights.py's loader, which hands each to its
+    parameter's weight_loader like a safetensors tensor. Tensors for which `keep_blocks(name)` holds come as
+    the file's block rows (uint8 [rows, bytes per row], Q/K rows unpermuted like float rows); the rest
+    are dequantized into `dtype`."""
     import gguf
 
     reader = read_gguf(path)
@@ -149,13 +153,25 @@ def iter_gguf_weights(path: str, cfg, dtype: torch.dtype) -> Iterator[tuple[str,
         if hf is None:
             log.debug("skipping GGUF tensor %s", t.name)
             continue
-        w = gguf.quants.dequantize(reader.raw(t), gguf.GGMLQuantizationType(t.ggml_type))
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        raw = reader.raw(t)  # validated: known type, whole blocks, bytes inside the file
+        blocks = keep_blocks is not None and keep_blocks(hf)
+        if blocks:
+            w = raw
+        else:
+            try:
+                w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t.ggml_type))
+            except NotImplementedError as e:
+                raise ValueError(f"{path}: GGUF tensor {t.name} has type {gguf.GGMLQuantizationType(t.ggml_type).name}, "
+                                 f"which the gguf package cannot dequantize ({e})") from None
+            w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
         if arch in PERMUTED_QK:
             if ".attn_q." in t.name:
                 w = _unpermute(w, cfg.num_attention_heads)
             elif ".attn_k." in t.name:
                 w = _unpermute(w, cfg.num_key_value_heads)
+        if blocks:
+            yield hf, torch.from_numpy(np.array(w, copy=True))  # blocks: our own memory, not the file's mapping
+            continue
         if arch == "gemma3" and t.name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
         yield hf, torch.from_numpy(np.array(w, copy=True) if not w.flags.writeable else w).to(dtype)

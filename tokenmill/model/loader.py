@@ -99,13 +99,20 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
             f"max_model_len ({max_model_len}) is larger than the model's max_position_embeddings ({max_pos})."
         )
     cls = resolve(cfg.architectures)
+    blocks = getattr(quant_config, "name", None) == "gguf"  # GGUF blocks kept (layers/quantization/gguf.py)
+    if blocks:
+        if not is_gguf(path):
+            raise ValueError(f"--quantization gguf keeps the blocks of a .gguf file; {path!r} is not one")
+        quant_config.bind(path, cfg, cls)
     with torch.device(device):
         model = cls(cfg, dtype=storage, compute_dtype=compute, max_positions=max_model_len,
                     quant_config=quant_config, tp_rank=tp_rank, tp_size=tp_size)
     if is_gguf(path):
         from tokenmill.model.gguf_loader import iter_gguf_weights
 
-        load_weights(model, iter_gguf_weights(path, cfg, storage))
+        if blocks:
+            quant_config.prepare_model(model)
+        load_weights(model, iter_gguf_weights(path, cfg, storage, quant_config.keeps_blocks if blocks else None))
     else:
         load_weights(model, iter_safetensors(path, None if prequantized else storage))
     if quant_config is not None and getattr(quant_config, "quantize_lm_head", False):

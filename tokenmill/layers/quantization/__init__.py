@@ -2,22 +2,40 @@ from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMetho
 from tokenmill.layers.quantization.checkpoint import CHECKPOINT_METHODS, CheckpointFormat
 from tokenmill.layers.quantization.unquantized import UnquantizedLinearMethod
 
-# --quantization names: weights quantized at load from a float checkpoint.
-QUANTIZATION_METHODS = ("int8", "int4")
+# --quantization names: int8/int4 quantize a float checkpoint at load; gguf keeps a GGUF file's blocks.
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 
 
-def get_quantization_config(name: str | None, group_size: int = 32, symmetric: bool = False) -> QuantizationConfig | None:
-    """The config for `--quantization NAME` (None: unquantized); ValueError naming the known methods."""
+def get_quantization_config(name: str | None, group_size: int = 32, symmetric: bool = False, *,
+                            model: str | None = None, device: str = "cpu") -> QuantizationConfig | None:
+    """The config for `--quantization NAME` (None: unquantized); ValueError naming the known methods.
+    A .gguf `model` with no method named gets "gguf" (its blocks kept) where the block kernels run (the CPU
+    with tokenmill's native kernels built); elsewhere, and with "none", it is dequantized at load: the
+    kernel-less path of "gguf" dequantizes the weights at every call, the reference, not a default."""
+    if name is None and model is not None and str(model).endswith(".gguf") and _gguf_kernels(device):
+        name = "gguf"
     if name is None or name in ("", "none"):
         return None
     if name in CHECKPOINT_METHODS:  # pre-quantized: load_model reads the rest from config.json
         return CheckpointFormat(name)
     if name not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization method {name!r}; known: "
-                         f"{', '.join(QUANTIZATION_METHODS + CHECKPOINT_METHODS)}.")
+                         f"{', '.join(QUANTIZATION_METHODS + CHECKPOINT_METHODS)}, none.")
+    if name == "gguf":
+        from tokenmill.layers.quantization.gguf import GGUFConfig
+
+        return GGUFConfig()
     from tokenmill.layers.quantization.weight_only import WeightOnlyConfig
 
     return WeightOnlyConfig(name, group_size, symmetric)
+
+
+def _gguf_kernels(device: str) -> bool:
+    import torch
+
+    from tokenmill import native
+
+    return torch.device(device).type == "cpu" and native.available() and hasattr(torch.ops.tokenmill, "gguf_linear")
 
 
 __all__ = ["CHECKPOINT_METHODS", "QUANTIZATION_METHODS", "QuantizationConfig", "QuantizeMethodBase",

@@ -1,0 +1,286 @@
+"""GGUF weights kept as blocks (--quantization gguf, the default for .gguf files).
+
+- Kernels: torch.ops.tokenmill.gguf_linear equals x @ dequantize(W)^T (gguf's own numpy dequantizer) for
+  every type with a kernel (Q4_0/Q4_1/Q8_0 from gguf's quantizer, K-quants as random bytes with valid fp16
+  scales), M over the decode widths (1, 2, 3, 7) and the SGEMM path (8, 33), N not a multiple of the vector
+  width, several blocks, with a bias, on two threads; gguf_dequantize equals gguf.quants.dequantize.
+- The pure-torch fallback (no kernels) gives the same products.
+- Whole models: tiny GGUFs (tied Q8_0 embedding like SmolLM2; every kernel type, a merged layer of mixed
+  types) load with blocks kept and give the dequantize-at-load path's greedy tokens; resident bytes are
+  the file's block bytes.
+- Tensor parallel: row-parallel shards cut at block boundaries, or a clear error.
+- Bad files: truncated, or a tensor whose type needs more bytes than it has -> ValueError naming it.
+- The real SmolLM2 (slow): same 32 greedy tokens as the dequantized model, resident <= 1.15x the file.
+"""
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from gguf_tiny import quantize, write_gguf
+from tiny import make_tiny_model
+from tokenmill import LLM, SamplingParams, native
+from tokenmill.layers.quantization import get_quantization_config
+from tokenmill.layers.quantization import gguf as gq
+from tokenmill.model.gguf_file import GGUFFile
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+KERNEL_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+
+needs_native = pytest.mark.skipif(not (native.available() and hasattr(torch.ops.tokenmill, "gguf_linear")),
+                                  reason="tokenmill._C not built or without gguf_linear")
+
+
+def random_blocks(qtype, N: int, K: int, seed: int = 0) -> np.ndarray:
+    """[N, row_bytes]: gguf's quantizer where it has one, else random bytes with fp16 scales in range."""
+    rng = np.random.default_rng(seed)
+    if qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
+        return gguf.quants.quantize(rng.standard_normal((N, K)).astype(np.float32), qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(N, K // block, size), dtype=np.uint8)
+
+    def fp16_at(offset: int) -> None:
+        v = (rng.random((N, K // block)) * 0.02 + 1e-3).astype(np.float16)
+        raw[..., offset:offset + 2] = v.view(np.uint8).reshape(N, K // block, 2)
+
+    if qtype in (T.Q4_K, T.Q5_K):
+        fp16_at(0)  # d
+        fp16_at(2)  # dmin
+    else:
+        fp16_at(208)  # Q6_K's d, after ql, qh and the int8 scales
+    return raw.reshape(N, -1)
+
+
+def _reference(x: torch.Tensor, blocks: np.ndarray, qtype, K: int, bias=None) -> torch.Tensor:
+    w = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(blocks.shape[0], K)).double()
+    y = x.double() @ w.T
+    return (y if bias is None else y + bias.double()).float()
+
+
+def _k_for(qtype) -> int:
+    return 3 * gguf.GGML_QUANT_SIZES[qtype][0]  # three blocks / super-blocks
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_kernel_matches_dequantized_reference(qtype):
+    K, N = _k_for(qtype), 37
+    blocks = random_blocks(qtype, N, K)
+    wt = torch.from_numpy(blocks)
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(N, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for M in (1, 2, 3, 7, 8, 33):
+            x = torch.randn(M, K, generator=g)
+            for b in (None, bias):
+                y = torch.ops.tokenmill.gguf_linear(x, wt, int(qtype), K, b)
+                ref = _reference(x, blocks, qtype, K, b)
+                assert y.dtype == torch.float32 and y.shape == (M, N)
+                torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * math.sqrt(K) * ref.abs().max().item(),
+                                           msg=lambda m: f"{qtype.name} M={M} bias={b is not None}: {m}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_dequantize_op_equals_gguf(qtype):
+    K = _k_for(qtype)
+    blocks = random_blocks(qtype, 21, K, seed=2)
+    got = torch.ops.tokenmill.gguf_dequantize(torch.from_numpy(blocks), int(qtype), K)
+    ref = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(21, K))
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+
+
+@needs_native
+def test_kernel_rejects_bad_arguments():
+    blocks = torch.from_numpy(random_blocks(T.Q4_0, 4, 64))
+    with pytest.raises(RuntimeError, match="row"):
+        torch.ops.tokenmill.gguf_linear(torch.randn(1, 96), blocks, int(T.Q4_0), 96, None)  # rows are 64 wide
+    with pytest.raises(RuntimeError, match="no block kernel"):
+        torch.ops.tokenmill.gguf_linear(torch.randn(1, 64), blocks, int(T.Q5_0), 64, None)
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.tokenmill.gguf_linear(torch.randn(1, 32), blocks, int(T.Q4_0), 64, None)
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+def test_fallback_equals_kernel(monkeypatch, qtype):
+    K = _k_for(qtype)
+    wt = torch.from_numpy(random_blocks(qtype, 19, K, seed=3))
+    x = torch.randn(2, 3, K, generator=torch.Generator().manual_seed(5))
+    native_y = gq.gguf_matmul(x, wt, int(qtype), K)
+    assert gq._NATIVE is True
+    monkeypatch.setattr(gq, "_NATIVE", False)
+    torch.testing.assert_close(gq.gguf_matmul(x, wt, int(qtype), K), native_y, rtol=1e-4,
+                               atol=1e-5 * math.sqrt(K) * native_y.abs().max().item())
+    rows = torch.tensor([3, 0, 18])
+    torch.testing.assert_close(gq.dequantize(wt[rows], int(qtype), K),
+                               torch.from_numpy(gguf.quants.dequantize(wt.numpy()[rows.numpy()], qtype)))
+
+
+def test_gguf_is_the_default_for_gguf_files():
+    assert isinstance(get_quantization_config(None, model="m.gguf"), gq.GGUFConfig)
+    assert get_quantization_config("none", model="m.gguf") is None
+    assert get_quantization_config(None, model="folder") is None
+    with pytest.raises(ValueError, match="unknown quantization"):
+        get_quantization_config("q4", model="m.gguf")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tensor parallel: row-parallel shards
+# ---------------------------------------------------------------------------------------------------
+
+def test_row_parallel_shard_cuts_at_block_boundaries():
+    from tokenmill.layers.linear import RowParallelLinear
+
+    K, N = 128, 9
+    blocks = random_blocks(T.Q4_1, N, K, seed=4)
+    full = torch.from_numpy(gguf.quants.dequantize(blocks, T.Q4_1).reshape(N, K))
+    x = torch.randn(2, K)
+    for rank in range(2):
+        layer = RowParallelLinear(K, N, quant_method=gq.GGUFLinearMethod(int(T.Q4_1)), tp_rank=rank, tp_size=2)
+        layer.weight.weight_loader(layer.weight, torch.from_numpy(blocks.copy()))
+        part = x[:, rank * 64:(rank + 1) * 64]
+        y = layer.quant_method.apply(layer, part)  # the partial sum, before the all-reduce
+        torch.testing.assert_close(y, part @ full[:, rank * 64:(rank + 1) * 64].T, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="whole number of Q4_1 blocks"):
+        RowParallelLinear(96, N, quant_method=gq.GGUFLinearMethod(int(T.Q4_1)), tp_rank=0, tp_size=2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole models
+# ---------------------------------------------------------------------------------------------------
+
+PROMPTS = [[5, 17, 33, 101], list(range(40, 90)), [200, 201, 7, 9, 11, 300, 2, 45, 46, 47, 48]]
+
+
+def _greedy(llm: LLM, n: int = 24):
+    sp = SamplingParams(temperature=0, max_tokens=n, min_tokens=n)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+
+
+def _llm(path, folder, quantization):
+    return LLM(str(path), tokenizer=str(folder), max_model_len=128, num_gpu_blocks_override=64,
+               quantization=quantization)
+
+
+def _block_bytes(path) -> int:
+    f = GGUFFile(str(path))
+    return sum(f.raw(t).nbytes for t in f.tensors if t.ggml_type in gq.KERNEL_TYPES)
+
+
+def _float_bytes(path) -> int:
+    f = GGUFFile(str(path))
+    return sum(int(np.prod(t.shape)) * 4 for t in f.tensors if t.ggml_type not in gq.KERNEL_TYPES)
+
+
+def test_tied_q8_0_embedding_and_q4_linears_match_dequantized(tmp_path):
+    """SmolLM2's layout: linears Q4_x, token_embd Q8_0 shared with the LM head; attn_output as Q5_0, a type
+    without a kernel, is dequantized at load."""
+    folder = make_tiny_model(tmp_path / "m", "llama", tie_word_embeddings=True)
+
+    def types(name):
+        if name == "token_embd.weight":
+            return T.Q8_0
+        return T.Q5_0 if "attn_output" in name else (T.Q4_1 if "ffn" in name else T.Q4_0)
+
+    path = write_gguf(folder, tmp_path / "m.gguf", types=types)
+    kept = _llm(path, folder, "gguf")
+    model = kept.engine.model
+    assert model.embed_tokens.weight.dtype == torch.uint8 and model.lm_head.weight is model.embed_tokens.weight
+    assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
+    assert model.layers[0].self_attn.o_proj.weight.dtype == torch.float32
+    assert kept.engine._worker.weight_bytes == _block_bytes(path) + _float_bytes(path)
+    got = _greedy(kept)
+    ref_llm = _llm(path, folder, "none")
+    assert ref_llm.engine.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32
+    assert got == _greedy(ref_llm)
+
+
+def test_every_kernel_type_and_a_mixed_merged_layer(tmp_path):
+    """K-quants need 256-wide rows: hidden 256, MLP 512. Layer 1's qkv mixes Q4_K and Q6_K, so it is
+    dequantized at load; everything else keeps its blocks."""
+    folder = make_tiny_model(tmp_path / "k", "llama", hidden_size=256, intermediate_size=512)
+    table = {
+        "blk.0.attn_q": T.Q4_K, "blk.0.attn_k": T.Q4_K, "blk.0.attn_v": T.Q4_K, "blk.0.attn_output": T.Q5_K,
+        "blk.0.ffn_gate": T.Q4_0, "blk.0.ffn_up": T.Q4_0, "blk.0.ffn_down": T.Q6_K,
+        "blk.1.attn_q": T.Q4_K, "blk.1.attn_k": T.Q4_K, "blk.1.attn_v": T.Q6_K, "blk.1.attn_output": T.Q8_0,
+        "blk.1.ffn_gate": T.Q4_1, "blk.1.ffn_up": T.Q4_1, "blk.1.ffn_down": T.Q5_K,
+        "token_embd": T.Q6_K, "output": T.Q8_0,
+    }
+    path = write_gguf(folder, tmp_path / "k.gguf", types=lambda name: table.get(name.rsplit(".", 1)[0]))
+    kept = _llm(path, folder, "gguf")
+    model = kept.engine.model
+    assert model.layers[1].self_attn.qkv_proj.weight.dtype == torch.float32  # mixed Q4_K + Q6_K
+    for layer in (model.layers[0].self_attn.qkv_proj, model.layers[0].self_attn.o_proj,
+                  model.layers[0].mlp.down_proj, model.layers[1].mlp.gate_up_proj, model.lm_head, model.embed_tokens):
+        assert layer.weight.dtype == torch.uint8, layer
+    assert model.lm_head.weight is not model.embed_tokens.weight
+    assert _greedy(kept) == _greedy(_llm(path, folder, "none"))
+
+
+def _header_tensor_type_offset(path, name: str) -> int:
+    """Byte position of `name`'s ggml type in the tensor-info header."""
+    data = open(path, "rb").read(1 << 16)
+    key = struct.pack("<Q", len(name)) + name.encode()
+    pos = data.index(key) + len(key)
+    n_dims = struct.unpack_from("<I", data, pos)[0]
+    return pos + 4 + 8 * n_dims
+
+
+def test_truncated_or_corrupt_tensor_is_named(tmp_path):
+    folder = make_tiny_model(tmp_path / "m", "llama")
+    path = write_gguf(folder, tmp_path / "m.gguf", T.Q4_0)
+    last = max(GGUFFile(str(path)).tensors, key=lambda t: t.offset).name
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=f"tensor {last} .*truncated or corrupt"):
+        GGUFFile(str(truncated)).raw(next(t for t in GGUFFile(str(truncated)).tensors if t.name == last))
+    with pytest.raises(ValueError, match=last):
+        _llm(truncated, folder, "gguf")
+    # A Q4_0 tensor relabelled Q8_0 needs 34 bytes per block where the file holds 18.
+    corrupt = tmp_path / "corrupt.gguf"
+    raw = bytearray(path.read_bytes())
+    pos = _header_tensor_type_offset(path, "blk.0.attn_q.weight")
+    assert struct.unpack_from("<I", raw, pos)[0] == int(T.Q4_0)
+    struct.pack_into("<I", raw, pos, int(T.Q8_0))
+    corrupt.write_bytes(bytes(raw))
+    for q in ("gguf", "none"):
+        with pytest.raises(ValueError, match="blk.0.attn_q.weight"):
+            _llm(corrupt, folder, q)
+
+
+def test_gguf_on_a_folder_is_an_error(tmp_path):
+    folder = make_tiny_model(tmp_path / "m", "llama")
+    with pytest.raises(ValueError, match="not one"):
+        LLM(str(folder), max_model_len=64, num_gpu_blocks_override=16, quantization="gguf")
+
+
+@pytest.mark.slow
+def test_smollm2_blocks_match_dequantized_and_stay_small():
+    from tokenmill.model.default import default_model_path
+
+    try:
+        path = default_model_path()
+    except FileNotFoundError:
+        pytest.skip("the embedded SmolLM2 GGUF is not installed")
+    sp = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    f = GGUFFile(path)
+    tensor_bytes = sum(f.raw(t).nbytes for t in f.tensors)
+    outs = {}
+    for q in ("gguf", "none"):
+        llm = LLM(path, max_model_len=256, num_gpu_blocks_override=32, quantization=q)
+        if q == "gguf":
+            assert llm.engine._worker.weight_bytes <= 1.15 * tensor_bytes
+        outs[q] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        del llm
+    assert outs["gguf"] == outs["none"]

@@ -1,0 +1,578 @@
+// Linear layers over GGUF blocks kept as the file stores them: W is uint8 [N, row_bytes], each row the blocks
+// of one output row (K / block_size blocks). Types: Q4_0, Q4_1, Q8_0 (blocks of 32) and Q4_K, Q5_K, Q6_K
+// (super-blocks of 256); the layouts are the ones gguf-py's numpy dequantizers read.
+// - Few rows of x (decode, M < GEMM_MIN_ROWS): the blocks are widened in registers and multiplied at once,
+//   reading each weight byte once per call. Per block of 32: integer weights as 4 float vectors, 4 FMAs
+//   with x, one scaled accumulate; the min/offset term of Q4_0/Q4_1/Q4_K/Q5_K is one multiply by the
+//   block's sum of x, summed once per call (xsum). K-quants decode their sub-block scales once per
+//   super-block. At batch 1, Q4_0/Q4_1 take two weight rows per pass so they share the loads of x. Weights
+//   under PARALLEL_MIN_BYTES run on one thread.
+// - More rows: the weight is dequantized into a float scratch (in row chunks) and ATen's SGEMM multiplies.
+#include "vec.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#define TOKENMILL_GGUF_AVX2 1
+#endif
+
+namespace tokenmill {
+namespace {
+
+// ggml type ids (gguf.GGMLQuantizationType)
+enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+constexpr int64_t GEMM_MIN_ROWS = 8;         // from this many rows of x: dequantize, then SGEMM
+constexpr int64_t MAX_FUSED_ROWS = 4;        // rows of x sharing one pass over a weight row
+constexpr int64_t SCRATCH_FLOATS = 1 << 20;  // SGEMM path: dequantized rows per chunk (4 MiB)
+// Decode: a weight smaller than this runs on one thread. Waking a second one costs microseconds on an idle
+// machine and a scheduler time slice (milliseconds) when the other core is busy; below this size the
+// second thread saves less than that.
+constexpr int64_t PARALLEL_MIN_BYTES = 512 << 10;
+
+struct Format {
+  int64_t block;  // weights per block
+  int64_t bytes;  // bytes per block
+};
+
+Format format_of(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+    default: TORCH_CHECK(false, "gguf: no block kernel for ggml type ", qtype);
+  }
+  return {0, 0};
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// Q4_K / Q5_K: 8 sub-blocks of 32, a 6-bit scale and min each, packed into 12 bytes.
+inline void k_scales(const uint8_t* s, float d, float dmin, float* sc, float* mn) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = d * static_cast<float>(s[j] & 63);
+    mn[j] = dmin * static_cast<float>(s[j + 4] & 63);
+  }
+  for (int j = 4; j < 8; ++j) {
+    sc[j] = d * static_cast<float>((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+    mn[j] = dmin * static_cast<float>((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+  }
+}
+
+// One block into `block` floats (the reference layout; also the SGEMM path's dequantizer).
+void dequant_block(int64_t qt, const uint8_t* b, float* y) {
+  switch (qt) {
+    case Q4_0: {
+      const float d = f16(b);
+      const uint8_t* q = b + 2;
+      for (int i = 0; i < 16; ++i) {
+        y[i] = d * static_cast<float>((q[i] & 0xF) - 8);
+        y[i + 16] = d * static_cast<float>((q[i] >> 4) - 8);
+      }
+      break;
+    }
+    case Q4_1: {
+      const float d = f16(b), m = f16(b + 2);
+      const uint8_t* q = b + 4;
+      for (int i = 0; i < 16; ++i) {
+        y[i] = d * static_cast<float>(q[i] & 0xF) + m;
+        y[i + 16] = d * static_cast<float>(q[i] >> 4) + m;
+      }
+      break;
+    }
+    case Q8_0: {
+      const float d = f16(b);
+      const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+      for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(q[i]);
+      break;
+    }
+    case Q4_K:
+    case Q5_K: {
+      float sc[8], mn[8];
+      k_scales(b + 4, f16(b), f16(b + 2), sc, mn);
+      const bool five = qt == Q5_K;
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (five ? 48 : 16);
+      for (int c = 0; c < 4; ++c) {
+        const int j0 = 2 * c, j1 = 2 * c + 1;
+        for (int l = 0; l < 32; ++l) {
+          int q0 = qs[32 * c + l] & 0xF, q1 = qs[32 * c + l] >> 4;
+          if (five) {
+            q0 |= ((qh[l] >> j0) & 1) << 4;
+            q1 |= ((qh[l] >> j1) & 1) << 4;
+          }
+          y[64 * c + l] = sc[j0] * static_cast<float>(q0) - mn[j0];
+          y[64 * c + 32 + l] = sc[j1] * static_cast<float>(q1) - mn[j1];
+        }
+      }
+      break;
+    }
+    case Q6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = f16(b + 208);
+      for (int h = 0; h < 2; ++h) {
+        for (int j = 0; j < 128; ++j) {
+          const int s = j / 64, i = j % 64, k = j / 32, l = j % 32;
+          const int q = ((ql[64 * h + i] >> (4 * s)) & 0xF) | (((qh[32 * h + l] >> (2 * k)) & 3) << 4);
+          const int e = 128 * h + j;
+          y[e] = d * static_cast<float>(sc[e / 16]) * static_cast<float>(q - 32);
+        }
+      }
+      break;
+    }
+    default: TORCH_CHECK(false, "gguf: no block kernel for ggml type ", qt);
+  }
+}
+
+void dequant_row(int64_t qt, const Format& f, const uint8_t* row, int64_t K, float* y) {
+  for (int64_t b = 0; b < K / f.block; ++b) dequant_block(qt, row + b * f.bytes, y + b * f.block);
+}
+
+// Rows of x summed per 32 columns: the offset terms' multiplier (xs[m * (K / 32) + g]).
+std::vector<float> group_sums(const float* x, int64_t M, int64_t K) {
+  const int64_t G = K / 32;
+  std::vector<float> xs(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int i = 0; i < 32; ++i) s += x[m * K + g * 32 + i];
+      xs[m * G + g] = s;
+    }
+  return xs;
+}
+
+// Portable decode path: one weight row dequantized into a buffer that stays in L1, dotted with each row of x.
+void row_dot_generic(int64_t qt, const Format& f, const uint8_t* row, int64_t K, const float* x, int64_t M,
+                     float* buf, float* out) {
+  dequant_row(qt, f, row, K, buf);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    float a = 0.f;
+#pragma omp simd reduction(+ : a)
+    for (int64_t k = 0; k < K; ++k) a += buf[k] * xm[k];
+    out[m] = a;
+  }
+}
+
+#ifdef TOKENMILL_GGUF_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 8 bytes -> 8 int32 lanes (zero- or sign-extended).
+inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i i8x8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 f32(__m256i v) { return _mm256_cvtepi32_ps(v); }
+
+// The integer weights of 32 columns as 4 float vectors (columns 0..7, 8..15, 16..23, 24..31).
+// Q4_0 / Q4_1: 16 bytes, low nibbles are columns 0..15, high nibbles 16..31.
+inline void q4_block(const uint8_t* q, __m256* w) {
+  const __m256i m15 = _mm256_set1_epi32(0xF);
+  const __m256i e0 = u8x8(q), e1 = u8x8(q + 8);
+  w[0] = f32(_mm256_and_si256(e0, m15));
+  w[1] = f32(_mm256_and_si256(e1, m15));
+  w[2] = f32(_mm256_srli_epi32(e0, 4));
+  w[3] = f32(_mm256_srli_epi32(e1, 4));
+}
+
+inline void q8_block(const uint8_t* q, __m256* w) {
+  for (int v = 0; v < 4; ++v) w[v] = f32(i8x8(q + 8 * v));
+}
+
+// Q4_K / Q5_K chunk c (columns 64c .. 64c + 63 of the super-block): sub-block 2c in wl (low nibbles of
+// qs[32c ..]), 2c + 1 in wh (high nibbles); Q5_K adds bit 2c / 2c + 1 of qh[l] as the fifth bit. hi4: the
+// 32 qh bytes widened and shifted left by 4 (so bit j lands on bit 4 after >> j).
+inline void k4_chunk(const uint8_t* qs, int c, bool five, const __m256i* hi4, __m256* wl, __m256* wh) {
+  const __m256i m15 = _mm256_set1_epi32(0xF), b16 = _mm256_set1_epi32(16);
+  for (int v = 0; v < 4; ++v) {
+    const __m256i e = u8x8(qs + 32 * c + 8 * v);
+    __m256i lo = _mm256_and_si256(e, m15), hi = _mm256_srli_epi32(e, 4);
+    if (five) {
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srli_epi32(hi4[v], 2 * c), b16));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi32(hi4[v], 2 * c + 1), b16));
+    }
+    wl[v] = f32(lo);
+    wh[v] = f32(hi);
+  }
+}
+
+inline void q5_high_bits(const uint8_t* qh, __m256i* hi4) {
+  for (int v = 0; v < 4; ++v) hi4[v] = _mm256_slli_epi32(u8x8(qh + 8 * v), 4);
+}
+
+// Q6_K half h, p in {0, 1}: 32-column group k = p in wl (low nibbles of ql[32p ..], qh bits 2p) and k = p + 2
+// in wh (high nibbles, qh bits 2p + 4), both minus 32. ql points at the half's 64 bytes, qh at its 4 widened
+// vectors of 8 qh bytes.
+inline void q6_pair(const uint8_t* ql, const __m256i* qh, int p, __m256* wl, __m256* wh) {
+  const __m256i m15 = _mm256_set1_epi32(0xF), m3 = _mm256_set1_epi32(3), b32 = _mm256_set1_epi32(32);
+  for (int v = 0; v < 4; ++v) {
+    const __m256i e = u8x8(ql + 32 * p + 8 * v);
+    const __m256i lo = _mm256_or_si256(_mm256_and_si256(e, m15),
+                                       _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh[v], 2 * p), m3), 4));
+    const __m256i hi = _mm256_or_si256(_mm256_srli_epi32(e, 4),
+                                       _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(qh[v], 2 * p + 4), m3), 4));
+    wl[v] = f32(_mm256_sub_epi32(lo, b32));
+    wh[v] = f32(_mm256_sub_epi32(hi, b32));
+  }
+}
+
+// sum_v w[v] * x[8v ..] over 4 (dot4) or 2 (dot2) vectors.
+inline __m256 dot4(const __m256* w, const float* x) {
+  __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
+  t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), t);
+  t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), t);
+  return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), t);
+}
+
+inline __m256 dot2(const __m256* w, const float* x) {
+  return _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(x)));
+}
+
+// One weight row against MR rows of x (ldx apart). xs: per-32-column sums of x (ldxs apart). Two sets of
+// accumulators (even / odd blocks or sub-blocks) so consecutive blocks do not wait on one FMA chain.
+template <int MR>
+void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, const float* x, int64_t ldx,
+                  const float* xs, int64_t ldxs, float* out) {
+  __m256 acc[2][MR];
+  float off[2][MR];
+  for (int p = 0; p < 2; ++p)
+    for (int m = 0; m < MR; ++m) {
+      acc[p][m] = _mm256_setzero_ps();
+      off[p][m] = 0.f;
+    }
+  const int64_t nb = K / f.block;
+  switch (qt) {
+    case Q4_0:
+    case Q4_1: {
+      const bool has_min = qt == Q4_1;
+      const auto step = [&](int64_t b, __m256* A, float* O) {
+        const uint8_t* blk = row + b * f.bytes;
+        const float d = f16(blk);
+        const float o = has_min ? f16(blk + 2) : -8.f * d;
+        __m256 w[4];
+        q4_block(blk + (has_min ? 4 : 2), w);
+        const __m256 vd = _mm256_set1_ps(d);
+        for (int m = 0; m < MR; ++m) {
+          A[m] = _mm256_fmadd_ps(vd, dot4(w, x + m * ldx + b * 32), A[m]);
+          O[m] += o * xs[m * ldxs + b];
+        }
+      };
+      int64_t b = 0;
+      for (; b + 2 <= nb; b += 2) {
+        step(b, acc[0], off[0]);
+        step(b + 1, acc[1], off[1]);
+      }
+      if (b < nb) step(b, acc[0], off[0]);
+      break;
+    }
+    case Q8_0: {
+      const auto step = [&](int64_t b, __m256* A) {
+        const uint8_t* blk = row + b * f.bytes;
+        const __m256 vd = _mm256_set1_ps(f16(blk));
+        __m256 w[4];
+        q8_block(blk + 2, w);
+        for (int m = 0; m < MR; ++m) A[m] = _mm256_fmadd_ps(vd, dot4(w, x + m * ldx + b * 32), A[m]);
+      };
+      int64_t b = 0;
+      for (; b + 2 <= nb; b += 2) {
+        step(b, acc[0]);
+        step(b + 1, acc[1]);
+      }
+      if (b < nb) step(b, acc[0]);
+      break;
+    }
+    case Q4_K:
+    case Q5_K: {
+      const bool five = qt == Q5_K;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * f.bytes;
+        float sc[8], mn[8];
+        k_scales(blk + 4, f16(blk), f16(blk + 2), sc, mn);
+        __m256i hi4[4];
+        if (five) q5_high_bits(blk + 16, hi4);
+        const uint8_t* qs = blk + (five ? 48 : 16);
+        for (int c = 0; c < 4; ++c) {
+          __m256 wl[4], wh[4];
+          k4_chunk(qs, c, five, hi4, wl, wh);
+          const __m256 s0 = _mm256_set1_ps(sc[2 * c]), s1 = _mm256_set1_ps(sc[2 * c + 1]);
+          const int64_t g = b * 8 + 2 * c;  // 32-column group of the low sub-block
+          for (int m = 0; m < MR; ++m) {
+            const float* xm = x + m * ldx + g * 32;
+            acc[0][m] = _mm256_fmadd_ps(s0, dot4(wl, xm), acc[0][m]);
+            acc[1][m] = _mm256_fmadd_ps(s1, dot4(wh, xm + 32), acc[1][m]);
+            off[c & 1][m] -= mn[2 * c] * xs[m * ldxs + g] + mn[2 * c + 1] * xs[m * ldxs + g + 1];
+          }
+        }
+      }
+      break;
+    }
+    case Q6_K: {
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = row + b * f.bytes;
+        const int8_t* scl = reinterpret_cast<const int8_t*>(blk + 192);
+        const float d = f16(blk + 208);
+        for (int h = 0; h < 2; ++h) {
+          __m256i qh[4];
+          for (int v = 0; v < 4; ++v) qh[v] = u8x8(blk + 128 + 32 * h + 8 * v);
+          for (int p = 0; p < 2; ++p) {
+            __m256 wl[4], wh[4];
+            q6_pair(blk + 64 * h, qh, p, wl, wh);
+            const int il = 8 * h + 2 * p, ih = 8 * h + 2 * (p + 2);  // scale of the first 16 columns
+            const __m256 sl0 = _mm256_set1_ps(d * scl[il]), sl1 = _mm256_set1_ps(d * scl[il + 1]);
+            const __m256 sh0 = _mm256_set1_ps(d * scl[ih]), sh1 = _mm256_set1_ps(d * scl[ih + 1]);
+            for (int m = 0; m < MR; ++m) {
+              const float* xl = x + m * ldx + b * 256 + 128 * h + 32 * p;
+              const float* xh = xl + 64;
+              acc[0][m] = _mm256_fmadd_ps(sl0, dot2(wl, xl), acc[0][m]);
+              acc[1][m] = _mm256_fmadd_ps(sl1, dot2(wl + 2, xl + 16), acc[1][m]);
+              acc[0][m] = _mm256_fmadd_ps(sh0, dot2(wh, xh), acc[0][m]);
+              acc[1][m] = _mm256_fmadd_ps(sh1, dot2(wh + 2, xh + 16), acc[1][m]);
+            }
+          }
+        }
+      }
+      break;
+    }
+    default: TORCH_CHECK(false, "gguf: no block kernel for ggml type ", qt);
+  }
+  for (int m = 0; m < MR; ++m) out[m] = hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + (off[0][m] + off[1][m]);
+}
+
+// Batch 1, Q4_0 / Q4_1: two weight rows per pass share each load of x (held in registers) and keep two
+// independent accumulator chains.
+void q4_rows2(const Format& f, bool has_min, const uint8_t* r0, const uint8_t* r1, int64_t nb, const float* x,
+              const float* xs, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  float o0 = 0.f, o1 = 0.f;
+  const int64_t qoff = has_min ? 4 : 2;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * 32;
+    const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
+                 x3 = _mm256_loadu_ps(xb + 24);
+    const uint8_t* b0 = r0 + b * f.bytes;
+    const uint8_t* b1 = r1 + b * f.bytes;
+    const float d0 = f16(b0), d1 = f16(b1);
+    __m256 w[4], v[4];
+    q4_block(b0 + qoff, w);
+    q4_block(b1 + qoff, v);
+    __m256 t0 = _mm256_mul_ps(w[0], x0), t1 = _mm256_mul_ps(v[0], x0);
+    t0 = _mm256_fmadd_ps(w[1], x1, t0);
+    t1 = _mm256_fmadd_ps(v[1], x1, t1);
+    t0 = _mm256_fmadd_ps(w[2], x2, t0);
+    t1 = _mm256_fmadd_ps(v[2], x2, t1);
+    t0 = _mm256_fmadd_ps(w[3], x3, t0);
+    t1 = _mm256_fmadd_ps(v[3], x3, t1);
+    a0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), t0, a0);
+    a1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), t1, a1);
+    const float s = xs[b];
+    o0 += (has_min ? f16(b0 + 2) : -8.f * d0) * s;
+    o1 += (has_min ? f16(b1 + 2) : -8.f * d1) * s;
+  }
+  out[0] = hsum(a0) + o0;
+  out[1] = hsum(a1) + o1;
+}
+
+// One row of blocks into K floats with the same widening as the dot products (the SGEMM path's scratch).
+void dequant_row_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, float* y) {
+  const int64_t nb = K / f.block;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * f.bytes;
+    float* yb = y + b * f.block;
+    __m256 w[4], wl[4], wh[4];
+    switch (qt) {
+      case Q4_0:
+      case Q4_1: {
+        const float d = f16(blk);
+        const __m256 vd = _mm256_set1_ps(d), vo = _mm256_set1_ps(qt == Q4_1 ? f16(blk + 2) : -8.f * d);
+        q4_block(blk + (qt == Q4_1 ? 4 : 2), w);
+        for (int v = 0; v < 4; ++v) _mm256_storeu_ps(yb + 8 * v, _mm256_fmadd_ps(w[v], vd, vo));
+        break;
+      }
+      case Q8_0: {
+        const __m256 vd = _mm256_set1_ps(f16(blk));
+        q8_block(blk + 2, w);
+        for (int v = 0; v < 4; ++v) _mm256_storeu_ps(yb + 8 * v, _mm256_mul_ps(w[v], vd));
+        break;
+      }
+      case Q4_K:
+      case Q5_K: {
+        const bool five = qt == Q5_K;
+        float sc[8], mn[8];
+        k_scales(blk + 4, f16(blk), f16(blk + 2), sc, mn);
+        __m256i hi4[4];
+        if (five) q5_high_bits(blk + 16, hi4);
+        for (int c = 0; c < 4; ++c) {
+          k4_chunk(blk + (five ? 48 : 16), c, five, hi4, wl, wh);
+          const __m256 s0 = _mm256_set1_ps(sc[2 * c]), m0 = _mm256_set1_ps(-mn[2 * c]);
+          const __m256 s1 = _mm256_set1_ps(sc[2 * c + 1]), m1 = _mm256_set1_ps(-mn[2 * c + 1]);
+          for (int v = 0; v < 4; ++v) {
+            _mm256_storeu_ps(yb + 64 * c + 8 * v, _mm256_fmadd_ps(wl[v], s0, m0));
+            _mm256_storeu_ps(yb + 64 * c + 32 + 8 * v, _mm256_fmadd_ps(wh[v], s1, m1));
+          }
+        }
+        break;
+      }
+      case Q6_K: {
+        const int8_t* scl = reinterpret_cast<const int8_t*>(blk + 192);
+        const float d = f16(blk + 208);
+        for (int h = 0; h < 2; ++h) {
+          __m256i qh[4];
+          for (int v = 0; v < 4; ++v) qh[v] = u8x8(blk + 128 + 32 * h + 8 * v);
+          for (int p = 0; p < 2; ++p) {
+            q6_pair(blk + 64 * h, qh, p, wl, wh);
+            for (int v = 0; v < 4; ++v) {
+              const int el = 128 * h + 32 * p + 8 * v, eh = el + 64;
+              _mm256_storeu_ps(yb + el, _mm256_mul_ps(wl[v], _mm256_set1_ps(d * scl[el / 16])));
+              _mm256_storeu_ps(yb + eh, _mm256_mul_ps(wh[v], _mm256_set1_ps(d * scl[eh / 16])));
+            }
+          }
+        }
+        break;
+      }
+      default: TORCH_CHECK(false, "gguf: no block kernel for ggml type ", qt);
+    }
+  }
+}
+#endif
+
+void check_blocks(const at::Tensor& w, int64_t qtype, int64_t K, const Format& f) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "gguf: blocks must be contiguous uint8 [N, row_bytes], got ", w.sizes(), " ", w.scalar_type());
+  TORCH_CHECK(K > 0 && K % f.block == 0, "gguf: K=", K, " is not a multiple of type ", qtype, "'s block of ", f.block);
+  TORCH_CHECK(w.size(1) == K / f.block * f.bytes, "gguf: rows of ", w.size(1), " bytes, expected ",
+              K / f.block * f.bytes, " for K=", K, " of type ", qtype);
+}
+
+// y[M, N] = x W^T for M < GEMM_MIN_ROWS: parallel over weight rows, each read once per MAX_FUSED_ROWS rows of x.
+void decode(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K, const float* xp, int64_t M,
+            float* yp) {
+  const std::vector<float> xs = group_sums(xp, M, K);
+  const int64_t G = K / 32;
+  const int64_t row_bytes = (K / f.block) * f.bytes;
+  const int64_t grain = std::max<int64_t>(16, PARALLEL_MIN_BYTES / row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    float out[MAX_FUSED_ROWS];
+#ifndef TOKENMILL_GGUF_AVX2
+    std::vector<float> buf(K);
+#endif
+    int64_t n = n0;
+#ifdef TOKENMILL_GGUF_AVX2
+    if (M == 1 && (qt == Q4_0 || qt == Q4_1)) {
+      for (; n + 2 <= n1; n += 2) {
+        q4_rows2(f, qt == Q4_1, wp + n * row_bytes, wp + (n + 1) * row_bytes, K / f.block, xp, xs.data(), out);
+        yp[n] = out[0];
+        yp[n + 1] = out[1];
+      }
+    }
+#endif
+    for (; n < n1; ++n) {
+      const uint8_t* row = wp + n * row_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_FUSED_ROWS) {
+        const int64_t mr = std::min<int64_t>(MAX_FUSED_ROWS, M - m0);
+        const float* x = xp + m0 * K;
+#ifdef TOKENMILL_GGUF_AVX2
+        const float* s = xs.data() + m0 * G;
+        switch (mr) {
+          case 1: row_dot_avx2<1>(qt, f, row, K, x, K, s, G, out); break;
+          case 2: row_dot_avx2<2>(qt, f, row, K, x, K, s, G, out); break;
+          case 3: row_dot_avx2<3>(qt, f, row, K, x, K, s, G, out); break;
+          default: row_dot_avx2<4>(qt, f, row, K, x, K, s, G, out); break;
+        }
+#else
+        (void)G;
+        row_dot_generic(qt, f, row, K, x, mr, buf.data(), out);
+#endif
+        for (int64_t m = 0; m < mr; ++m) yp[(m0 + m) * N + n] = out[m];
+      }
+    }
+  });
+}
+
+void dequant_rows(int64_t qt, const Format& f, const uint8_t* wp, int64_t n0, int64_t n1, int64_t K, float* dst) {
+  at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
+    for (int64_t n = a; n < b; ++n) {
+#ifdef TOKENMILL_GGUF_AVX2
+      dequant_row_avx2(qt, f, wp + n * (K / f.block) * f.bytes, K, dst + (n - n0) * K);
+#else
+      dequant_row(qt, f, wp + n * (K / f.block) * f.bytes, K, dst + (n - n0) * K);
+#endif
+    }
+  });
+}
+
+}  // namespace
+
+// x [M, K] float (other float dtypes are converted), blocks uint8 [N, row_bytes] of ggml type `qtype`.
+at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
+                       const c10::optional<at::Tensor>& bias) {
+  const Format f = format_of(qtype);
+  check_blocks(w, qtype, K, f);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "gguf_linear: x must be [M, ", K, "], got ", x_in.sizes());
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M > 0 && N > 0) {
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    if (M < GEMM_MIN_ROWS) {
+      decode(qtype, f, wp, N, K, x.data_ptr<float>(), M, y.data_ptr<float>());
+    } else {
+      // Compute-bound: dequantize a chunk of rows (a few MB, cache-resident) and let SGEMM run at full speed.
+      const int64_t chunk = std::max<int64_t>(16, SCRATCH_FLOATS / K);
+      at::Tensor wf = at::empty({std::min(chunk, N), K}, x.options());
+      for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+        const int64_t n1 = std::min(N, n0 + chunk);
+        at::Tensor part = wf.narrow(0, 0, n1 - n0);
+        dequant_rows(qtype, f, wp, n0, n1, K, part.data_ptr<float>());
+        if (n0 == 0 && n1 == N) {
+          at::mm_out(y, x, part.t());
+        } else {
+          y.narrow(1, n0, n1 - n0).copy_(at::mm(x, part.t()));
+        }
+      }
+    }
+  }
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  return y;
+}
+
+// blocks uint8 [N, row_bytes] -> float [N, K].
+at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
+  const Format f = format_of(qtype);
+  check_blocks(w, qtype, K, f);
+  at::Tensor y = at::empty({w.size(0), K}, w.options().dtype(at::kFloat));
+  if (w.size(0) > 0) dequant_rows(qtype, f, w.data_ptr<uint8_t>(), 0, w.size(0), K, y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace tokenmill
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("gguf_linear(Tensor x, Tensor blocks, int qtype, int K, Tensor? bias) -> Tensor");
+  m.impl("gguf_linear", c10::DispatchKey::CPU, &tokenmill::gguf_linear);
+  m.def("gguf_dequantize(Tensor blocks, int qtype, int K) -> Tensor");
+  m.impl("gguf_dequantize", c10::DispatchKey::CPU, &tokenmill::gguf_dequantize);
+}

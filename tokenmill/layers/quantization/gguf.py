@@ -1,0 +1,239 @@
+"""GGUF weights kept as the file's blocks (`--quantization gguf`, the default for .gguf files).
+
+A linear layer whose GGUF tensor is Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K holds its weight as uint8
+[output rows, bytes per row]: each row the file's blocks for that row, unchanged (GGUF's fastest dimension
+is the input, so rows are contiguous). Row operations work on block rows as on float rows: llama.cpp's
+Q/K row permutation is undone on them, merged layers (qkv, gate_up) concatenate them, column-parallel
+shards take a range of them; a row-parallel shard cuts every row at a block boundary (ValueError if the
+shard is not a whole number of blocks). The token embedding keeps its blocks too (a lookup dequantizes
+only the selected rows) and a tied LM head multiplies with the same blocks.
+
+Falls back to dequantize-at-load (the float path, as `--quantization none`): tensors of other types (Q5_0,
+Q5_1, Q2_K, Q3_K, IQ*, F16, BF16, F32) and merged layers whose parts differ in type (Q4_K_M files store
+some attn_v as Q6_K next to Q4_K q/k): one kernel type per layer keeps one kernel call per layer.
+
+`apply` runs torch.ops.tokenmill.gguf_linear (tokenmill/csrc/gguf_linear.cpp) on CPU, else multiplies with
+the weight dequantized by gguf's own numpy dequantizer: the reference the kernel is tested against.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, set_weight_attrs
+
+log = logging.getLogger(__name__)
+
+# ggml type id -> name, for the types with a block kernel
+KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+
+_NATIVE: bool | None = None
+
+
+def type_name(qtype: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"ggml type {qtype}"
+
+
+def block_format(qtype: int) -> tuple[int, int]:
+    """(weights per block, bytes per block)."""
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+
+
+def row_bytes(qtype: int, K: int) -> int:
+    block, size = block_format(qtype)
+    if K % block:
+        raise ValueError(f"{type_name(qtype)} blocks of {block} do not divide {K} columns")
+    return K // block * size
+
+
+def _native_ok(x: torch.Tensor) -> bool:
+    global _NATIVE
+    if x.device.type != "cpu":
+        return False
+    if _NATIVE is None:
+        from tokenmill import native
+
+        _NATIVE = native.available() and hasattr(torch.ops.tokenmill, "gguf_linear")
+    return _NATIVE
+
+
+def reference_dequantize(blocks: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
+    """float32 [N, K] by gguf's numpy dequantizer (the reference, and the path without the kernels)."""
+    import gguf
+
+    raw = blocks.detach().cpu().contiguous().numpy()
+    w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).reshape(blocks.shape[0], K)
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(blocks.device)
+
+
+def dequantize(blocks: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
+    """Block rows [N, row_bytes] -> float32 [N, K]."""
+    if qtype in KERNEL_TYPES and _native_ok(blocks):
+        return torch.ops.tokenmill.gguf_dequantize(blocks, qtype, K)
+    return reference_dequantize(blocks, qtype, K)
+
+
+def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, K: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) for W as block rows; returns x's dtype."""
+    x2 = x.reshape(-1, K)
+    if _native_ok(x2):
+        y = torch.ops.tokenmill.gguf_linear(x2, blocks, qtype, K, bias)
+    else:
+        y = F.linear(x2.float(), reference_dequantize(blocks, qtype, K), None if bias is None else bias.float())
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _block_loader(layer: nn.Module, qtype: int, inner: Callable | None) -> Callable:
+    """The layer's own loader does the row work (merged parts, column shards); row-parallel shards are cut
+    here, in bytes, at the block boundary create_weights checked."""
+    from tokenmill.layers.linear import check_shape, default_weight_loader
+
+    def load(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.dtype != torch.uint8:
+            raise ValueError(f"is {loaded.dtype}; this layer keeps {type_name(qtype)} blocks (uint8 rows)")
+        if getattr(layer, "input_is_parallel", None) is not None and layer.tp_size > 1:
+            width = param.shape[1]
+            check_shape(loaded, (param.shape[0], width * layer.tp_size))
+            default_weight_loader(param, loaded.narrow(1, layer.tp_rank * width, width).contiguous(), shard_id)
+        elif inner is not None:
+            inner(param, loaded, shard_id)
+        else:
+            default_weight_loader(param, loaded, shard_id)
+
+    return load
+
+
+class GGUFLinearMethod(QuantizeMethodBase):
+    """One ggml block type for the whole (possibly merged, possibly sharded) layer."""
+
+    def __init__(self, qtype: int) -> None:
+        if qtype not in KERNEL_TYPES:
+            raise ValueError(f"no GGUF block kernel for {type_name(qtype)}; kernels: {', '.join(KERNEL_TYPES.values())}")
+        self.qtype = qtype
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        block, _ = block_format(self.qtype)
+        if input_size_per_partition % block:
+            raise ValueError(f"layer {getattr(layer, 'prefix', '') or '?'}: its input shard of "
+                             f"{input_size_per_partition} columns is not a whole number of {type_name(self.qtype)} "
+                             f"blocks ({block} columns)")
+        weight = nn.Parameter(torch.empty(sum(output_partition_sizes), row_bytes(self.qtype, input_size_per_partition),
+                                          dtype=torch.uint8), requires_grad=False)
+        inner = extra_weight_attrs.pop("weight_loader", None)
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, "gguf_qtype": self.qtype,
+                                  "weight_loader": _block_loader(layer, self.qtype, inner)})
+        set_weight_attrs(weight, extra_weight_attrs)
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return gguf_matmul(x, layer.weight, self.qtype, layer.input_size_per_partition, bias)
+
+
+def keep_embedding_blocks(module: nn.Module, qtype: int, shared: nn.Parameter | None = None) -> nn.Parameter:
+    """Swap a VocabParallelEmbedding / ParallelLMHead's float table for block rows [vocab, row_bytes]
+    (or for `shared`, a tied embedding's); the module then looks up / multiplies through the blocks."""
+    from tokenmill.layers.linear import assign, check_shape
+
+    if shared is None:
+        shape = (module.num_embeddings, row_bytes(qtype, module.embedding_dim))
+        shared = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+
+        def load(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+            if shard_id is not None or loaded.dtype != torch.uint8:
+                raise ValueError(f"is {loaded.dtype}; this table keeps {type_name(qtype)} blocks (uint8 rows)")
+            check_shape(loaded, shape)
+            assign(param, loaded)
+
+        set_weight_attrs(shared, {"output_dim": 0, "gguf_qtype": qtype, "weight_loader": load})
+    del module.weight
+    module.register_parameter("weight", shared)
+    module.gguf_qtype = qtype
+    return shared
+
+
+def embedding_lookup(module: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The selected rows' blocks, gathered then dequantized: float32 [..., hidden]."""
+    rows = module.weight.index_select(0, input_ids.reshape(-1))
+    return dequantize(rows, module.gguf_qtype, module.embedding_dim).reshape(*input_ids.shape, module.embedding_dim)
+
+
+class GGUFConfig(QuantizationConfig):
+    """Knows the type of every GGUF tensor (after `bind`) and keeps the ones with a kernel as blocks."""
+
+    name = "gguf"
+    quantize_lm_head = False  # the head keeps the file's own format
+
+    def __init__(self) -> None:
+        self.types: dict[str, int] = {}  # parameter name (layers.0.self_attn.q_proj.weight) -> ggml type
+        self.kept: set[str] = set()  # parameter names loaded as blocks
+        self.packed: dict[str, list[str]] = {}
+        self._param_name: Callable[[str], str | None] = lambda n: n
+
+    def bind(self, path: str, cfg, model_cls) -> None:
+        """Read the file's tensor types, named as `model_cls` names its parameters."""
+        from tokenmill.model.gguf_loader import gguf_to_hf_names, read_gguf
+
+        naming = model_cls.weight_naming
+        self._param_name = lambda n: naming.param_name(n, tied=False)
+        self.packed = dict(getattr(model_cls, "packed_modules_mapping", {}))
+        names = gguf_to_hf_names(path, cfg)
+        fallback: Counter[str] = Counter()
+        for t in read_gguf(path).tensors:
+            hf = names.get(t.name)
+            if hf is None:
+                continue
+            self.types[self._param_name(hf)] = t.ggml_type
+            if len(t.shape) == 2 and t.ggml_type not in KERNEL_TYPES:
+                fallback[type_name(t.ggml_type)] += 1
+        for kind, n in sorted(fallback.items()):
+            log.info("GGUF: %d matrices of type %s have no block kernel; dequantized at load", n, kind)
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        parent, _, module = prefix.rpartition(".")
+        parts = self.packed.get(module, [module])
+        names = [f"{parent}.{p}.weight" if parent else f"{p}.weight" for p in parts]
+        types = {self.types.get(n) for n in names}
+        if len(types) != 1:
+            log.info("GGUF: %s merges parts of types %s; dequantized at load", prefix,
+                     ", ".join(sorted(type_name(t) for t in types if t is not None)))
+            return None
+        qtype = types.pop()
+        if qtype not in KERNEL_TYPES:
+            return None
+        self.kept.update(names)
+        return GGUFLinearMethod(qtype)
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Token embedding and LM head as blocks (unsharded tables only: vocabulary-parallel ones stay float)."""
+        embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+        tied = bool(getattr(model, "tie_word_embeddings", False))
+        shared = None
+        qtype = self.types.get("embed_tokens.weight")
+        if embed is not None and embed.tp_size == 1 and qtype in KERNEL_TYPES:
+            shared = keep_embedding_blocks(embed, qtype)
+            self.kept.add("embed_tokens.weight")
+            if tied and head is not None:
+                keep_embedding_blocks(head, qtype, shared)
+        qtype = self.types.get("lm_head.weight")
+        if head is not None and not tied and head.tp_size == 1 and qtype in KERNEL_TYPES:
+            keep_embedding_blocks(head, qtype)
+            self.kept.add("lm_head.weight")
+
+    def keeps_blocks(self, checkpoint_name: str) -> bool:
+        """Whether the loader hands this tensor (transformers' name) over as raw block rows."""
+        return self._param_name(checkpoint_name) in self.kept
