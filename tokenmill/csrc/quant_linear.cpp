@@ -186,36 +186,69 @@ void int4_gemv(const float* xe, const float* xo, int64_t K, int64_t group, const
 }
 
 #ifdef TOKENMILL_AVX2_INTRINSICS
-// int4_gemv by hand: per 16 packed bytes one load, two masks, four widenings to 8 x int32, four converts,
-// four (q - z) and four FMAs against the even/odd x vectors; the group's scale is applied once per group.
-inline __m256 widen8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+inline __m256 i8x8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 
-void int4_gemv_avx2(const float* xe, const float* xo, int64_t K, int64_t group, const uint8_t* w, const float* scale,
-                    const float* zero, float* y, int64_t n0, int64_t nb) {
+// int8_gemv by hand: 32 weights per step as four 8-wide widenings, two accumulator chains (even / odd steps)
+// so consecutive FMAs do not wait on each other; the row's scale multiplies the finished sum.
+void int8_gemv_avx2(const float* x, int64_t K, const int8_t* w, const float* scale, float* y, int64_t n0,
+                    int64_t nb) {
+  const int64_t K32 = K / 32 * 32;
+  for (int64_t r = 0; r < nb; ++r) {
+    const int8_t* wr = w + (n0 + r) * K;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k < K32; k += 32) {
+      a0 = _mm256_fmadd_ps(i8x8(wr + k), _mm256_loadu_ps(x + k), a0);
+      a1 = _mm256_fmadd_ps(i8x8(wr + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+      a0 = _mm256_fmadd_ps(i8x8(wr + k + 16), _mm256_loadu_ps(x + k + 16), a0);
+      a1 = _mm256_fmadd_ps(i8x8(wr + k + 24), _mm256_loadu_ps(x + k + 24), a1);
+    }
+    const __m256 acc = _mm256_add_ps(a0, a1);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    float total = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+    for (; k < K; ++k) total += static_cast<float>(wr[k]) * x[k];
+    y[n0 + r] = total * scale[n0 + r];
+  }
+}
+
+// int4_gemv by hand. The group's 16 packed bytes are loaded into both 128-bit lanes and one byte shuffle
+// spreads 8 of them over 8 int32 lanes; the low nibble (even column) is `& 15`, the high one (odd column)
+// `>> 4`: 32 weights cost two shuffles (the port that limits widening) instead of six. Per group
+// s * sum(q * x) accumulates in registers; the zero point's share, s * z * sum(x over the group), is one
+// scalar FMA per group against the group sums of x computed once per call.
+void int4_gemv_avx2(const float* xe, const float* xo, const float* xsum, int64_t K, int64_t group,
+                    const uint8_t* w, const float* scale, const float* zero, float* y, int64_t n0, int64_t nb) {
   const int64_t G = K / group, half = group / 2;
-  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i lo_bytes = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                            4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+  const __m256i hi_bytes = _mm256_add_epi32(lo_bytes, _mm256_set1_epi32(8));  // -1 + 8 keeps bit 7 set
+  const __m256i m15 = _mm256_set1_epi32(15);
   for (int64_t r = 0; r < nb; ++r) {
     const uint8_t* wr = w + (n0 + r) * (K / 2);
     const float* sr = scale + (n0 + r) * G;
     const float* zr = zero + (n0 + r) * G;
     __m256 acc = _mm256_setzero_ps();
+    float off = 0.f;
     for (int64_t g = 0; g < G; ++g) {
-      const __m256 z = _mm256_set1_ps(zr[g]);
       __m256 ga = _mm256_setzero_ps(), gb = _mm256_setzero_ps();
       for (int64_t i = g * half; i < (g + 1) * half; i += 16) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + i));
-        const __m128i lo = _mm_and_si128(b, low4);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-        ga = _mm256_fmadd_ps(_mm256_sub_ps(widen8(lo), z), _mm256_loadu_ps(xe + i), ga);
-        gb = _mm256_fmadd_ps(_mm256_sub_ps(widen8(_mm_srli_si128(lo, 8)), z), _mm256_loadu_ps(xe + i + 8), gb);
-        ga = _mm256_fmadd_ps(_mm256_sub_ps(widen8(hi), z), _mm256_loadu_ps(xo + i), ga);
-        gb = _mm256_fmadd_ps(_mm256_sub_ps(widen8(_mm_srli_si128(hi, 8)), z), _mm256_loadu_ps(xo + i + 8), gb);
+        const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + i)));
+        const __m256i v0 = _mm256_shuffle_epi8(b, lo_bytes);  // bytes i .. i + 7 as int32
+        const __m256i v1 = _mm256_shuffle_epi8(b, hi_bytes);  // bytes i + 8 .. i + 15
+        ga = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, m15)), _mm256_loadu_ps(xe + i), ga);
+        gb = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), _mm256_loadu_ps(xo + i), gb);
+        ga = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, m15)), _mm256_loadu_ps(xe + i + 8), ga);
+        gb = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), _mm256_loadu_ps(xo + i + 8), gb);
       }
       acc = _mm256_fmadd_ps(_mm256_set1_ps(sr[g]), _mm256_add_ps(ga, gb), acc);
+      off += sr[g] * zr[g] * xsum[g];
     }
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    y[n0 + r] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+    y[n0 + r] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2))) - off;
   }
 }
 #endif
@@ -241,7 +274,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     }
   };
   return packed_linear(x, N, K, bias, dequant, [&](const float* xm, float* ym) {
-    over_rows(N, [&](int64_t n0, int64_t nb) { int8_gemv(xm, K, wp, sp, ym, n0, nb); });
+    over_rows(N, [&](int64_t n0, int64_t nb) {
+#ifdef TOKENMILL_AVX2_INTRINSICS
+      return int8_gemv_avx2(xm, K, wp, sp, ym, n0, nb);
+#endif
+      int8_gemv(xm, K, wp, sp, ym, n0, nb);
+    });
   });
 }
 
@@ -278,15 +316,21 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       }
     }
   };
-  std::vector<float> xe(K / 2), xo(K / 2);
+  std::vector<float> xe(K / 2), xo(K / 2), xsum(G);
   return packed_linear(x, N, K, bias, dequant, [&](const float* xm, float* ym) {
     for (int64_t i = 0; i < K / 2; ++i) {
       xe[i] = xm[2 * i];
       xo[i] = xm[2 * i + 1];
     }
+    for (int64_t g = 0; g < G; ++g) {
+      float t = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) t += xm[k];
+      xsum[g] = t;
+    }
     over_rows(N, [&](int64_t n0, int64_t nb) {
 #ifdef TOKENMILL_AVX2_INTRINSICS
-      if (group % 32 == 0) return int4_gemv_avx2(xe.data(), xo.data(), K, group, wp, sp, zp, ym, n0, nb);
+      if (group % 32 == 0)
+        return int4_gemv_avx2(xe.data(), xo.data(), xsum.data(), K, group, wp, sp, zp, ym, n0, nb);
 #endif
       int4_gemv(xe.data(), xo.data(), K, group, wp, sp, zp, ym, n0, nb);
     });
