@@ -163,6 +163,29 @@ def test_kernels_same_bits_with_two_threads_and_odd_inputs():
 
 
 @needs_native
+def test_kernels_run_under_inference_mode_on_two_threads():
+    """The engine calls the kernels under torch.inference_mode: the batched path's worker threads write
+    panels of the (inference-mode) output too, so they must not trip autograd's inference-tensor checks."""
+    g = torch.Generator().manual_seed(11)
+    N, K = 1536, 576  # many panels: every thread gets some
+    w = torch.randn(N, K, generator=g)
+    q8, s8 = quantize_int8(w)
+    p4, s4, z4 = quantize_int4(w, 32, False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for M in (1, 5, 64):
+            x = torch.randn(M, K, generator=g)
+            with torch.inference_mode():
+                y8 = torch.ops.tokenmill.int8_linear(x, q8, s8, None)
+                y4 = torch.ops.tokenmill.int4_linear(x, p4, s4, z4, 32, None)
+            _check(y8, _reference(x, dequantize_int8(q8, s8), None), K, f"int8 M={M} inference mode")
+            _check(y4, _reference(x, dequantize_int4(p4, s4, z4, 32), None), K, f"int4 M={M} inference mode")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
 def test_kernels_reject_bad_arguments():
     q, s = quantize_int8(torch.randn(8, 64))
     p, s4, z4 = quantize_int4(torch.randn(8, 64), 32, False)

@@ -94,6 +94,8 @@ at::Tensor packed_linear(const at::Tensor& x_in, int64_t N, int64_t K, const c10
     // y's columns. Never a whole float copy of W: that would be written to and read back from DRAM.
     const int64_t panel = std::max<int64_t>(TILE_ROWS, PANEL_BYTES / (K * 4) / TILE_ROWS * TILE_ROWS);
     at::parallel_for(0, (N + panel - 1) / panel, 1, [&](int64_t p0, int64_t p1) {
+      // Worker threads do not inherit the caller's inference mode, and y may be an inference tensor.
+      c10::InferenceMode guard;
       std::vector<float> buf(panel * K);
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n0 = p * panel, nb = std::min(panel, N - n0);
