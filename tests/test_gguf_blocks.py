@@ -90,6 +90,25 @@ def test_kernel_matches_dequantized_reference(qtype):
 
 
 @needs_native
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+def test_batched_path_many_panels_under_inference_mode(qtype):
+    """The batched path splits a large weight into per-thread panels; the engine calls it under
+    torch.inference_mode, which worker threads must honour when they write their panels of y."""
+    N, K = 1536, 512
+    blocks = random_blocks(qtype, N, K, seed=5)
+    x = torch.randn(64, K, generator=torch.Generator().manual_seed(5))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            y = torch.ops.tokenmill.gguf_linear(x, torch.from_numpy(blocks), int(qtype), K, None)
+    finally:
+        torch.set_num_threads(threads)
+    ref = _reference(x, blocks, qtype, K)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * math.sqrt(K) * ref.abs().max().item())
+
+
+@needs_native
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_dequantize_op_equals_gguf(qtype):
     K = _k_for(qtype)

@@ -7,7 +7,7 @@
 //   block's sum of x, summed once per call (xsum). K-quants decode their sub-block scales once per
 //   super-block. At batch 1, Q4_0/Q4_1 take two weight rows per pass so they share the loads of x. Weights
 //   under PARALLEL_MIN_BYTES run on one thread.
-// - More rows: the weight is dequantized into a float scratch (in row chunks) and ATen's SGEMM multiplies.
+// - More rows: panels of weight rows dequantized into a per-thread L2-sized buffer, each multiplied by SGEMM.
 #include "vec.h"
 
 #include <ATen/ATen.h>
@@ -32,7 +32,7 @@ enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 }
 
 constexpr int64_t GEMM_MIN_ROWS = 8;         // from this many rows of x: dequantize, then SGEMM
 constexpr int64_t MAX_FUSED_ROWS = 4;        // rows of x sharing one pass over a weight row
-constexpr int64_t SCRATCH_FLOATS = 1 << 20;  // SGEMM path: dequantized rows per chunk (4 MiB)
+constexpr int64_t PANEL_BYTES = 192 * 1024;  // SGEMM path: one thread's dequantized weight rows (fits L2)
 // Decode: a weight smaller than this runs on one thread. Waking a second one costs microseconds on an idle
 // machine and a scheduler time slice (milliseconds) when the other core is busy; below this size the
 // second thread saves less than that.
@@ -540,19 +540,27 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtyp
     if (M < GEMM_MIN_ROWS) {
       decode(qtype, f, wp, N, K, x.data_ptr<float>(), M, y.data_ptr<float>());
     } else {
-      // Compute-bound: dequantize a chunk of rows (a few MB, cache-resident) and let SGEMM run at full speed.
-      const int64_t chunk = std::max<int64_t>(16, SCRATCH_FLOATS / K);
-      at::Tensor wf = at::empty({std::min(chunk, N), K}, x.options());
-      for (int64_t n0 = 0; n0 < N; n0 += chunk) {
-        const int64_t n1 = std::min(N, n0 + chunk);
-        at::Tensor part = wf.narrow(0, 0, n1 - n0);
-        dequant_rows(qtype, f, wp, n0, n1, K, part.data_ptr<float>());
-        if (n0 == 0 && n1 == N) {
-          at::mm_out(y, x, part.t());
-        } else {
-          y.narrow(1, n0, n1 - n0).copy_(at::mm(x, part.t()));
+      // Compute-bound: panels of weight rows dequantized into a per-thread buffer that stays in L2, each
+      // multiplied by all of x with SGEMM (single-threaded inside the parallel loop) straight into y's
+      // columns: the float weight is never written to and read back from DRAM.
+      const int64_t panel = std::max<int64_t>(16, PANEL_BYTES / (K * 4) / 16 * 16);
+      const int64_t rb = (K / f.block) * f.bytes;
+      at::parallel_for(0, (N + panel - 1) / panel, 1, [&](int64_t p0, int64_t p1) {
+        c10::InferenceMode guard;  // worker threads do not inherit the caller's; y may be an inference tensor
+        std::vector<float> buf(panel * K);
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t n0 = p * panel, nb = std::min(panel, N - n0);
+          for (int64_t n = 0; n < nb; ++n) {
+#ifdef TOKENMILL_GGUF_AVX2
+            dequant_row_avx2(qtype, f, wp + (n0 + n) * rb, K, buf.data() + n * K);
+#else
+            dequant_row(qtype, f, wp + (n0 + n) * rb, K, buf.data() + n * K);
+#endif
+          }
+          at::Tensor yv = y.narrow(1, n0, nb);
+          at::mm_out(yv, x, at::from_blob(buf.data(), {nb, K}, x.options()).t());
         }
-      }
+      });
     }
   }
   if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
