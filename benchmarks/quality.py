@@ -27,7 +27,7 @@ CONFIGS = {
     "float32": (dict(quantization="none"), None),
     "int8": (dict(quantization="int8"), 0.01),
     "int4-g32": (dict(quantization="int4", quantization_group_size=32), 0.05),
-    "int4-g128": (dict(quantization="int4", quantization_group_size=128), None),
+    "int4-g64": (dict(quantization="int4", quantization_group_size=64), None),  # 128 does not divide 576
     "gguf-q4_1": (dict(), None),
     "kv-int8": (dict(quantization="none", kv_cache_dtype="int8"), 0.005),
     "kv-fp8": (dict(quantization="none", kv_cache_dtype="fp8_e4m3"), None),

@@ -32,7 +32,7 @@ CONFIGS = {
     "float32": dict(quantization="none"),
     "int8": dict(quantization="int8"),
     "int4-g32": dict(quantization="int4", quantization_group_size=32),
-    "int4-g128": dict(quantization="int4", quantization_group_size=128),
+    "int4-g64": dict(quantization="int4", quantization_group_size=64),  # g128 does not divide SmolLM2's 576
     "gguf": dict(),
 }
 

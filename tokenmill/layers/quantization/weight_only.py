@@ -2,7 +2,8 @@
 
 - int8: one symmetric scale per output row (per channel): w = q * scale, q in [-127, 127].
 - int4: groups of `group_size` input columns (32, 64 or 128), asymmetric (w = (q - zero) * scale, q in
-  [0, 15]) or symmetric (zero = 8); two values per byte, the even column in the low nibble.
+  [0, 15], the group's min and max at levels 0 and 15, zero a float) or symmetric (zero = 8); two values
+  per byte, the even column in the low nibble.
 
 The layer loads its float weight as usual (same loaders, same tensor-parallel shards), then
 `process_weights_after_loading` replaces it by the packed form, so only the packed bytes stay resident.
@@ -56,17 +57,27 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int4(w: torch.Tensor, group: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (packed uint8 [N, K/2], scale [N, K/group], zero [N, K/group]) float32."""
+    """-> (packed uint8 [N, K/2], scale [N, K/group], zero [N, K/group]) float32.
+
+    Asymmetric: the group's min and max are levels 0 and 15 (zero = -min / scale, a float), as GGUF's Q4_1:
+    the whole range buys resolution, and weights that already sit on a 16-level grid per group (a Q4_1
+    checkpoint dequantized) are reproduced exactly instead of quantized twice. Symmetric: zero = 8, so a
+    weight of 0 stays exactly 0."""
     N, K = w.shape
     g = w.float().reshape(N, K // group, group)
+    tiny = torch.finfo(torch.float32).tiny
     if symmetric:
-        scale = (g.abs().amax(dim=-1) / 7.0).clamp(min=torch.finfo(torch.float32).tiny)
+        scale = (g.abs().amax(dim=-1) / 7.0).clamp(min=tiny)
         zero = torch.full_like(scale, 8.0)
+        q = torch.round(g / scale[..., None]) + 8.0
     else:
-        lo, hi = g.amin(dim=-1).clamp(max=0.0), g.amax(dim=-1).clamp(min=0.0)  # 0 stays exact
-        scale = ((hi - lo) / 15.0).clamp(min=torch.finfo(torch.float32).tiny)
-        zero = torch.round(-lo / scale).clamp_(0, 15)
-    q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp_(0, 15).to(torch.uint8).reshape(N, K)
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        # A (nearly) constant group keeps a scale near its magnitude's float resolution, so zero = -lo /
+        # scale stays finite.
+        scale = torch.maximum((hi - lo) / 15.0, torch.maximum(lo.abs(), hi.abs()) * 2.0**-20).clamp(min=tiny)
+        zero = -lo / scale
+        q = torch.round((g - lo[..., None]) / scale[..., None])
+    q = q.clamp_(0, 15).to(torch.uint8).reshape(N, K)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)
     return packed, scale, zero
 
