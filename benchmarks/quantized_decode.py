@@ -25,6 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from measure import OtherLoad, env_str, measure_bandwidth, warn_if_busy  # noqa: E402
+from throughput import batch1_decode  # noqa: E402
 
 # label -> LLM keyword arguments. "float32" (quantization "none") dequantizes a GGUF at load, the reference;
 # "gguf" keeps its blocks (the default for .gguf files).
@@ -48,21 +49,6 @@ def build(model: str, label: str, max_model_len: int):
     llm = LLM(model, max_model_len=max_model_len, enable_prefix_caching=False, **CONFIGS[label])
     llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)
     return llm
-
-
-def batch1(llm, tokens: int) -> float:
-    from tokenmill import SamplingParams
-
-    e = llm.engine
-    e.add_request(f"b1-{time.monotonic_ns()}", "Write a story about a dragon.",
-                  SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
-    e.step()  # prefill + first token
-    t = time.perf_counter()
-    steps = 0
-    while e.has_unfinished_requests():
-        e.step()
-        steps += 1
-    return steps / (time.perf_counter() - t)
 
 
 def concurrent(llm, prompts: list[list[int]], tokens: int) -> float:
@@ -104,7 +90,7 @@ def main() -> None:
     for r in range(args.rounds):
         for c in labels:
             load = OtherLoad()
-            b1[c] = max(b1[c], batch1(llms[c], args.batch1_tokens))
+            b1[c] = max(b1[c], batch1_decode(llms[c], "Write a story about a dragon.", args.batch1_tokens))
             busy = warn_if_busy(load.cores(), f"during {c} batch 1")
             if not args.skip_concurrency:
                 load = OtherLoad()

@@ -36,6 +36,11 @@ def available() -> bool:
     return load() is None
 
 
+def has_op(name: str) -> bool:
+    """The kernels are loaded and define torch.ops.tokenmill.<name> (an older build may lack newer ops)."""
+    return available() and hasattr(torch.ops.tokenmill, name)
+
+
 def cpu_capability() -> str | None:
     """The vector instruction set the kernels were compiled for (AVX2, AVX512, DEFAULT), or None."""
     return torch.ops.tokenmill.cpu_capability() if available() else None

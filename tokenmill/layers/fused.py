@@ -21,7 +21,7 @@ def _native(x: torch.Tensor) -> bool:
     if _HAVE is None:
         from tokenmill import native
 
-        _HAVE = native.available() and hasattr(torch.ops.tokenmill, "add_rms_norm")
+        _HAVE = native.has_op("add_rms_norm")
     return _HAVE
 
 

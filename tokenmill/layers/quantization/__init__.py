@@ -35,7 +35,7 @@ def _gguf_kernels(device: str) -> bool:
 
     from tokenmill import native
 
-    return torch.device(device).type == "cpu" and native.available() and hasattr(torch.ops.tokenmill, "gguf_linear")
+    return torch.device(device).type == "cpu" and native.has_op("gguf_linear")
 
 
 __all__ = ["CHECKPOINT_METHODS", "QUANTIZATION_METHODS", "QuantizationConfig", "QuantizeMethodBase",

@@ -66,7 +66,7 @@ def _native_ok(x: torch.Tensor) -> bool:
     if _NATIVE is None:
         from tokenmill import native
 
-        _NATIVE = native.available() and hasattr(torch.ops.tokenmill, "gguf_linear")
+        _NATIVE = native.has_op("gguf_linear")
     return _NATIVE
 
 

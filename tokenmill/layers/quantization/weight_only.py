@@ -34,7 +34,7 @@ def _native_ok(x: torch.Tensor) -> bool:
     if _NATIVE is None:
         from tokenmill import native
 
-        _NATIVE = native.available() and hasattr(torch.ops.tokenmill, "int4_linear")
+        _NATIVE = native.has_op("int4_linear")
     return _NATIVE
 
 
