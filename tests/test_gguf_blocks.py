@@ -217,7 +217,7 @@ def test_tied_q8_0_embedding_and_q4_linears_match_dequantized(tmp_path):
     assert model.embed_tokens.weight.dtype == torch.uint8 and model.lm_head.weight is model.embed_tokens.weight
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
     assert model.layers[0].self_attn.o_proj.weight.dtype == torch.float32
-    assert kept.engine._worker.weight_bytes == _block_bytes(path) + _float_bytes(path)
+    assert kept.engine.facts.weight_bytes == _block_bytes(path) + _float_bytes(path)
     got = _greedy(kept)
     ref_llm = _llm(path, folder, "none")
     assert ref_llm.engine.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32
@@ -299,7 +299,7 @@ def test_smollm2_blocks_match_dequantized_and_stay_small():
     for q in ("gguf", "none"):
         llm = LLM(path, max_model_len=256, num_gpu_blocks_override=32, quantization=q)
         if q == "gguf":
-            assert llm.engine._worker.weight_bytes <= 1.15 * tensor_bytes
+            assert llm.engine.facts.weight_bytes <= 1.15 * tensor_bytes
         outs[q] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         del llm
     assert outs["gguf"] == outs["none"]

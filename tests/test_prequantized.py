@@ -347,7 +347,6 @@ def test_model_equals_float_model_on_dequantized_checkpoint(models, monkeypatch,
     qpath, fpath = models.pair(arch, fmt, group, sym)
     qllm = LLM(str(qpath), **ENGINE_KW)  # no flag: the method comes from config.json
     fllm = LLM(str(fpath), **ENGINE_KW)
-    worker = qllm.engine._worker
     model = qllm.engine.model
     if fmt.startswith("fp8"):
         kinds = {m.weight.dtype for m in model.modules() if hasattr(m, "weight_scale")}
@@ -355,7 +354,7 @@ def test_model_equals_float_model_on_dequantized_checkpoint(models, monkeypatch,
     else:
         assert all(m.qweight.dtype == torch.uint8 for m in model.modules() if type(m).__name__.endswith("Linear")
                    and hasattr(m, "qweight"))
-    assert worker.weight_bytes < fllm.engine._worker.weight_bytes * 0.8  # packed bytes stay resident
+    assert qllm.engine.facts.weight_bytes < fllm.engine.facts.weight_bytes * 0.8  # packed bytes stay resident
     prompts = _prompts(qllm.engine.vocab_size)
     ref = _greedy(fllm, prompts)
     monkeypatch.setattr(wo, "_NATIVE", None)
@@ -425,7 +424,7 @@ def test_quantize_cli_round_trip(models, tmp_path, method, group, sym, capsys):
     assert a.keys() == b.keys()
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
-    assert loaded.engine._worker.weight_bytes == sum(p.numel() * p.element_size() for p in b.values())
+    assert loaded.engine.facts.weight_bytes == sum(p.numel() * p.element_size() for p in b.values())
     if not sym:
         prompts = _prompts(loaded.engine.vocab_size, seed=5)
         _same(_greedy(loaded, prompts), _greedy(at_load, prompts), f"{method}: quantize vs at-load", atol=1e-6)
@@ -540,7 +539,7 @@ def test_quantize_smollm2_gguf(tmp_path):
     at_load = LLM(gguf_path, quantization="int4", **kw)
     a, b = dict(loaded.engine.model.named_parameters()), dict(at_load.engine.model.named_parameters())
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
-    assert loaded.engine._worker.weight_bytes == at_load.engine._worker.weight_bytes
+    assert loaded.engine.facts.weight_bytes == at_load.engine.facts.weight_bytes
     sp = SamplingParams(temperature=0.0, max_tokens=16)
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     ta, tb = (llm.chat(msgs, sp, use_tqdm=False)[0].outputs[0] for llm in (loaded, at_load))

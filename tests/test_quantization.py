@@ -543,7 +543,7 @@ def test_weight_bytes_exact(models, arch):
     from tokenmill.layers.linear import LinearBase
 
     fllm = models.llm(arch)
-    float_bytes = fllm.engine._worker.weight_bytes
+    float_bytes = fllm.engine.facts.weight_bytes
     model = fllm.engine.model
     assert float_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
     shapes = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, LinearBase)]
@@ -559,9 +559,9 @@ def test_weight_bytes_exact(models, arch):
         "int4-g64": float_bytes - linear_float + head + sum(n * k // 2 + 2 * 4 * n * k // 64 for n, k in shapes),
     }
     got = {
-        "int8": models.llm(arch, "int8", 32).engine._worker.weight_bytes,
-        "int4-g32": models.llm(arch, "int4", 32).engine._worker.weight_bytes,
-        "int4-g64": models.llm(arch, "int4", 64).engine._worker.weight_bytes,
+        "int8": models.llm(arch, "int8", 32).engine.facts.weight_bytes,
+        "int4-g32": models.llm(arch, "int4", 32).engine.facts.weight_bytes,
+        "int4-g64": models.llm(arch, "int4", 64).engine.facts.weight_bytes,
     }
     assert got == expected, f"float {float_bytes}, linear float {linear_float}"
     assert float_bytes > got["int8"] > got["int4-g32"] > got["int4-g64"]

@@ -123,6 +123,11 @@ def load_or_measure_peaks(device: str = "cpu", dtype: torch.dtype = torch.float3
     return peaks
 
 
+def resident_weight_bytes(model) -> int:
+    """Every parameter's bytes as stored: packed quantized weights count their packed size."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 @dataclass
 class ModelCost:
     """What one step of this model must compute and move, from its shape."""
@@ -147,7 +152,7 @@ class ModelCost:
         linear = sum(m.input_size * m.output_size for m in model.modules() if isinstance(m, LinearBase))
         lm_head = cfg.vocab_size * cfg.hidden_size
         matmul = linear + lm_head
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # as stored: packed is small
+        weight_bytes = resident_weight_bytes(model)
         attn = [m for m in model.modules() if isinstance(m, Attention)]
         from tokenmill.layers.attention_backends.kv_quant import block_bytes
 

@@ -36,6 +36,7 @@ def available() -> bool:
     return load() is None
 
 
+@functools.cache
 def has_op(name: str) -> bool:
     """The kernels are loaded and define torch.ops.tokenmill.<name> (an older build may lack newer ops)."""
     return available() and hasattr(torch.ops.tokenmill, name)

@@ -100,8 +100,10 @@ class Worker:
         model, self.hf_config, self.max_model_len = load_model(mc.model, mc.dtype, mc.max_model_len, str(self.device),
                                                                quant_config=quant)
         quant = getattr(model, "quant_config", quant)  # a pre-quantized checkpoint's, found in its config.json
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        log.info("weights: %.1f MiB resident%s", self.weight_bytes / 2**20, f" ({quant.name})" if quant else "")
+        from tokenmill.diagnostics import resident_weight_bytes
+
+        log.info("weights: %.1f MiB resident%s", resident_weight_bytes(model) / 2**20,
+                 f" ({quant.name})" if quant else "")
         backend_cls = get_attention_backend(getattr(self.config, "attention_backend", None), self.device)
         vocab = int(self.hf_config.vocab_size)
         self.runner = ModelRunner(model, vocab, cache.block_size, self.device, backend_cls(cache.block_size, self.device))

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import native
 from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, set_weight_attrs
 from tokenmill.layers.quantization.weight_only import _native_ok  # one switch for every packed format
 
@@ -29,7 +30,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """x [..., K] @ (weight * scale[:, None])^T (+ bias), float32 math; returns x's dtype."""
     N, K = weight.shape
     x2 = x.reshape(-1, K)
-    if _native_ok(x2) and hasattr(torch.ops.tokenmill, "fp8_linear"):
+    if _native_ok(x2) and native.has_op("fp8_linear"):
         y = torch.ops.tokenmill.fp8_linear(x2, weight, scale, bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], N)
     x2 = x2.float()
