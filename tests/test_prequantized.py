@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from compare import assert_same_outputs
 from prequant_packers import awq_pack, fp8_pack, gptq_pack
 from safetensors.torch import load_file, save_file
 from tiny import make_tiny_model
@@ -324,15 +325,8 @@ def _greedy(llm: LLM, prompts) -> list:
 
 
 def _same(a, b, label: str, atol: float = 2e-4) -> None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        assert len(x.token_ids) == NEW_TOKENS
-        if x.token_ids != y.token_ids:
-            step = next(k for k, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t)
-            pytest.fail(f"{label}: prompt {i} diverges at step {step}")
-        for step, (ex, ey) in enumerate(zip(x.logprobs, y.logprobs)):
-            for tid, lp in ex.items():
-                if tid in ey:
-                    assert abs(lp.logprob - ey[tid].logprob) < atol, f"{label}: prompt {i} step {step}"
+    assert all(len(x.token_ids) == NEW_TOKENS for x in a)
+    assert_same_outputs(a, b, label, atol)
 
 
 MODEL_CASES = [("llama", "gptq", 32, True), ("qwen2", "gptq", 32, False), ("llama", "gptq_v2", -1, False),

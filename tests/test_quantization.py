@@ -24,6 +24,7 @@ import shutil
 import pytest
 import torch
 
+from compare import assert_same_outputs
 from tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams, native
 from tokenmill.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
@@ -453,18 +454,6 @@ def _count_native(monkeypatch) -> dict:
     return calls
 
 
-def _assert_same_run(a, b, label: str, atol: float = 1e-4) -> None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x.token_ids != y.token_ids:
-            step = next(k for k, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t)
-            pytest.fail(f"{label}: prompt {i} diverges at step {step}")
-        for step, (ex, ey) in enumerate(zip(x.logprobs, y.logprobs)):
-            for tid, lp in ex.items():
-                if tid in ey:
-                    assert abs(lp.logprob - ey[tid].logprob) < atol, \
-                        f"{label}: prompt {i} step {step} token {tid}: {lp.logprob} vs {ey[tid].logprob}"
-
-
 MODEL_CASES = [("llama", "int8", 32), ("llama", "int4", 32), ("qwen3", "int8", 32), ("qwen3", "int4", 32),
                ("qwen2", "int8", 32), ("qwen2", "int4", 32), ("llama128", "int4", 128)]
 
@@ -484,7 +473,7 @@ def test_model_native_kernels_equal_fallback(models, monkeypatch, arch, quant, g
     fallback_run = _greedy(llm, prompts, logprobs=3)
     assert calls["native"] == 0 and calls["dequantize"] > 0, calls
     assert all(len(o.token_ids) == NEW_TOKENS for o in native_run + fallback_run)
-    _assert_same_run(native_run, fallback_run, f"{arch} {quant} g{group}: native vs fallback")
+    assert_same_outputs(native_run, fallback_run, f"{arch} {quant} g{group}: native vs fallback")
 
 
 @pytest.mark.parametrize("arch,quant", [("llama", "int8"), ("llama", "int4"), ("qwen3", "int4"), ("qwen2", "int8")])
@@ -495,7 +484,7 @@ def test_model_equals_float_model_on_dequantized_checkpoint(models, arch, quant)
     qllm = models.llm(arch, quant, 32)
     fllm = LLM(str(models.fake_quant_path(arch, quant, 32)), **ENGINE_KW)
     prompts = _prompts(qllm.engine.vocab_size, seed=4)
-    _assert_same_run(_greedy(qllm, prompts, logprobs=3), _greedy(fllm, prompts, logprobs=3),
+    assert_same_outputs(_greedy(qllm, prompts, logprobs=3), _greedy(fllm, prompts, logprobs=3),
                      f"{arch} {quant}: quantized vs float on dequantized weights", atol=2e-4)
 
 
