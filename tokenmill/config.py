@@ -8,6 +8,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = DTYPES + ("int8", "fp8", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 EXECUTOR_BACKENDS = ("uni", "mp")
+# Speculative decoding proposers (vLLM's names; "deepseek_mtp" is taken as "mtp").
+SPEC_METHODS = ("ngram", "draft_model", "quantized_self", "eagle", "eagle3", "mtp")
 
 
 @dataclass
@@ -65,6 +67,71 @@ class ParallelConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """`--speculative-config` (vLLM's JSON shape). See docs/speculative.md."""
+
+    method: str
+    num_speculative_tokens: int = 3  # k: the most drafts verified per request and step
+    model: str | None = None  # draft_model: the draft checkpoint; eagle/eagle3: the head's checkpoint
+    prompt_lookup_min: int = 2  # ngram: shortest suffix matched
+    prompt_lookup_max: int = 4  # ngram: longest suffix matched (tried first)
+    draft_tensor_parallel_size: int | None = None  # only 1 (the draft runs beside each target rank's worker)
+    quantization: str | None = None  # quantized_self: int4 (default) or int8; draft_model: as --quantization
+    adaptive: bool = True  # choose k per step from acceptance and measured step costs (0: no drafts)
+    disable_by_batch_size: int | None = None  # vLLM's name: no drafts while this many requests or more decode
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From JSON text, a dict or an instance; a clear ValueError for unknown keys or bad values."""
+        import json
+        from dataclasses import fields
+
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")
+        d = dict(value)
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys: {', '.join(unknown)}; known: {', '.join(sorted(names))}.")
+        if d.get("method") == "deepseek_mtp":
+            d["method"] = "mtp"
+        if "method" not in d:
+            if d.get("model") is None:
+                raise ValueError("speculative_config needs a method (" + ", ".join(SPEC_METHODS) + ") or a model.")
+            d["method"] = "draft_model"
+        spec = cls(**d)
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r}; known: {', '.join(SPEC_METHODS)}.")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in 1..16, got {self.num_speculative_tokens!r}.")
+        if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
+            raise ValueError(f"speculative method {self.method!r} needs a model (the draft's checkpoint).")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 64):
+                raise ValueError(f"ngram needs 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got {lo}, {hi}.")
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError("draft_tensor_parallel_size: only 1 is supported (the draft runs in each target worker).")
+        if self.quantization is not None and self.method not in ("quantized_self", "draft_model"):
+            raise ValueError(f"speculative quantization applies to quantized_self and draft_model, not {self.method!r}.")
+        if self.method == "quantized_self" and self.quantization not in (None, "int4", "int8"):
+            raise ValueError(f"quantized_self drafts with int4 or int8 weights, not {self.quantization!r}.")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}.")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -72,6 +139,11 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
     attention_backend: str | None = None  # None: the device's default backend
+    speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative is not None:  # KV slots for the drafts past each request's scheduled tokens
+            self.scheduler.num_lookahead_tokens = self.speculative.num_speculative_tokens
 
     def validate(self) -> None:
         m, c, s, p = self.model, self.cache, self.scheduler, self.parallel
@@ -100,6 +172,8 @@ class EngineConfig:
             raise ValueError(
                 f"distributed_executor_backend 'uni' runs one worker; world size {p.world_size} needs 'mp'."
             )
+        if self.speculative is not None:
+            self.speculative.validate()
         # The parallelism issue lifts these two.
         if p.tensor_parallel_size > 1:
             raise ValueError(

@@ -24,6 +24,7 @@ from tokenmill.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -125,6 +126,12 @@ class EngineArgs:
         ParallelConfig.distributed_executor_backend, "How workers run: uni in this process, mp one process each "
         "(default: uni for one worker, else mp).", choices=EXECUTOR_BACKENDS)
 
+    # speculative decoding
+    speculative_config: str | None = _arg(  # LLM(speculative_config=...) also takes a dict
+        None, "Speculative decoding as JSON, vLLM's shape: {\"method\": \"ngram\"|\"draft_model\"|\"quantized_self\"|"
+        "\"eagle\"|\"eagle3\"|\"mtp\", \"num_speculative_tokens\": k, \"model\": PATH, \"prompt_lookup_min\"/"
+        "\"prompt_lookup_max\": n, ...}; see docs/speculative.md (default: off).", parse=str, metavar="JSON")
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         """EngineArgs(**kwargs), with an unknown keyword named and the closest field suggested."""
@@ -197,6 +204,7 @@ class EngineArgs:
                                     distributed_executor_backend=self.distributed_executor_backend),
             device=self.device,
             attention_backend=self.attention_backend,
+            speculative=SpeculativeConfig.parse(self.speculative_config),
         )
         config.validate()
         return config

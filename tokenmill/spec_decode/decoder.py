@@ -1,0 +1,148 @@
+"""The worker's speculative decoder: after each step it proposes the next step's drafts, keeps the draft
+distributions the rejection sampler will need, and decides (adaptive.py) how many drafts are worth it."""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from tokenmill.config import EngineConfig, SpeculativeConfig
+from tokenmill.spec_decode.adaptive import AdaptivePolicy
+from tokenmill.spec_decode.draft import Draft, DraftRunner, StepView
+from tokenmill.spec_decode.ngram import NgramProposer
+
+log = logging.getLogger(__name__)
+
+
+class NgramDrafter:
+    """Prompt lookup over each request's tokens, kept in a growing numpy buffer (no list copy per step)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.proposer = NgramProposer(min_n, max_n)
+        self.history: dict[str, tuple[np.ndarray, int]] = {}
+
+    def _tokens(self, rid: str, known: list[int]) -> np.ndarray:
+        buf, n = self.history.get(rid, (None, 0))
+        if buf is None or n > len(known):
+            buf, n = np.empty(max(64, 2 * len(known)), dtype=np.int64), 0
+        if len(known) > buf.size:
+            grown = np.empty(2 * len(known), dtype=np.int64)
+            grown[:n] = buf[:n]
+            buf = grown
+        buf[n : len(known)] = known[n:]
+        self.history[rid] = (buf, len(known))
+        return buf[: len(known)]
+
+    def forget(self, rid: str) -> None:
+        self.history.pop(rid, None)
+
+    def propose(self, view: StepView, want: set[int], k: int) -> dict[int, Draft]:
+        out = {}
+        for i in want:
+            r = view.requests[i]
+            drafts = self.proposer.propose(self._tokens(r.req_id, view.known(i)), k)
+            if drafts:
+                out[i] = Draft(drafts, None)
+        return out
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, drafter) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.drafter = drafter  # NgramDrafter or DraftRunner
+        self.policy = AdaptivePolicy(self.k, config.adaptive, config.disable_by_batch_size)
+        self.draft_probs: dict[str, torch.Tensor] = {}  # request -> [k, V] q of its pending random drafts
+        self.last_k = self.k
+
+    @property
+    def runner(self) -> DraftRunner | None:
+        return self.drafter if isinstance(self.drafter, DraftRunner) else None
+
+    # ---- KV of a draft model or head -------------------------------------------------------
+    def block_bytes(self, kv_dtype: torch.dtype) -> int:
+        return self.runner.block_bytes(kv_dtype) if self.runner else 0
+
+    def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
+        if self.runner:
+            self.runner.allocate_kv_cache(num_blocks, kv_dtype)
+
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.runner.kv_caches() if self.runner else []
+
+    def mark_initialized(self, block_ids: torch.Tensor) -> None:
+        if self.runner:
+            self.runner.backend.mark_initialized(block_ids)
+
+    # ---- per step ----------------------------------------------------------------------------
+    def forget(self, rid: str) -> None:
+        self.draft_probs.pop(rid, None)
+        self.drafter.forget(rid)
+
+    def probs_for(self, rid: str, num_drafts: int) -> torch.Tensor | None:
+        q = self.draft_probs.pop(rid, None)
+        return q[:num_drafts] if q is not None else None
+
+    def observe(self, num_tokens: int, forward_s: float, verified: list[tuple[int, int]]) -> None:
+        self.policy.forward.observe(num_tokens, forward_s)
+        for drafted, accepted in verified:
+            self.policy.observe_verification(drafted, accepted)
+
+    def propose(self, view: StepView) -> dict[str, list[int]]:
+        sampled = [i for i, got in enumerate(view.accepted) if got]
+        k = self.policy.choose(len(sampled))
+        self.last_k = k
+        want = set(sampled)
+        runner = self.runner
+        t0 = time.perf_counter()
+        if runner is not None:
+            drafts = runner.propose(view, want if k else set(), k, catch_up_all=bool(k) or runner.head)
+        else:
+            drafts = self.drafter.propose(view, want, k) if k else {}
+        if k:
+            self.policy.observe_draft(len(want), k, time.perf_counter() - t0)
+        out = {}
+        for i, d in drafts.items():
+            rid = view.requests[i].req_id
+            out[rid] = d.token_ids
+            if d.probs is not None:
+                self.draft_probs[rid] = d.probs
+        return out
+
+
+def build_spec_decoder(config: EngineConfig, target: torch.nn.Module, backend_cls, block_size: int,
+                       device: torch.device, vocab_size: int, max_model_len: int) -> SpecDecoder | None:
+    spec = config.speculative
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        return SpecDecoder(spec, NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
+    mc = config.model
+    if spec.method in ("draft_model", "quantized_self"):
+        from tokenmill.layers.quantization import get_quantization_config
+        from tokenmill.model.loader import load_model
+
+        path = mc.model if spec.method == "quantized_self" else spec.model
+        method = spec.quantization or ("int4" if spec.method == "quantized_self" else None)
+        quant = get_quantization_config(method, mc.quantization_group_size, model=path, device=str(device))
+        module, draft_cfg, _ = load_model(path, mc.dtype, max_model_len, str(device), quant_config=quant)
+        draft_vocab = int(draft_cfg.vocab_size)
+        if draft_vocab < vocab_size and spec.method == "draft_model":
+            log.warning("draft vocabulary %d is smaller than the target's %d: drafts never use the rest",
+                        draft_vocab, vocab_size)
+        head = False
+    else:
+        from tokenmill.spec_decode.heads import load_draft_head
+
+        module = load_draft_head(spec.method, spec.model, target, mc.model, target.storage_dtype,
+                                 target.compute_dtype, max_model_len)
+        if module.aux_layers:
+            target.aux_hidden_layers = tuple(module.aux_layers)
+        head = True
+    module.eval()
+    runner = DraftRunner(module, backend_cls(block_size, device), block_size, device, vocab_size, max_model_len, head)
+    log.info("speculative decoding: %s, k=%d%s", spec.method, spec.num_speculative_tokens,
+             "" if spec.adaptive else " (fixed)")
+    return SpecDecoder(spec, runner)

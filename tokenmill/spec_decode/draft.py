@@ -1,0 +1,268 @@
+"""Runs a draft beside the target: a smaller model (draft_model, quantized_self) or a head over the
+target's hidden states (EAGLE, EAGLE-3, MTP), with its own KV pool on the target's block tables.
+
+The draft's KV for position p lives at p's slot, in a pool of the same number of blocks as the target's,
+so prefix sharing, preemption and freeing need no bookkeeping of their own. Per step:
+
+1. catch-up: one ragged forward over each request's positions the draft has not yet seen (a prompt
+   chunk, or the accepted tokens of the last verification), which also yields the first draft;
+2. k-1 single-token passes, each feeding back the draft just chosen.
+
+A model draft reads token t_p at p. A head reads (t_{p+1}, the target's feature at p), so it can only
+catch up on positions the target computed in this step; it always runs its catch-up (one layer: cheap)
+and its own later positions (fed its own features) are recomputed next step from the target's.
+
+Draft KV that is stale (positions a model draft skipped while speculation was off, whose blocks may be
+shared through the prefix cache) only lowers acceptance: verification keeps output exact whatever the
+draft proposes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from tokenmill.layers.attention import Attention
+from tokenmill.layers.attention_backends import kv_quant
+from tokenmill.layers.attention_backends.base import AttentionBackend, BatchLayout
+from tokenmill.sample.sampler import _exponential_noise, apply_top_k_top_p_min_p
+
+
+@dataclass
+class StepView:
+    """What the target step computed, as the proposers need it (batch order)."""
+
+    requests: list  # input_batch.CachedRequestState: token_ids are those known before this step
+    starts: np.ndarray  # num_computed_tokens before the step
+    lens: list[int]  # tokens scheduled (drafts included)
+    row_starts: np.ndarray  # first packed row of each request
+    accepted: list[list[int] | None]  # tokens emitted this step (None: a prompt chunk that sampled nothing)
+    hidden: torch.Tensor | None = None  # [T, H] the target's final hidden states
+    aux_hidden: torch.Tensor | None = None  # [T, n*H] EAGLE-3's layer features
+
+    def known(self, i: int) -> list[int]:
+        got = self.accepted[i]
+        return self.requests[i].token_ids + got if got else self.requests[i].token_ids
+
+
+@dataclass
+class Draft:
+    token_ids: list[int]
+    probs: torch.Tensor | None  # [k, V] the distribution each draft was drawn from; None: greedy (a point mass)
+
+
+class DraftRunner:
+    def __init__(self, module: torch.nn.Module, backend: AttentionBackend, block_size: int, device: torch.device,
+                 vocab_size: int, max_model_len: int, head: bool) -> None:
+        self.module = module
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.head = head  # reads (t_{p+1}, feature_p); else a model reading t_p
+        self.attn_layers = [m for m in module.modules() if isinstance(m, Attention)]
+        self.computed: dict[str, int] = {}  # request -> positions below this hold valid draft KV
+        self.stale: set[int] = set()  # blocks whose draft KV positions were skipped
+
+    # ---- KV pool --------------------------------------------------------------------------
+    def block_bytes(self, kv_dtype: torch.dtype) -> int:
+        return sum(kv_quant.block_bytes(self.block_size, a.num_kv_heads, a.head_dim, kv_dtype) for a in self.attn_layers)
+
+    def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
+        self.backend.allocate_kv_cache(self.attn_layers, num_blocks, kv_dtype)
+
+    def kv_caches(self) -> list[torch.Tensor]:
+        return [t for a in self.attn_layers for t in kv_quant.layer_caches(a)]
+
+    def forget(self, req_id: str) -> None:
+        self.computed.pop(req_id, None)
+
+    # ---- one step -------------------------------------------------------------------------
+    def _segments(self, view: StepView, want: set[int], catch_up_all: bool):
+        """Per request to run: (index, first position, tokens to feed, feature rows or None)."""
+        bs = self.block_size
+        segs = []
+        for i, r in enumerate(view.requests):
+            got = view.accepted[i]
+            if not (catch_up_all or (i in want and got)):
+                self._mark_stale(r, view, i)
+                continue
+            c, n = int(view.starts[i]), view.lens[i]
+            dc = self.computed.get(r.req_id)
+            if dc is None:  # new to the draft (or resumed): trust cached blocks unless marked stale
+                dc = c
+                for j, b in enumerate(r.block_ids[: c // bs]):
+                    if b in self.stale:
+                        dc = j * bs
+                        break
+            known = view.known(i)
+            if self.head:
+                end = len(known) - 1 if got else c + n  # the target's feature exists for positions < end
+                first = max(dc, c)  # features before c are gone with earlier steps
+                if first >= end:
+                    continue
+                if got is None and end >= len(known):  # the prompt's last feature waits for the sampled token
+                    end = len(known) - 1
+                tokens = known[first + 1 : end + 1]
+                rows = int(view.row_starts[i]) + np.arange(first - c, end - c)
+            else:
+                end = len(known) if got else c + n
+                first = min(dc, end - 1) if got else dc
+                if first >= end:
+                    continue
+                tokens = known[first:end]
+                rows = None
+            segs.append((i, first, tokens, rows))
+        return segs
+
+    def _mark_stale(self, r, view: StepView, i: int) -> None:
+        dc = self.computed.get(r.req_id)
+        if dc is None:
+            dc = int(view.starts[i])
+        bs = self.block_size
+        end = int(view.starts[i]) + view.lens[i]
+        self.stale.update(r.block_ids[dc // bs : -(-end // bs)])
+
+    def _layout(self, tables: list[list[int]], first: np.ndarray, q_len: np.ndarray) -> tuple[BatchLayout, np.ndarray]:
+        B = len(tables)
+        T = int(q_len.sum())
+        q_end = np.cumsum(q_len)
+        q_start = q_end - q_len
+        req_idx = np.repeat(np.arange(B), q_len)
+        positions = np.arange(T) - q_start[req_idx] + first[req_idx]
+        nblocks = np.fromiter((len(t) for t in tables), np.int64, B)
+        table = np.zeros((B, int(nblocks.max())), dtype=np.int64)
+        flat = np.fromiter(chain.from_iterable(tables), np.int64, int(nblocks.sum()))
+        run_starts = np.cumsum(nblocks) - nblocks
+        table[np.repeat(np.arange(B), nblocks), np.arange(flat.size) - np.repeat(run_starts, nblocks)] = flat
+        bs = self.block_size
+        slots = table[req_idx, positions // bs] * bs + positions % bs
+        kv_len = first + q_len
+        t = torch.from_numpy
+        layout = BatchLayout(query_start=t(q_start), query_len=t(q_len), kv_len=t(kv_len), block_table=t(table),
+                             slot_mapping=t(slots), num_tokens=T, max_query_len=int(q_len.max()),
+                             max_kv_len=int(kv_len.max()))
+        return layout, positions
+
+    def _forward(self, ids: list[int], tables, first: np.ndarray, q_len: np.ndarray, features):
+        layout, positions = self._layout(tables, first, q_len)
+        meta = self.backend.build_metadata(layout)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.from_numpy(positions).to(self.device)
+        if self.head:
+            return self.module(input_ids, pos, features, meta)
+        return None, self.module(input_ids, pos, meta)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.module.compute_logits(hidden)
+        V = self.vocab_size
+        if logits.shape[-1] > V:
+            logits = logits[:, :V]
+        elif logits.shape[-1] < V:
+            logits = torch.nn.functional.pad(logits, (0, V - logits.shape[-1]), value=float("-inf"))
+        return logits
+
+    def propose(self, view: StepView, want: set[int], k: int, catch_up_all: bool) -> dict[int, Draft]:
+        """Catch up and draft up to k tokens for the requests `want` (indices into the batch) that sampled."""
+        segs = self._segments(view, want, catch_up_all)
+        if not segs:
+            return {}
+        reqs = view.requests
+        first = np.fromiter((s[1] for s in segs), np.int64, len(segs))
+        q_len = np.fromiter((len(s[2]) for s in segs), np.int64, len(segs))
+        features = None
+        if self.head:
+            src = view.aux_hidden if getattr(self.module, "aux_layers", ()) else view.hidden
+            features = src[torch.from_numpy(np.concatenate([s[3] for s in segs]))]
+        feat, hidden = self._forward(list(chain.from_iterable(s[2] for s in segs)),
+                                     [reqs[s[0]].block_ids for s in segs], first, q_len, features)
+        bs = self.block_size
+        for (i, f, toks, _), n in zip(segs, q_len.tolist()):
+            r = reqs[i]
+            self.computed[r.req_id] = f + n
+            if self.stale:
+                self.stale.difference_update(r.block_ids[f // bs : (f + n) // bs])
+
+        # Requests to draft for: those wanted that sampled, with room for at least one draft position.
+        last_rows = np.cumsum(q_len) - 1
+        active = []  # (segment index, request index, next position to feed, room)
+        for j, (i, f, toks, _) in enumerate(segs):
+            if i not in want or not view.accepted[i]:
+                continue
+            next_pos = f + len(toks)  # the position the first draft token is fed at (pass 2)
+            room = min(len(reqs[i].block_ids) * bs, self.max_model_len) - next_pos
+            active.append((j, i, next_pos, max(0, min(k - 1, room))))
+        if not active:
+            return {}
+        rows = torch.from_numpy(last_rows[[a[0] for a in active]])
+        out: dict[int, list[int]] = {a[1]: [] for a in active}
+        probs: dict[int, list[torch.Tensor]] = {a[1]: [] for a in active}
+        sampler = _DraftSampler([reqs[a[1]] for a in active], self.device)
+        cur_hidden, cur_feat = hidden[rows], (feat[rows] if feat is not None else None)
+        step = 0
+        while True:
+            tokens, q = sampler.sample(self._logits(cur_hidden))
+            for (j, i, _, _), t in zip(active, tokens.tolist()):
+                out[i].append(t)
+            if q is not None:
+                for row, (j, i, _, _) in enumerate(active):
+                    if q[row] is not None:
+                        probs[i].append(q[row])
+            step += 1
+            keep = [a for a in active if a[3] >= step]  # room for feeding this draft
+            if step >= k or not keep:
+                break
+            sel = [active.index(a) for a in keep]
+            sel_t = torch.tensor(sel, dtype=torch.long)
+            first = np.fromiter((a[2] + step - 1 for a in keep), np.int64, len(keep))
+            ids = tokens[sel_t].tolist()
+            feats = cur_feat[sel_t] if cur_feat is not None else None
+            sampler = sampler.subset(sel)
+            cur_feat, cur_hidden = self._forward(ids, [reqs[a[1]].block_ids for a in keep], first,
+                                                 np.ones(len(keep), np.int64), feats)
+            active = keep
+        return {i: Draft(toks, torch.stack(probs[i]) if probs[i] else None) for i, toks in out.items()}
+
+
+class _DraftSampler:
+    """Draws the drafts: greedy requests take the argmax (a point mass, no probabilities kept); the others
+    sample from their temperature- and top-k/top-p/min-p-filtered draft distribution q, which the
+    rejection sampler needs next step."""
+
+    def __init__(self, requests: list, device: torch.device) -> None:
+        self.requests = requests
+        self.device = device
+        params = [r.params for r in requests]
+        self.greedy = [p.greedy for p in params]
+        self.random = [i for i, g in enumerate(self.greedy) if not g]
+        if self.random:
+            ps = [params[i] for i in self.random]
+            vec = lambda xs, dt: torch.tensor(xs, dtype=dt, device=device)  # noqa: E731
+            self.temperature = vec([p.temperature for p in ps], torch.float32).unsqueeze(1)
+            self.meta = SimpleNamespace(
+                top_k=vec([p.top_k for p in ps], torch.long), top_p=vec([p.top_p for p in ps], torch.float32),
+                min_p=vec([p.min_p for p in ps], torch.float32),
+                use_top_k=any(p.top_k > 0 for p in ps), use_top_p=any(p.top_p < 1.0 for p in ps),
+                use_min_p=any(p.min_p > 0.0 for p in ps))
+
+    def subset(self, sel: list[int]) -> "_DraftSampler":
+        return _DraftSampler([self.requests[i] for i in sel], self.device)
+
+    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None] | None]:
+        tokens = logits.argmax(dim=-1)
+        if not self.random:
+            return tokens, None
+        rows = torch.tensor(self.random, dtype=torch.long, device=logits.device)
+        x = apply_top_k_top_p_min_p(logits[rows].float() / self.temperature, self.meta)
+        q = x.softmax(dim=-1)
+        gens = [self.requests[i].generator for i in self.random]
+        drawn = (q / _exponential_noise(q.shape, gens, q.device)).argmax(dim=-1)
+        tokens[rows] = drawn
+        per_row: list[torch.Tensor | None] = [None] * len(self.requests)
+        for j, i in enumerate(self.random):
+            per_row[i] = q[j]
+        return tokens, per_row
