@@ -8,7 +8,7 @@ import pytest
 
 import tokenmill.llm
 from tokenmill.cli import build_parser, main
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.engine_args import EngineArgs
 from tokenmill.llm import LLM, parse_prompts
 
@@ -42,7 +42,11 @@ ROUND_TRIP = {
     "pipeline_parallel_size": (["--pipeline-parallel-size", "3"], 3, "parallel.pipeline_parallel_size"),
     "distributed_executor_backend": (["--distributed-executor-backend", "mp"], "mp",
                                      "parallel.distributed_executor_backend"),
+    "speculative_config": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+                           '{"method": "ngram", "num_speculative_tokens": 2}', "speculative"),
 }
+# Fields whose config value is parsed from the argument's.
+CONFIG_VALUES = {"speculative_config": SpeculativeConfig("ngram", 2)}
 NAMES = [f.name for f in fields(EngineArgs)]
 
 
@@ -111,14 +115,14 @@ def test_cli_to_engine_config_carries_every_value(no_validation):
     config = engine_args.create_engine_config()
     for name, (_, value, path) in ROUND_TRIP.items():
         assert getattr(engine_args, name) == value, name
-        assert lookup(config, path) == value, name
+        assert lookup(config, path) == CONFIG_VALUES.get(name, value), name
 
 
 def test_llm_kwargs_reach_the_engine_config(fake_engine, no_validation):
     kwargs = {name: value for name, (_, value, _) in ROUND_TRIP.items()}
     llm = LLM(**kwargs)
     for name, (_, value, path) in ROUND_TRIP.items():
-        assert lookup(llm.engine.config, path) == value, name
+        assert lookup(llm.engine.config, path) == CONFIG_VALUES.get(name, value), name
     assert llm.engine.config == EngineArgs(**kwargs).create_engine_config()
 
 

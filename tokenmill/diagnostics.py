@@ -251,7 +251,10 @@ def engine_diagnostics(core, last_n: int | None = None) -> dict:
     # Idle time between the window's steps only: not the wait before its first step (start-up, an
     # earlier quiet spell) nor the one after its last, which belong to no run in the window.
     idle_s = sum(s.idle_before_s for s in steps[1:])
-    return diagnose(steps, info.model_cost, peaks, idle_s=idle_s)
+    out = diagnose(steps, info.model_cost, peaks, idle_s=idle_s)
+    if core.config.speculative is not None:  # counters since start; acceptance_rate, mean_acceptance_length
+        out["speculative"] = {"method": core.config.speculative.method, **core.scheduler.spec_stats.as_dict()}
+    return out
 
 
 def format_report(d: dict) -> str:

@@ -115,6 +115,10 @@ class ServerStats:
     prefix_cache_hits: float | None = None
     prefix_cache_hit_rate: float | None = None
     preemptions: float | None = None
+    # Speculative decoding (vLLM's spec_decode_* counters): accepted / draft tokens, 1 + accepted / drafts.
+    spec_draft_tokens: float | None = None
+    spec_acceptance_rate: float | None = None
+    spec_mean_acceptance_length: float | None = None
     prompt_tokens: float | None = None
     generation_tokens: float | None = None
     # Medians of the server's own histograms over the run, by Prometheus' interpolation rule.
@@ -154,6 +158,12 @@ def server_stats(metrics_url: str, before_text: str | None, after_text: str | No
     if out.prefix_cache_queries and out.prefix_cache_hits is not None:
         out.prefix_cache_hit_rate = out.prefix_cache_hits / out.prefix_cache_queries
     out.preemptions = d("num_preemptions_total")
+    drafts, out.spec_draft_tokens = d("spec_decode_num_drafts_total"), d("spec_decode_num_draft_tokens_total")
+    accepted = d("spec_decode_num_accepted_tokens_total")
+    if out.spec_draft_tokens and accepted is not None:
+        out.spec_acceptance_rate = accepted / out.spec_draft_tokens
+    if drafts and accepted is not None:
+        out.spec_mean_acceptance_length = 1 + accepted / drafts
     out.prompt_tokens = d("prompt_tokens_total")
     out.generation_tokens = d("generation_tokens_total")
     out.ttft_median_s = _median_delta(before, after, f"{prefix}:time_to_first_token_seconds")

@@ -108,6 +108,8 @@ ROWS += [
     ("Server", None, 0),
     ("Prefix cache hit rate", "server.prefix_cache_hit_rate", 3),
     ("Preemptions", "server.preemptions", 0),
+    ("Spec. decoding acceptance rate", "server.spec_acceptance_rate", 3),
+    ("Spec. decoding mean acceptance length", "server.spec_mean_acceptance_length", 2),
     ("Cost (USD)", None, 0),
     ("Cost of the run", "summary.cost.total_usd", 4),
     ("Cost per request", "summary.cost.per_request_usd", 6),

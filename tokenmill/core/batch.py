@@ -106,4 +106,6 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # per sampled token
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Speculative decoding: drafts proposed for each request's next step (the scheduler verifies them then).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     timings: StepTimings = field(default_factory=StepTimings)

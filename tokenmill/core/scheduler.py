@@ -37,6 +37,35 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
+@dataclass
+class SpecDecodingStats:
+    """Verification counters, vLLM's spec_decode_* metrics: drafts (verifications with at least one draft),
+    draft tokens, accepted tokens, and accepted tokens by draft position."""
+
+    max_k: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.max_k
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for i in range(min(accepted, self.max_k)):
+            self.accepted_per_pos[i] += 1
+
+    def as_dict(self) -> dict:
+        drafted, accepted = self.num_draft_tokens, self.num_accepted_tokens
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+                "accepted_per_pos": list(self.accepted_per_pos),
+                "acceptance_rate": accepted / drafted if drafted else None,
+                "mean_acceptance_length": 1 + accepted / self.num_drafts if self.num_drafts else None}
+
+
 class WaitingQueue:
     """Requests ordered by (priority if the policy uses it, arrival time). Lower priority value runs first."""
 
@@ -89,6 +118,7 @@ class Scheduler:
         self.prompt_tokens = 0  # prompt tokens computed (cache hits excluded)
         self.generation_tokens = 0
         self.requests: dict[str, Request] = {}  # unfinished, by id
+        self.spec_stats = SpecDecodingStats(config.num_lookahead_tokens)
         self._forget: list[str] = []  # requests the worker holds and must drop at the next batch
 
     # ---- request lifecycle ---------------------------------------------------------------
@@ -214,7 +244,7 @@ class Scheduler:
             # Cached tokens, whether shared on the device or loaded from a lower tier, cost no budget.
             num_cached = (len(computed) + len(offloaded)) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(req, n, computed, offloaded):
+            if not self.kv.allocate_slots(req, n, computed, offloaded, self.num_lookahead_tokens):
                 break
             self.waiting.pop()
             if req.num_cached_tokens < 0:
@@ -281,6 +311,8 @@ class Scheduler:
             spec = out.spec.get(rid, ())
             new = sampled.get(rid, [])
             rejected = len(spec) - max(len(new) - 1, 0) if spec else 0
+            if spec:
+                self.spec_stats.record(len(spec), len(spec) - rejected)
             before = req.num_computed_tokens
             req.num_computed_tokens = before + n - rejected
             self.prompt_tokens += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - min(before, req.num_prompt_tokens))
@@ -306,6 +338,8 @@ class Scheduler:
                 req.first_token_time = now
             if status is not None:
                 self.finish_request(req, status)
+            else:
+                req.spec_token_ids = result.spec_token_ids.get(rid, [])
             lps = result.logprobs.get(rid)
             outputs.append(EngineCoreOutput(
                 rid, accepted, lps[: len(accepted)] if lps is not None else None, prompt_lps,

@@ -132,7 +132,8 @@ class EngineCore:
                        "disk_loads": o.disk_loads, "load_failures": o.load_failures}
         return SchedulerStats(sched.num_running, sched.num_waiting, kv.usage, kv.stats.queries, kv.stats.hits,
                               kv.stats.evictions, sched.num_preemptions, sched.prompt_tokens,
-                              sched.generation_tokens, offload)
+                              sched.generation_tokens, offload,
+                              sched.spec_stats.as_dict() if self.config.speculative is not None else None)
 
     # ---- utility calls (also reachable over IPC) ----------------------------------------
     def diagnostics(self, last_n: int | None = None) -> dict:

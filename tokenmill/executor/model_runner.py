@@ -16,7 +16,8 @@ from tokenmill.executor.input_batch import InputBatch, StepInputs
 from tokenmill.layers.attention import Attention, AttentionTimer
 from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend
-from tokenmill.sample.sampler import Sampler, SamplingMetadata, compute_logprobs
+from tokenmill.sample.rejection_sampler import rejection_sample
+from tokenmill.sample.sampler import Sampler, SamplingMetadata, apply_penalties, apply_top_k_top_p_min_p, compute_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def _attention_timer(device: torch.device) -> AttentionTimer | None:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, vocab_size: int, block_size: int, device: torch.device,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, spec=None) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.block_size = block_size
@@ -45,6 +46,7 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.input_batch = InputBatch(block_size, device)
         self.sampler = Sampler()
+        self.spec = spec  # spec_decode.decoder.SpecDecoder: proposes each request's next drafts
         self.num_blocks = 0
         self.kv_dtype: torch.dtype | None = None
         self.attn_timer = _attention_timer(torch.device(device))
@@ -55,8 +57,10 @@ class ModelRunner:
         self._attn_read_groups: list[tuple[int | None, int]] = []
 
     def block_bytes(self, kv_dtype: torch.dtype) -> int:
-        """K and V of one block over all layers (with int8's scales)."""
-        return sum(kv_quant.block_bytes(self.block_size, a.num_kv_heads, a.head_dim, kv_dtype) for a in self.attn_layers)
+        """K and V of one block over all layers (with int8's scales), a speculative draft's layers included."""
+        draft = self.spec.block_bytes(kv_dtype) if self.spec is not None else 0
+        return draft + sum(kv_quant.block_bytes(self.block_size, a.num_kv_heads, a.head_dim, kv_dtype)
+                           for a in self.attn_layers)
 
     @property
     def bytes_per_block(self) -> int:
@@ -64,6 +68,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
         self.backend.allocate_kv_cache(self.attn_layers, num_blocks, kv_dtype)
+        if self.spec is not None:
+            self.spec.allocate_kv_cache(num_blocks, kv_dtype)
         self.num_blocks = num_blocks
         self.kv_dtype = kv_dtype
         groups: dict[int | None, int] = {}
@@ -84,13 +90,23 @@ class ModelRunner:
         return total
 
     def kv_caches(self) -> list[torch.Tensor]:
-        """Every layer's K and V pool (and int8's scales), each indexed by block on its first dimension."""
-        return [t for a in self.attn_layers for t in kv_quant.layer_caches(a)]
+        """Every layer's K and V pool (and int8's scales), each indexed by block on its first dimension; a
+        draft's too, so prefix blocks moved between tiers keep the draft's KV."""
+        caches = [t for a in self.attn_layers for t in kv_quant.layer_caches(a)]
+        return caches + self.spec.kv_caches() if self.spec is not None else caches
+
+    def mark_initialized(self, block_ids: torch.Tensor) -> None:
+        self.backend.mark_initialized(block_ids)
+        if self.spec is not None:
+            self.spec.mark_initialized(block_ids)
 
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, batch: ScheduledBatch) -> ModelRunnerOutput:
         t0 = time.perf_counter()
+        if self.spec is not None:
+            for rid in batch.finished_req_ids:
+                self.spec.forget(rid)
         self.input_batch.update(batch)
         if not batch:
             return ModelRunnerOutput()
@@ -106,8 +122,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
-        out = self._sample(logits, inp, batch) if logits is not None else ModelRunnerOutput()
+        if logits is None:
+            out = ModelRunnerOutput()
+        elif batch.spec_token_ids:
+            out = self._sample_spec(logits, inp, batch)
+        else:
+            out = self._sample(logits, inp, batch)
         out.prompt_logprobs = prompt_lps
+        if self.spec is not None:
+            self._propose(inp, batch, hidden, out, t2 - t1)
         layout = inp.layout
         out.timings = StepTimings(
             prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=time.perf_counter() - t2, kv_tokens=inp.kv_tokens,
@@ -115,7 +138,8 @@ class ModelRunner:
             attn_bytes=self.attn_read_bytes(layout.query_len, layout.kv_len))
         return out
 
-    def _sample(self, logits: torch.Tensor, inp: StepInputs, batch: ScheduledBatch) -> ModelRunnerOutput:
+    def _sampling_metadata(self, inp: StepInputs, batch: ScheduledBatch) -> SamplingMetadata:
+        """One row per sampled row: a draft row's penalties count the drafts before it as output."""
         params, prompts, outputs, gens, banned = [], [], [], [], []
         grammar_rows, bitmask_rows = [], []  # sampled rows under a grammar, and their rows of the bitmask
         for r, rows, spec in zip(inp.requests, inp.rows_per_request, inp.spec):
@@ -136,35 +160,73 @@ class ModelRunner:
             bitmask = torch.from_numpy(batch.grammar_bitmask)
             meta.grammar_rows = torch.tensor(grammar_rows, dtype=torch.long, device=self.device)
             meta.grammar_bitmask = bitmask[torch.tensor(bitmask_rows, dtype=torch.long)].to(self.device)
+        return meta
+
+    def _sample(self, logits: torch.Tensor, inp: StepInputs, batch: ScheduledBatch) -> ModelRunnerOutput:
+        meta = self._sampling_metadata(inp, batch)
         sampled = self.sampler(logits, meta)
-        tokens = sampled.token_ids.tolist()
         lp = None
         if sampled.logprobs is not None:
             lp = (sampled.logprobs.tolist(), sampled.ranks.tolist(), sampled.top_ids.tolist(),
                   sampled.top_logprobs.tolist())
+        return self._result(inp, sampled.token_ids.tolist(), None, lp)
+
+    def _sample_spec(self, logits: torch.Tensor, inp: StepInputs, batch: ScheduledBatch) -> ModelRunnerOutput:
+        """Verify the drafts: the target's processed distribution p at every row, then exact rejection
+        sampling against each draft's q (a point mass for n-gram and greedy drafts)."""
+        meta = self._sampling_metadata(inp, batch)
+        raw = logits.float()
+        x = apply_penalties(raw, meta)
+        greedy_ids = x.argmax(dim=-1)
+        probs = x  # never read for greedy rows
+        if not meta.all_greedy:
+            temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature).unsqueeze(1)
+            probs = apply_top_k_top_p_min_p(x / temperature, meta).softmax(dim=-1)
+        reqs = [(r, rows, spec) for r, rows, spec in zip(inp.requests, inp.rows_per_request, inp.spec) if rows]
+        draft_probs = [self.spec.probs_for(r.req_id, len(spec)) if self.spec is not None and spec else None
+                       for r, _, spec in reqs]
+        tokens, num_accepted = rejection_sample(
+            probs, greedy_ids, [rows for _, rows, _ in reqs], [spec for _, _, spec in reqs], draft_probs,
+            [r.params.greedy for r, _, _ in reqs], [r.generator for r, _, _ in reqs])
+        lp = None
+        if meta.max_num_logprobs > 0 or meta.need_logprobs:
+            token_lp, top_lp, top_ids, ranks = compute_logprobs(raw, tokens, meta.max_num_logprobs)
+            lp = (token_lp.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())
+        return self._result(inp, tokens.tolist(), num_accepted, lp)
+
+    def _result(self, inp: StepInputs, tokens: list[int], num_accepted: list[int] | None, lp) -> ModelRunnerOutput:
+        """Per request: its sampled rows' tokens, cut after the accepted drafts and the one token that
+        follows them."""
         result = ModelRunnerOutput()
-        row = 0
-        for r, rows, spec in zip(inp.requests, inp.rows_per_request, inp.spec):
+        row = j = 0
+        for r, rows in zip(inp.requests, inp.rows_per_request):
             if not rows:
                 continue
-            got = tokens[row : row + rows]
-            if spec:
-                # Greedy verification: keep drafts while they equal what the model samples at their
-                # position, then the model's own token. For a single proposed token per position
-                # (q a point mass) this is exactly rejection sampling: accept with p(d), else draw
-                # from p without d.
-                accepted = 0
-                while accepted < len(spec) and got[accepted] == spec[accepted]:
-                    accepted += 1
-                got = got[: accepted + 1]
+            n = num_accepted[j] + 1 if num_accepted is not None else rows
+            j += 1
             result.req_ids.append(r.req_id)
-            result.sampled_token_ids.append(got)
+            result.sampled_token_ids.append(tokens[row : row + n])
             if lp is not None and r.params.logprobs is not None:
                 k = r.params.logprobs
                 result.logprobs[r.req_id] = [
-                    (lp[0][i], lp[1][i], lp[2][i][:k], lp[3][i][:k]) for i in range(row, row + len(got))]
+                    (lp[0][i], lp[1][i], lp[2][i][:k], lp[3][i][:k]) for i in range(row, row + n)]
             row += rows
         return result
+
+    def _propose(self, inp: StepInputs, batch: ScheduledBatch, hidden: torch.Tensor, out: ModelRunnerOutput,
+                 forward_s: float) -> None:
+        """Record what the step cost and what verification accepted, then draft the next step."""
+        from tokenmill.spec_decode.draft import StepView
+
+        sampled = dict(zip(out.req_ids, out.sampled_token_ids))
+        verified = [(len(sp), len(sampled[r.req_id]) - 1) for r, sp in zip(inp.requests, inp.spec)
+                    if sp and r.req_id in sampled]
+        self.spec.observe(batch.num_tokens, forward_s, verified)
+        lay = inp.layout
+        view = StepView(inp.requests, lay.kv_len.numpy() - lay.query_len.numpy(), list(batch.num_scheduled_tokens),
+                        lay.query_start.numpy(), [sampled.get(r.req_id) for r in inp.requests], hidden,
+                        getattr(self.model, "aux_hidden_states", None))
+        out.spec_token_ids = self.spec.propose(view)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> dict[str, PromptLogprobs]:
         out = {}

@@ -106,7 +106,12 @@ class Worker:
                  f" ({quant.name})" if quant else "")
         backend_cls = get_attention_backend(getattr(self.config, "attention_backend", None), self.device)
         vocab = int(self.hf_config.vocab_size)
-        self.runner = ModelRunner(model, vocab, cache.block_size, self.device, backend_cls(cache.block_size, self.device))
+        from tokenmill.spec_decode.decoder import build_spec_decoder
+
+        spec = build_spec_decoder(self.config, model, backend_cls, cache.block_size, self.device, vocab,
+                                  self.max_model_len)
+        self.runner = ModelRunner(model, vocab, cache.block_size, self.device, backend_cls(cache.block_size, self.device),
+                                  spec)
         kv_dtype = kv_dtype_for(getattr(cache, "kv_cache_dtype", "auto"), model)
         num_blocks = self.determine_num_blocks(kv_dtype)
         self.runner.allocate_kv_cache(num_blocks, kv_dtype)
@@ -190,7 +195,7 @@ class Worker:
         failed = self.transfer.run(ops)
         loaded = [op.block_id for op in ops if isinstance(op, LoadOp)]
         if loaded:  # written outside a forward pass: lazy zeroing must leave them be
-            self.runner.backend.mark_initialized(torch.tensor(loaded, dtype=torch.long))
+            self.runner.mark_initialized(torch.tensor(loaded, dtype=torch.long))
         return failed, self.transfer.stats.last_ops_s
 
     def ping(self) -> str:

@@ -61,6 +61,11 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(**label)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(**label)
         self.preemptions = counter("num_preemptions", "Requests preempted to free KV cache blocks.").labels(**label)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verifications of at least one draft token.").labels(**label)
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.").labels(**label)
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.").labels(**label)
+        self._spec_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
+                                 m + ["position"])
         self._success = counter("request_success", "Finished requests by finish reason.", m + ["finished_reason"])
         self._model = model_name
         for reason in ("stop", "length", "abort"):
@@ -98,6 +103,13 @@ class ServerMetrics:
             self._add(self.offload_loads["host"], "host_loads", o["host_loads"])
             self._add(self.offload_loads["disk"], "disk_loads", o["disk_loads"])
             self._add(self.offload_failures, "load_failures", o["load_failures"])
+        sp = stats.spec
+        if sp is not None:
+            self._add(self.spec_drafts, "spec_drafts", sp["num_drafts"])
+            self._add(self.spec_draft_tokens, "spec_draft_tokens", sp["num_draft_tokens"])
+            self._add(self.spec_accepted, "spec_accepted", sp["num_accepted_tokens"])
+            for pos, n in enumerate(sp["accepted_per_pos"]):
+                self._add(self._spec_pos.labels(model_name=self._model, position=str(pos)), f"spec_pos{pos}", n)
         self._add(self.preemptions, "preemptions", stats.num_preemptions)
         self._add(self.generation_tokens, "generation", stats.generation_tokens)
         for s in inter_token_s:
@@ -108,7 +120,7 @@ class ServerMetrics:
                 self.step_phase[phase].observe(getattr(step, f"{phase}_s"))
 
     def _add(self, counter: Counter, key: str, total: int) -> None:
-        delta = total - self._last[key]
+        delta = total - self._last.get(key, 0)
         if delta > 0:
             counter.inc(delta)
         self._last[key] = total

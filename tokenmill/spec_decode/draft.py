@@ -100,8 +100,9 @@ class DraftRunner:
                         dc = j * bs
                         break
             known = view.known(i)
+            cap = len(r.block_ids) * bs  # positions with a slot
             if self.head:
-                end = len(known) - 1 if got else c + n  # the target's feature exists for positions < end
+                end = min(len(known) - 1 if got else c + n, cap)  # the target's feature exists below end
                 first = max(dc, c)  # features before c are gone with earlier steps
                 if first >= end:
                     continue
@@ -110,7 +111,7 @@ class DraftRunner:
                 tokens = known[first + 1 : end + 1]
                 rows = int(view.row_starts[i]) + np.arange(first - c, end - c)
             else:
-                end = len(known) if got else c + n
+                end = min(len(known) if got else c + n, cap)
                 first = min(dc, end - 1) if got else dc
                 if first >= end:
                     continue
