@@ -1,0 +1,193 @@
+"""Speculative decoding end to end: every proposer leaves greedy output exactly as without speculation
+(plain, chunked, preempted, prefix-cached, n > 1, stop strings, abort), sampling stays exact, and the
+counters report what verification accepted."""
+from __future__ import annotations
+
+import pytest
+
+from compare import assert_same_outputs
+from tiny import make_tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import SpeculativeConfig
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "SELECT * FROM users WHERE id = 42; SELECT * FROM",
+    "hello",
+    "Once upon a time there was a small language model that could count to ten. " * 3,
+]
+GREEDY = SamplingParams(max_tokens=32, temperature=0, logprobs=2, ignore_eos=True)
+KV = dict(kv_cache_memory_bytes=8 << 20)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("target"), "llama", seed=1))
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=2, num_hidden_layers=1))
+
+
+@pytest.fixture(scope="module")
+def baseline(target):
+    llm = LLM(target, **KV)
+    return {name: [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+            for name in ("plain",)}["plain"]
+
+
+def methods(target, small_draft):
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        "draft_model": {"method": "draft_model", "model": small_draft, "num_speculative_tokens": 4},
+        "self_draft": {"method": "draft_model", "model": target, "num_speculative_tokens": 4},
+        "quantized_self": {"method": "quantized_self", "num_speculative_tokens": 3},
+    }
+
+
+def run(target, spec: dict, params=GREEDY, prompts=PROMPTS, **kw):
+    llm = LLM(target, speculative_config=dict(spec, adaptive=False), **{**KV, **kw})
+    out = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    return llm, out
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft_model", "self_draft", "quantized_self"])
+@pytest.mark.parametrize("mode", ["plain", "chunked", "preempted"])
+def test_greedy_output_equals_no_speculation(target, small_draft, baseline, name, mode):
+    kw = {"plain": {}, "chunked": dict(max_num_batched_tokens=24, block_size=4),
+          # Few blocks: requests preempt one another mid-generation (drafts' KV slots are rolled back).
+          "preempted": dict(num_gpu_blocks_override=44, block_size=4, max_num_batched_tokens=32,
+                                        max_model_len=160)}[mode]
+    llm, out = run(target, methods(target, small_draft)[name], **kw)
+    assert_same_outputs(baseline, out, f"{name}/{mode}")
+    stats = llm.engine.core.scheduler.spec_stats
+    assert stats.num_draft_tokens > 0, "no drafts were verified"
+    if mode == "preempted":
+        assert llm.engine.core.scheduler.num_preemptions > 0
+    if name == "self_draft":  # the draft is the target: every draft is accepted
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert llm.engine.core.kv.usage == 0.0  # every block (drafts' lookahead included) returned
+
+
+def test_mixed_k_in_one_batch(target, baseline):
+    """A small token budget cuts some requests' drafts (k differs per request, 0 included)."""
+    llm, out = run(target, {"method": "draft_model", "model": target, "num_speculative_tokens": 5},
+                   max_num_batched_tokens=9, max_num_seqs=4)
+    assert_same_outputs(baseline, out, "mixed k")
+    st = llm.engine.core.scheduler.spec_stats
+    assert 0 < st.num_draft_tokens < st.num_drafts * 5  # some verifications had fewer than k drafts
+
+
+def test_prefix_cache_hits_and_repeats(target, small_draft, baseline):
+    """The same prompts twice: the second run's prompts come from the prefix cache, draft KV included."""
+    for spec in (methods(target, small_draft)["self_draft"], methods(target, small_draft)["ngram"]):
+        llm = LLM(target, speculative_config=dict(spec, adaptive=False), **KV)
+        for _ in range(2):
+            out = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+            assert_same_outputs(baseline, out, spec["method"])
+        assert llm.engine.core.kv.stats.hits > 0
+        st = llm.engine.core.scheduler.spec_stats
+        if spec["model"] if "model" in spec else False:
+            assert st.num_accepted_tokens == st.num_draft_tokens
+
+
+def test_n_greater_than_one_stop_strings_and_logprobs(target):
+    spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 3}
+    params = SamplingParams(n=2, max_tokens=24, temperature=0, logprobs=3, stop=["ab", "the"])
+    base = LLM(target, **KV).generate(PROMPTS, params, use_tqdm=False)
+    _, _ = None, None
+    llm = LLM(target, speculative_config=dict(spec, adaptive=False), **KV)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(base, got):
+        assert [o.text for o in a.outputs] == [o.text for o in b.outputs]
+        assert [o.finish_reason for o in a.outputs] == [o.finish_reason for o in b.outputs]
+        assert_same_outputs(a.outputs, b.outputs, "n=2")
+    assert llm.engine.core.kv.usage == 0.0
+
+
+def test_sampling_with_a_perfect_draft_accepts_everything(target):
+    """Draft == target at temperature 1 with top-p: q == p, so min(1, p/q) = 1 for every draft."""
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    llm, out = run(target, {"method": "draft_model", "model": target, "num_speculative_tokens": 3}, params)
+    st = llm.engine.core.scheduler.spec_stats
+    assert st.num_draft_tokens > 0 and st.num_accepted_tokens == st.num_draft_tokens
+    assert all(len(o.token_ids) == 24 for o in out)
+    # Seeded: the same run gives the same tokens.
+    _, again = run(target, {"method": "draft_model", "model": target, "num_speculative_tokens": 3}, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in again]
+
+
+def test_sampling_with_a_different_draft_runs_and_is_seeded(target, small_draft):
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=3, ignore_eos=True)
+    spec = {"method": "draft_model", "model": small_draft, "num_speculative_tokens": 3}
+    llm, a = run(target, spec, params)
+    _, b = run(target, spec, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    st = llm.engine.core.scheduler.spec_stats
+    assert st.num_draft_tokens > 0 and st.num_accepted_tokens < st.num_draft_tokens
+
+
+def test_abort_mid_generation_frees_blocks(target):
+    llm = LLM(target, speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 3,
+                                          "adaptive": False}, **KV)
+    engine = llm.engine
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    engine.abort_request("a")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.core.kv.usage == 0.0
+
+
+def test_metrics_and_diagnostics_report_acceptance(target):
+    from tokenmill.serve.metrics import ServerMetrics
+
+    llm, _ = run(target, {"method": "draft_model", "model": target, "num_speculative_tokens": 2})
+    core = llm.engine.core
+    stats = core.scheduler_stats()
+    assert stats.spec["num_draft_tokens"] > 0 and stats.spec["acceptance_rate"] == 1.0
+    assert stats.spec["mean_acceptance_length"] == 3.0
+    m = ServerMetrics("tiny")
+    m.on_iteration(stats, None, [])
+    text = m.render().decode()
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens_per_pos_total"):
+        assert f"tokenmill:{name}" in text, name
+    assert 'position="1"' in text
+    d = core.diagnostics()
+    assert d["speculative"]["acceptance_rate"] == 1.0
+
+
+def test_adaptive_turns_off_when_drafting_costs_as_much_as_the_target(target):
+    """A self-draft costs the target's time per token: with the adaptive switch the engine measures this
+    and stops drafting, and output is unchanged."""
+    llm = LLM(target, speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 4},
+              **KV)
+    out = [o.outputs[0] for o in llm.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0,
+                                                                          ignore_eos=True), use_tqdm=False)]
+    spec = llm.engine.core.executor.worker.runner.spec
+    assert spec.last_k == 0
+    assert llm.engine.core.scheduler.spec_stats.num_drafts < 10
+    assert len(out[0].token_ids) == 40
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"method": "medusa"}', "unknown speculative method"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "draft_model"}', "needs a model"),
+    ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+    ('{"method": "ngram", "k": 3}', "unknown speculative_config keys: k"),
+    ("{not json", "not valid JSON"),
+    ('{"method": "ngram", "draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size"),
+])
+def test_bad_speculative_config_is_a_clear_error(bad, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.parse(bad)
+
+
+def test_vllm_aliases():
+    assert SpeculativeConfig.parse({"method": "deepseek_mtp"}).method == "mtp"
+    assert SpeculativeConfig.parse({"model": "/some/draft"}).method == "draft_model"
