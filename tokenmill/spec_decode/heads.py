@@ -141,7 +141,7 @@ class Eagle3Head(DraftHead):
         if own_lm_head:
             self.lm_head = ParallelLMHead(draft_vocab, h, build.params_dtype)
         self.draft_vocab = draft_vocab
-        self.draft_to_target: torch.Tensor | None = None  # [draft_vocab] target ids; None: identity
+        self.register_buffer("draft_to_target", None, persistent=False)  # [draft_vocab] target ids; None: identity
 
     def forward(self, input_ids, positions, features, meta) -> tuple[torch.Tensor, torch.Tensor]:
         features = features.to(self.compute_dtype)
