@@ -368,7 +368,8 @@ def _load_eagle(method: str, path: str, target: DecoderForCausalLM, build: Build
 def _load_mtp(target: DecoderForCausalLM, target_path: str, build: Build) -> DraftHead:
     cfg = target.config
     if int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) < 1:
-        raise ValueError(f"target {target_path!r} has no MTP layers: config.json sets no num_nextn_predict_layers >= 1")
+        raise ValueError(f"target {target_path!r} has no MTP layers: "
+                         f"config.json sets no num_nextn_predict_layers >= 1")
     n = cfg.num_hidden_layers
     prefix = f"model.layers.{n}."
     what = f"MTP layer {prefix}* in {target_path!r}"
