@@ -302,7 +302,8 @@ def eagle3_aux_layers(cfg, num_target_layers: int) -> tuple[int, ...]:
         ids = (2, n // 2, n - 3)
     if not all(0 <= int(i) <= n for i in ids):
         raise ValueError(f"EAGLE-3 aux hidden state layer ids {list(ids)} do not fit the target's {n} layers "
-                         f"(id i = the hidden state entering layer i); set eagle_config.eagle_aux_hidden_state_layer_ids")
+                         f"(id i = the hidden state entering layer i); "
+                         f"set eagle_config.eagle_aux_hidden_state_layer_ids")
     return tuple(int(i) - 1 for i in ids)
 
 
