@@ -173,6 +173,10 @@ class DecoderForCausalLM(nn.Module):
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
     weight_naming = WeightNaming()
+    # Opt-in (EAGLE-3): forward also stores in `aux_hidden_states` the residual stream after each of these
+    # layers (-1: the embeddings), concatenated on the last dim. Empty: nothing extra is done.
+    aux_hidden_layers: tuple[int, ...] = ()
+    aux_hidden_states: torch.Tensor | None = None
 
     def __init__(self, cfg, spec: DecoderSpec, dtype: torch.dtype, compute_dtype: torch.dtype, max_positions: int,
                  quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -204,9 +208,22 @@ class DecoderForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids).to(self.compute_dtype)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if self.aux_hidden_layers:
+            return self._forward_capturing(positions, x, meta)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, meta, residual)
+        return self.norm.add(residual, x)[1]
+
+    def _forward_capturing(self, positions: torch.Tensor, x: torch.Tensor, meta) -> torch.Tensor:
+        wanted = self.aux_hidden_layers
+        states = {-1: x} if -1 in wanted else {}
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(positions, x, meta, residual)
+            if i in wanted:
+                states[i] = x + residual
+        self.aux_hidden_states = torch.cat([states[i] for i in wanted], dim=-1)
         return self.norm.add(residual, x)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

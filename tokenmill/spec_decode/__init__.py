@@ -1,1 +1,1 @@
-"""Speculative decoding: draft proposers."""
+"""Speculative decoding: proposers, draft runner, draft heads and the adaptive policy."""
