@@ -191,3 +191,46 @@ def test_bad_speculative_config_is_a_clear_error(bad, message):
 def test_vllm_aliases():
     assert SpeculativeConfig.parse({"method": "deepseek_mtp"}).method == "mtp"
     assert SpeculativeConfig.parse({"model": "/some/draft"}).method == "draft_model"
+
+
+# ---- draft heads over the target's hidden states: EAGLE, EAGLE-3, MTP ---------------------------------
+def _head_spec(method: str, tmp_path, target_dir, copy: bool) -> dict:
+    from draft_heads_tiny import add_mtp_layers, write_eagle3_head, write_eagle_head
+
+    if method == "eagle":
+        return {"method": "eagle", "model": str(write_eagle_head(tmp_path / "eagle", target_dir, copy=copy))}
+    if method == "eagle3":
+        return {"method": "eagle3", "model": str(write_eagle3_head(tmp_path / "eagle3", target_dir, copy=copy))}
+    add_mtp_layers(target_dir, copy=copy)
+    return {"method": "mtp"}
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_copy_head_on_a_bigram_target_accepts_every_draft(tmp_path, method):
+    """A head whose weights reproduce the target's next-token choice: every proposal is accepted. EAGLE-3
+    carries its own feature forward in the residual stream, so its copy weights hold for the first draft
+    only (k=1); EAGLE and MTP copy at every depth."""
+    from draft_heads_tiny import make_bigram_target
+
+    target_dir = make_bigram_target(make_tiny_model(tmp_path / "bigram", "llama", seed=3))
+    base = [o.outputs[0] for o in LLM(str(target_dir), **KV).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    k = 1 if method == "eagle3" else 3
+    spec = dict(_head_spec(method, tmp_path, target_dir, copy=True), num_speculative_tokens=k)
+    llm, out = run(str(target_dir), spec, max_num_batched_tokens=24, block_size=4)
+    assert_same_outputs(base, out, method)
+    st = llm.engine.core.scheduler.spec_stats
+    assert st.num_draft_tokens > 20 and st.num_accepted_tokens == st.num_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("mode", ["plain", "preempted"])
+def test_random_head_leaves_output_unchanged(tmp_path, method, mode):
+    target_dir = make_tiny_model(tmp_path / "target", "llama", seed=4)
+    base = [o.outputs[0] for o in LLM(str(target_dir), **KV).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    spec = dict(_head_spec(method, tmp_path, target_dir, copy=False), num_speculative_tokens=3)
+    kw = {} if mode == "plain" else dict(num_gpu_blocks_override=44, block_size=4, max_num_batched_tokens=32,
+                                         max_model_len=160)
+    llm, out = run(str(target_dir), spec, **kw)
+    assert_same_outputs(base, out, f"{method}/{mode}")
+    assert llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+    assert llm.engine.core.kv.usage == 0.0
