@@ -5,7 +5,8 @@ with B decoding requests then costs t(B(k+1)) for the target forward over B(k+1)
 drafting D(k), and yields B E(k) tokens. t(T) is measured, not assumed: every step's forward time is
 recorded against its token count, so prefill steps show the compute-bound slope and decode steps the
 bandwidth-bound floor. At batch 1 on a CPU t(4) ~ t(1) and speculation pays; at batch 64 t(256) ~ 4
-t(64) and it cannot, so k falls to 0 (off) for that step. No torch.
+t(64) and it cannot, so k falls to 0 (off) for that step. While off, one step in PROBE_EVERY drafts
+anyway, so acceptance is measured again as the text changes. No torch.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import math
 EWMA = 0.2  # weight of a new observation
 PRIOR_ACCEPTANCE = 0.6  # before any verification
 MIN_GAIN = 1.05  # speculate only when the model expects at least this much over plain decoding
+PROBE_EVERY = 64  # after this many steps off, draft once anyway: acceptance and costs drift with the text
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -68,6 +70,7 @@ class AdaptivePolicy:
         self.trials = 4.0
         self.draft_s: dict[int, float] = {}  # batch size bucket -> seconds per drafted position (all requests)
         self.last_k = max_k
+        self.off_steps = 0
 
     @property
     def acceptance(self) -> float:
@@ -120,5 +123,12 @@ class AdaptivePolicy:
             rate = batch * expected_tokens(a, k) / cost
             if rate > best * (MIN_GAIN if best_k == 0 else 1.0):
                 best_k, best = k, rate
+        if best_k == 0:
+            self.off_steps += 1
+            if self.off_steps >= PROBE_EVERY:
+                self.off_steps = 0
+                best_k = self.max_k
+        else:
+            self.off_steps = 0
         self.last_k = best_k
         return best_k
