@@ -67,6 +67,9 @@ class DraftRunner:
         self.attn_layers = [m for m in module.modules() if isinstance(m, Attention)]
         self.computed: dict[str, int] = {}  # request -> positions below this hold valid draft KV
         self.stale: set[int] = set()  # blocks whose draft KV positions were skipped
+        # A model draft's KV of its own drafts: request -> (first position fed, drafts fed). Those accepted
+        # next step are already in the cache, so catch-up starts after them.
+        self.fed: dict[str, tuple[int, int]] = {}
 
     # ---- KV pool --------------------------------------------------------------------------
     def block_bytes(self, kv_dtype: torch.dtype) -> int:
@@ -80,6 +83,7 @@ class DraftRunner:
 
     def forget(self, req_id: str) -> None:
         self.computed.pop(req_id, None)
+        self.fed.pop(req_id, None)
 
     # ---- one step -------------------------------------------------------------------------
     def _segments(self, view: StepView, want: set[int], catch_up_all: bool):
@@ -111,6 +115,9 @@ class DraftRunner:
                 tokens = known[first + 1 : end + 1]
                 rows = int(view.row_starts[i]) + np.arange(first - c, end - c)
             else:
+                fed = self.fed.pop(r.req_id, None)
+                if fed is not None and got and dc == fed[0]:
+                    dc += min(len(got) - 1, fed[1])  # accepted drafts' KV was written when they were fed
                 end = min(len(known) if got else c + n, cap)
                 first = min(dc, end - 1) if got else dc
                 if first >= end:
@@ -199,6 +206,7 @@ class DraftRunner:
             active.append((j, i, next_pos, max(0, min(k - 1, room))))
         if not active:
             return {}
+        fed_of = list(active)
         rows = torch.from_numpy(last_rows[[a[0] for a in active]])
         out: dict[int, list[int]] = {a[1]: [] for a in active}
         probs: dict[int, list[torch.Tensor]] = {a[1]: [] for a in active}
@@ -226,6 +234,9 @@ class DraftRunner:
             cur_feat, cur_hidden = self._forward(ids, [reqs[a[1]].block_ids for a in keep], first,
                                                  np.ones(len(keep), np.int64), feats)
             active = keep
+        if not self.head:
+            for j, i, next_pos, room in fed_of:
+                self.fed[reqs[i].req_id] = (next_pos, min(k - 1, room))
         return {i: Draft(toks, torch.stack(probs[i]) if probs[i] else None) for i, toks in out.items()}
 
 
