@@ -90,26 +90,13 @@ class InputBatch:
         ids = list(chain.from_iterable(
             r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n - len(sp)] + sp
             for r, n, sp in zip(reqs, lens, spec)))
-        T = len(ids)
         q_len = np.asarray(lens, dtype=np.int64)
         start_pos = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, B)
-        q_end = np.cumsum(q_len)
-        q_start = q_end - q_len
-        req_idx = np.repeat(np.arange(B), q_len)
-        positions = np.arange(T) - q_start[req_idx] + start_pos[req_idx]
-        # Block table: one scatter of the concatenated rows into [B, max blocks].
-        nblocks = np.fromiter((len(r.block_ids) for r in reqs), np.int64, B)
-        table = np.zeros((B, int(nblocks.max())), dtype=np.int64)
-        flat = np.fromiter(chain.from_iterable(r.block_ids for r in reqs), np.int64, int(nblocks.sum()))
-        table[np.repeat(np.arange(B), nblocks), np.arange(flat.size) - np.repeat(_run_starts(nblocks), nblocks)] = flat
-        bs = self.block_size
-        slots = table[req_idx, positions // bs] * bs + positions % bs
-        kv_len = start_pos + q_len
+        layout, positions = pack_layout(start_pos, q_len, [r.block_ids for r in reqs], self.block_size)
+        q_start = layout.query_start.numpy()
+        q_end = q_start + q_len
+        kv_len = layout.kv_len.numpy()
         t = torch.from_numpy
-        layout = BatchLayout(
-            query_start=t(q_start), query_len=t(q_len), kv_len=t(kv_len), block_table=t(table),
-            slot_mapping=t(slots), num_tokens=T, max_query_len=max(lens), max_kv_len=int(kv_len.max()),
-        )
         rows = np.asarray(batch.num_sample_rows, dtype=np.int64)
         sample_rows = np.repeat(q_end - rows, rows) + _ranks(rows)
         prompt_rows = []
@@ -130,6 +117,35 @@ class InputBatch:
             attn_pairs=int((q_len * start_pos + q_len * (q_len + 1) // 2).sum()),
             prompt_rows=prompt_rows,
         )
+
+
+def pack_layout(start_pos: np.ndarray, q_len: np.ndarray, tables: list[list[int]],
+                block_size: int) -> tuple[BatchLayout, np.ndarray]:
+    """The packed batch's attention layout (request i computes q_len[i] tokens from position start_pos[i]
+    with block table tables[i]) and every token's position."""
+    B, T = len(tables), int(q_len.sum())
+    q_end = np.cumsum(q_len)
+    q_start = q_end - q_len
+    req_idx = np.repeat(np.arange(B), q_len)
+    positions = np.arange(T) - q_start[req_idx] + start_pos[req_idx]
+    table = block_table(tables)
+    slots = table[req_idx, positions // block_size] * block_size + positions % block_size
+    kv_len = start_pos + q_len
+    t = torch.from_numpy
+    layout = BatchLayout(query_start=t(q_start), query_len=t(q_len), kv_len=t(kv_len), block_table=t(table),
+                         slot_mapping=t(slots), num_tokens=T, max_query_len=int(q_len.max()),
+                         max_kv_len=int(kv_len.max()))
+    return layout, positions
+
+
+def block_table(rows: list[list[int]]) -> np.ndarray:
+    """The requests' block ids as one [B, longest] array: one scatter of the concatenated rows."""
+    B = len(rows)
+    nblocks = np.fromiter((len(r) for r in rows), np.int64, B)
+    table = np.zeros((B, int(nblocks.max())), dtype=np.int64)
+    flat = np.fromiter(chain.from_iterable(rows), np.int64, int(nblocks.sum()))
+    table[np.repeat(np.arange(B), nblocks), _ranks(nblocks)] = flat
+    return table
 
 
 def _run_starts(counts: np.ndarray) -> np.ndarray:

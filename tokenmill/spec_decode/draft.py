@@ -25,9 +25,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from tokenmill.executor.input_batch import pack_layout
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.attention_backends import kv_quant
-from tokenmill.layers.attention_backends.base import AttentionBackend, BatchLayout
+from tokenmill.layers.attention_backends.base import AttentionBackend
 from tokenmill.sample.sampler import _exponential_noise, apply_top_k_top_p_min_p
 
 
@@ -135,29 +136,8 @@ class DraftRunner:
         end = int(view.starts[i]) + view.lens[i]
         self.stale.update(r.block_ids[dc // bs : -(-end // bs)])
 
-    def _layout(self, tables: list[list[int]], first: np.ndarray, q_len: np.ndarray) -> tuple[BatchLayout, np.ndarray]:
-        B = len(tables)
-        T = int(q_len.sum())
-        q_end = np.cumsum(q_len)
-        q_start = q_end - q_len
-        req_idx = np.repeat(np.arange(B), q_len)
-        positions = np.arange(T) - q_start[req_idx] + first[req_idx]
-        nblocks = np.fromiter((len(t) for t in tables), np.int64, B)
-        table = np.zeros((B, int(nblocks.max())), dtype=np.int64)
-        flat = np.fromiter(chain.from_iterable(tables), np.int64, int(nblocks.sum()))
-        run_starts = np.cumsum(nblocks) - nblocks
-        table[np.repeat(np.arange(B), nblocks), np.arange(flat.size) - np.repeat(run_starts, nblocks)] = flat
-        bs = self.block_size
-        slots = table[req_idx, positions // bs] * bs + positions % bs
-        kv_len = first + q_len
-        t = torch.from_numpy
-        layout = BatchLayout(query_start=t(q_start), query_len=t(q_len), kv_len=t(kv_len), block_table=t(table),
-                             slot_mapping=t(slots), num_tokens=T, max_query_len=int(q_len.max()),
-                             max_kv_len=int(kv_len.max()))
-        return layout, positions
-
     def _forward(self, ids: list[int], tables, first: np.ndarray, q_len: np.ndarray, features):
-        layout, positions = self._layout(tables, first, q_len)
+        layout, positions = pack_layout(first, q_len, tables, self.block_size)
         meta = self.backend.build_metadata(layout)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.from_numpy(positions).to(self.device)
