@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+import os
 import struct
 
 import numpy as np
@@ -87,6 +88,28 @@ def test_kernel_matches_dequantized_reference(qtype):
                                            msg=lambda m: f"{qtype.name} M={M} bias={b is not None}: {m}")
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_native
+def test_fused_few_rows_path_behind_its_switch():
+    """2-7 rows of x dequantize each weight row once (the default); TOKENMILL_GGUF_DEQUANT_ROWS=0 takes the
+    fused register path instead (read once per process, so checked in a child)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import math, torch, gguf, sys; sys.path.insert(0, 'tests'); import test_gguf_blocks as t\n"
+        "from tokenmill import native\n"
+        "for q in t.KERNEL_TYPES:\n"
+        "    K = t._k_for(q); b = t.random_blocks(q, 9, K); x = torch.randn(3, K)\n"
+        "    y = torch.ops.tokenmill.gguf_linear(x, torch.from_numpy(b), int(q), K, None)\n"
+        "    ref = t._reference(x, b, q, K, None)\n"
+        "    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * math.sqrt(K) * ref.abs().max().item())\n"
+        "print('ok')\n")
+    env = dict(os.environ, TOKENMILL_GGUF_DEQUANT_ROWS="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 
 @needs_native

@@ -6,7 +6,8 @@
 //   with x, one scaled accumulate; the min/offset term of Q4_0/Q4_1/Q4_K/Q5_K is one multiply by the
 //   block's sum of x, summed once per call (xsum). K-quants decode their sub-block scales once per
 //   super-block. At batch 1, Q4_0/Q4_1 take two weight rows per pass so they share the loads of x. Weights
-//   under PARALLEL_MIN_BYTES run on one thread.
+//   under PARALLEL_MIN_BYTES run on one thread. From 2 rows of x (several decodes, or speculative drafts being
+//   verified), each weight row is instead dequantized once into an L1 buffer and multiplied with every row.
 // - More rows: panels of weight rows dequantized into a per-thread L2-sized buffer, each multiplied by SGEMM.
 #include "vec.h"
 
@@ -16,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -467,6 +469,71 @@ void check_blocks(const at::Tensor& w, int64_t qtype, int64_t K, const Format& f
               K / f.block * f.bytes, " for K=", K, " of type ", qtype);
 }
 
+#ifdef TOKENMILL_GGUF_AVX2
+// Two dequantized weight rows (w0, w1: K floats, L1-resident) against MR rows of x: 2 MR independent
+// accumulators, one load of x per pair of FMAs.
+template <int MR>
+void dot_pair(const float* w0, const float* w1, const float* x, int64_t K, float* y0, float* y1) {
+  __m256 a0[MR], a1[MR];
+  for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      a0[m] = _mm256_fmadd_ps(v0, xv, a0[m]);
+      a1[m] = _mm256_fmadd_ps(v1, xv, a1[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    y0[m] = hsum(a0[m]);
+    y1[m] = hsum(a1[m]);
+  }
+}
+
+// y[M, N] = x W^T for 2 <= M < GEMM_MIN_ROWS (a few decodes, or one request verifying speculative drafts):
+// each pair of weight rows is dequantized once into a per-thread buffer that stays in L1, then multiplied
+// with every row of x. Widening the blocks is the expensive part of the fused path; here it is paid once
+// per weight row instead of once per MAX_FUSED_ROWS rows of x, and no per-row offset term is needed.
+void decode_dequant_rows(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K, const float* xp,
+                         int64_t M, float* yp) {
+  const int64_t row_bytes = (K / f.block) * f.bytes;
+  const int64_t grain = std::max<int64_t>(16, PARALLEL_MIN_BYTES / row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<float> buf(2 * K);
+    float y0[MAX_FUSED_ROWS], y1[MAX_FUSED_ROWS];
+    for (int64_t n = n0; n < n1; n += 2) {
+      const bool pair = n + 1 < n1;
+      dequant_row_avx2(qt, f, wp + n * row_bytes, K, buf.data());
+      if (pair) dequant_row_avx2(qt, f, wp + (n + 1) * row_bytes, K, buf.data() + K);
+      const float* w1 = pair ? buf.data() + K : buf.data();
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_FUSED_ROWS) {
+        const int64_t mr = std::min<int64_t>(MAX_FUSED_ROWS, M - m0);
+        const float* x = xp + m0 * K;
+        switch (mr) {
+          case 1: dot_pair<1>(buf.data(), w1, x, K, y0, y1); break;
+          case 2: dot_pair<2>(buf.data(), w1, x, K, y0, y1); break;
+          case 3: dot_pair<3>(buf.data(), w1, x, K, y0, y1); break;
+          default: dot_pair<4>(buf.data(), w1, x, K, y0, y1); break;
+        }
+        for (int64_t m = 0; m < mr; ++m) {
+          yp[(m0 + m) * N + n] = y0[m];
+          if (pair) yp[(m0 + m) * N + n + 1] = y1[m];
+        }
+      }
+    }
+  });
+}
+
+// TOKENMILL_GGUF_DEQUANT_ROWS=0: 2-7 rows of x take the fused path below (its widening repeated per 4 rows).
+bool use_dequant_rows() {
+  static const bool on = [] {
+    const char* v = std::getenv("TOKENMILL_GGUF_DEQUANT_ROWS");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+#endif
+
 // y[M, N] = x W^T for M < GEMM_MIN_ROWS: parallel over weight rows, each read once per MAX_FUSED_ROWS rows of x.
 void decode(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K, const float* xp, int64_t M,
             float* yp) {
@@ -538,6 +605,11 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtyp
   if (M > 0 && N > 0) {
     const uint8_t* wp = w.data_ptr<uint8_t>();
     if (M < GEMM_MIN_ROWS) {
+#ifdef TOKENMILL_GGUF_AVX2
+      if (M >= 2 && use_dequant_rows()) {
+        decode_dequant_rows(qtype, f, wp, N, K, x.data_ptr<float>(), M, y.data_ptr<float>());
+      } else
+#endif
       decode(qtype, f, wp, N, K, x.data_ptr<float>(), M, y.data_ptr<float>());
     } else {
       // Compute-bound: panels of weight rows dequantized into a per-thread buffer that stays in L2, each
