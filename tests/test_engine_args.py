@@ -165,7 +165,6 @@ def test_unknown_llm_kwarg_names_it_and_suggests(fake_engine):
     (dict(scheduling_policy="lifo"), ["policy", "'lifo'"]),
     (dict(tensor_parallel_size=0), ["tensor_parallel_size", "at least 1"]),
     (dict(pipeline_parallel_size=-1), ["pipeline_parallel_size", "at least 1"]),
-    (dict(tensor_parallel_size=2), ["tensor parallelism (tensor_parallel_size=2) is not yet supported"]),
     (dict(pipeline_parallel_size=2), ["pipeline parallelism (pipeline_parallel_size=2) is not yet supported"]),
     (dict(distributed_executor_backend="ray"), ["distributed_executor_backend", "'ray'"]),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), ["'uni' runs one worker"]),
@@ -186,9 +185,9 @@ def test_cli_rejects_bad_values(tmp_path, capsys):
             return e.code
 
     # Validation runs before the model loads: an empty folder never gets that far.
-    assert run(["generate", str(tmp_path), "--prompt", "x", "-tp", "2"]) == 2
+    assert run(["generate", str(tmp_path), "--prompt", "x", "-pp", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: tensor parallelism") and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: pipeline parallelism") and len(err.strip().splitlines()) == 1
     for flags in (["--kv-cache-memory-bytes", "12Q"], ["--kv-cache-dtype", "fp4"], ["--block-size", "x"]):
         assert run(["generate", str(tmp_path), "--prompt", "x", *flags]) == 2
         assert flags[0] in capsys.readouterr().err

@@ -174,11 +174,6 @@ class EngineConfig:
             )
         if self.speculative is not None:
             self.speculative.validate()
-        # The parallelism issue lifts these two.
-        if p.tensor_parallel_size > 1:
-            raise ValueError(
-                f"tensor parallelism (tensor_parallel_size={p.tensor_parallel_size}) is not yet supported."
-            )
         if p.pipeline_parallel_size > 1:
             raise ValueError(
                 f"pipeline parallelism (pipeline_parallel_size={p.pipeline_parallel_size}) is not yet supported."

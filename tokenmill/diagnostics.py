@@ -212,10 +212,19 @@ def diagnose(steps: Iterable, cost: ModelCost, peaks: Peaks, idle_s: float = 0.0
         },
         "roofline": {"compute_s": t_compute, "memory_s": t_memory, "share_of_busy": roofline / busy if busy else 0.0},
         "attention": attention_summary(steps, forward, peaks),
+        # Tensor parallelism: time inside all-reduce / all-gather (part of the forward pass; 0 with one rank).
+        "collectives": _collectives(steps, forward),
         "peaks": peaks.as_dict(),
         "verdict": verdict,
         "reason": reason,
     }
+
+
+def _collectives(steps: list, forward_s: float) -> dict:
+    spent = sum(getattr(s, "collective_s", 0.0) for s in steps)
+    busy = sum(s.busy_s for s in steps)
+    return {"time_s": spent, "share_of_forward": spent / forward_s if forward_s else 0.0,
+            "share_of_step": spent / busy if busy else 0.0}
 
 
 def attention_summary(steps: list, forward_s: float, peaks: Peaks) -> dict:

@@ -99,7 +99,7 @@ class EngineCore:
         st.schedule_s += time.perf_counter() - t1
         st.prepare_s, st.forward_s, st.sample_s = t.prepare_s, t.forward_s, t.sample_s
         st.kv_tokens, st.attn_pairs = t.kv_tokens, t.attn_pairs
-        st.attn_s, st.attn_bytes = t.attn_s, t.attn_bytes
+        st.attn_s, st.attn_bytes, st.collective_s = t.attn_s, t.attn_bytes, t.collective_s
         st.num_tokens = batch.num_tokens
         st.num_requests = len(batch)
         st.num_sampled = sum(len(o.new_token_ids) for o in outputs)

@@ -104,6 +104,10 @@ def run_core_loop(core, inbox: Inbox, send: Callable[[tuple], None]) -> None:
                 ids = list(core.scheduler.requests)
                 core.abort_requests(ids)
                 send(("step_failed", (f"internal engine error: {e}", ids)))
+                from tokenmill.executor.executor import WorkerDiedError
+
+                if isinstance(e, WorkerDiedError):  # no step can run again: the core dies, the server turns unhealthy
+                    raise
                 continue
             out.num_added = added
             send(("outputs", out))
@@ -149,5 +153,10 @@ def core_process_main(config, conn) -> None:
         run_core_loop(core, PipeInbox(conn), conn.send)
     except (BrokenPipeError, EOFError, OSError):
         pass
+    except BaseException as e:  # a worker died: requests were failed; now the server must turn unhealthy
+        try:
+            conn.send(("dead", (f"{type(e).__name__}: {e}", traceback.format_exc())))
+        except (BrokenPipeError, OSError):
+            pass
     finally:
         core.shutdown()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import socket
+import time
 import traceback
 from typing import Any
 
@@ -35,10 +36,12 @@ class Executor:
         par = config.parallel
         world = par.tensor_parallel_size * par.pipeline_parallel_size
         backend = getattr(par, "distributed_executor_backend", None) or ("uni" if world == 1 else "mp")
-        if world > 1:
-            raise ValueError(
-                f"tensor_parallel_size={par.tensor_parallel_size} x pipeline_parallel_size="
-                f"{par.pipeline_parallel_size}: parallelism across devices is not yet supported.")
+        if par.pipeline_parallel_size > 1:
+            raise ValueError(f"pipeline_parallel_size={par.pipeline_parallel_size}: pipeline parallelism is not yet "
+                             "supported.")
+        if world > 1 and backend == "uni":
+            raise ValueError(f"tensor_parallel_size={par.tensor_parallel_size} needs one process per rank: "
+                             "distributed_executor_backend 'mp'.")
         if backend == "uni":
             return UniProcExecutor(config)
         if backend == "mp":
@@ -103,8 +106,10 @@ class MultiprocExecutor(Executor):
         waited = 0.0
         while not conn.poll(0.1):
             waited += 0.1
-            if not proc.is_alive():
-                raise WorkerDiedError(f"worker process {proc.name} died (exit code {proc.exitcode}).")
+            # Any rank: a dead peer leaves rank 0 waiting in a collective that never completes.
+            for p in [proc, *self.procs]:
+                if not p.is_alive():
+                    raise WorkerDiedError(f"worker process {p.name} died (exit code {p.exitcode}).")
             if timeout is not None and waited >= timeout:
                 raise WorkerDiedError(f"worker process {proc.name} did not answer in {timeout:.0f} s.")
         try:
@@ -114,8 +119,20 @@ class MultiprocExecutor(Executor):
         if status == "error":
             exc, tb = value
             log.error("worker %s failed:\n%s", proc.name, tb)
+            self._raise_if_a_worker_died(exc)
             raise exc
         return value
+
+    def _raise_if_a_worker_died(self, exc: BaseException) -> None:
+        """A collective that failed because a peer rank is gone (gloo: "Connection reset by peer") is the
+        worker's death, not an error of this step: wait briefly for the process to be reaped, then say so."""
+        for _ in range(20):
+            for p in self.procs:
+                if not p.is_alive():
+                    raise WorkerDiedError(f"worker process {p.name} died (exit code {p.exitcode}).") from exc
+            if len(self.procs) == 1:
+                return
+            time.sleep(0.05)
 
     def collective_rpc(self, method: str, *args) -> Any:
         try:

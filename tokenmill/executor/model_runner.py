@@ -13,6 +13,7 @@ import torch
 
 from tokenmill.core.batch import ModelRunnerOutput, PromptLogprobs, ScheduledBatch, StepTimings
 from tokenmill.executor.input_batch import InputBatch, StepInputs
+from tokenmill.layers import collectives
 from tokenmill.layers.attention import Attention, AttentionTimer
 from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend
@@ -122,6 +123,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
+        collective_s = collectives.take_time()
         if logits is None:
             out = ModelRunnerOutput()
         elif batch.spec_token_ids:
@@ -135,7 +137,7 @@ class ModelRunner:
         out.timings = StepTimings(
             prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=time.perf_counter() - t2, kv_tokens=inp.kv_tokens,
             attn_pairs=inp.attn_pairs, attn_s=timer.total if timer is not None else 0.0,
-            attn_bytes=self.attn_read_bytes(layout.query_len, layout.kv_len))
+            attn_bytes=self.attn_read_bytes(layout.query_len, layout.kv_len), collective_s=collective_s)
         return out
 
     def _sampling_metadata(self, inp: StepInputs, batch: ScheduledBatch) -> SamplingMetadata:

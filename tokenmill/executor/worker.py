@@ -83,6 +83,10 @@ class Worker:
         if self.distributed_init_method is not None:
             import torch.distributed as dist
 
+            if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+                # Ranks share the machine's cores: two ranks of two threads each on two cores would make
+                # every GEMM wait for a preempted thread.
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=self.distributed_init_method, rank=self.rank,
                                     world_size=self.world_size)
@@ -97,8 +101,9 @@ class Worker:
         mc, cache = self.config.model, self.config.cache
         quant = get_quantization_config(getattr(mc, "quantization", None), getattr(mc, "quantization_group_size", 32),
                                         model=mc.model, device=str(self.device))
+        tp = self.config.parallel.tensor_parallel_size
         model, self.hf_config, self.max_model_len = load_model(mc.model, mc.dtype, mc.max_model_len, str(self.device),
-                                                               quant_config=quant)
+                                                               quant_config=quant, tp_rank=self.rank % tp, tp_size=tp)
         quant = getattr(model, "quant_config", quant)  # a pre-quantized checkpoint's, found in its config.json
         from tokenmill.diagnostics import resident_weight_bytes
 
@@ -148,6 +153,12 @@ class Worker:
         else:
             budget = min(DEFAULT_CPU_KV_BYTES, int(available_memory_bytes() * cache.kv_cache_memory_fraction))
             num_blocks, source = budget // per_block, "kv_cache_memory_fraction"
+        if self.world_size > 1:  # every rank holds the same blocks: the smallest pool decides
+            import torch.distributed as dist
+
+            n = torch.tensor([num_blocks], dtype=torch.long)
+            dist.all_reduce(n, op=dist.ReduceOp.MIN)
+            num_blocks = int(n)
         need = -(-self.max_model_len // cache.block_size)
         if num_blocks < need:
             raise ValueError(

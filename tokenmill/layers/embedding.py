@@ -5,11 +5,11 @@ rank's rows past the vocabulary are zero padding."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.linear import all_gather_last, assign, check_shape
+from tokenmill.layers import collectives
+from tokenmill.layers.linear import assign, check_shape
 from tokenmill.layers.quantization.base import set_weight_attrs
 
 
@@ -55,7 +55,7 @@ class VocabParallelEmbedding(nn.Module):
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         out = F.embedding(torch.where(mine, input_ids - self.vocab_start, 0), self.weight)
         out = out.masked_fill(~mine.unsqueeze(-1), 0)
-        dist.all_reduce(out)
+        collectives.all_reduce(out)
         return out
 
     def extra_repr(self) -> str:
@@ -102,7 +102,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         # Same numerics as a dense head: the GEMM in the hidden states' dtype, then float32.
         logits = F.linear(hidden, w if w.dtype == hidden.dtype else w.to(hidden.dtype))
         if self.tp_size > 1:
-            logits = all_gather_last(logits, self.tp_size)[..., : self.num_embeddings]
+            logits = collectives.all_gather_last(logits, self.tp_size)[..., : self.num_embeddings]
         return logits.float()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from tokenmill.layers import collectives
 from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, set_weight_attrs
 from tokenmill.layers.quantization.unquantized import UnquantizedLinearMethod
 
@@ -51,12 +51,6 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shar
         raise ValueError(f"is a shard ({shard_id!r}) of a parameter that has no shards")
     check_shape(loaded_weight, param.shape)
     assign(param, loaded_weight)
-
-
-def all_gather_last(y: torch.Tensor, tp_size: int) -> torch.Tensor:
-    parts = [torch.empty_like(y) for _ in range(tp_size)]
-    dist.all_gather(parts, y.contiguous())
-    return torch.cat(parts, dim=-1)
 
 
 class LinearBase(nn.Module):
@@ -160,7 +154,7 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)
         if self.gather_output and self.tp_size > 1:
-            y = all_gather_last(y, self.tp_size)
+            y = collectives.all_gather_last(y, self.tp_size)
         return y
 
 
@@ -272,7 +266,7 @@ class RowParallelLinear(LinearBase):
             x = x.narrow(-1, self.tp_rank * self.input_size_per_partition, self.input_size_per_partition)
         y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         if self.reduce_results:
-            dist.all_reduce(y)
+            collectives.all_reduce(y)
         return y
 
 

@@ -1,0 +1,156 @@
+"""Tensor parallelism over torch.distributed (gloo, one process per rank): TP=2 gives TP=1's greedy tokens
+and logprobs; a worker that dies fails the in-flight requests and turns the server unhealthy, never a hang."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from compare import assert_same_outputs
+from tiny import make_tiny_model
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPTS = ["The quick brown fox jumps over", "SELECT * FROM users WHERE", "hello", "Once upon a time " * 6]
+GREEDY = SamplingParams(max_tokens=24, temperature=0, logprobs=3, ignore_eos=True)
+KW = dict(kv_cache_memory_bytes=8 << 20, max_model_len=256)
+
+
+def generate(path, params=GREEDY, **kw):
+    llm = LLM(str(path), **{**KW, **kw})
+    try:
+        return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)], llm
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp2_equals_tp1(tmp_path, arch):
+    """llama: 4 heads, 2 KV heads split 1 per rank, untied head; qwen3: q/k norms and a tied embedding."""
+    path = make_tiny_model(tmp_path / arch, arch, seed=2)
+    ref, _ = generate(path)
+    out, llm = generate(path, tensor_parallel_size=2)
+    assert_same_outputs(ref, out, f"{arch} tp=2", atol=1e-4)
+    d = llm.engine.core.diagnostics()
+    assert d["collectives"]["time_s"] > 0  # the all-reduces were timed
+
+
+def test_tp2_chunked_sampled_and_speculative(tmp_path):
+    path = make_tiny_model(tmp_path / "llama", "llama", seed=3)
+    kw = dict(max_num_batched_tokens=16, block_size=4)
+    ref, _ = generate(path, **kw)
+    out, _ = generate(path, tensor_parallel_size=2, speculative_config={"method": "ngram", "adaptive": False,
+                                                                       "prompt_lookup_min": 1}, **kw)
+    assert_same_outputs(ref, out, "tp=2 chunked + ngram", atol=1e-4)
+    seeded = SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)
+    a, _ = generate(path, seeded)
+    b, _ = generate(path, seeded, tensor_parallel_size=2)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_tp_with_in_process_executor_is_refused(tmp_path):
+    path = make_tiny_model(tmp_path / "llama", "llama")
+    with pytest.raises(ValueError, match="'mp'"):
+        LLM(str(path), tensor_parallel_size=2, distributed_executor_backend="uni", **KW)
+
+
+def test_a_dead_rank_fails_the_step_instead_of_hanging(tmp_path):
+    from tokenmill.executor.executor import WorkerDiedError
+
+    path = make_tiny_model(tmp_path / "llama", "llama")
+    llm = LLM(str(path), tensor_parallel_size=2, **KW)
+    engine = llm.engine
+    try:
+        engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        engine.step()
+        engine.step()
+        procs = engine.core.executor.procs
+        procs[1].kill()  # rank 1: rank 0 is left waiting in its next all-reduce
+        procs[1].join(5)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="tokenmill-worker-1"):
+            for _ in range(5):
+                engine.step()
+        assert time.monotonic() - t0 < 10
+    finally:
+        engine.shutdown()
+
+
+# ---- the server -------------------------------------------------------------------------------------
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out.extend(int(c) for c in (task / "children").read_text().split())
+    return out
+
+
+def _spawned(pid: int) -> list[int]:
+    found = []
+    for c in _children(pid):
+        cmd = Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        if "spawn_main" in cmd:
+            found.append(c)
+    return sorted(found)
+
+
+def test_killing_a_worker_under_load_fails_requests_and_health(tmp_path):
+    from server_harness import start_server
+
+    path = make_tiny_model(tmp_path / "llama", "llama", hidden_size=128, intermediate_size=256,
+                           num_hidden_layers=4)
+    srv = start_server(path, tmp_path / "server.log", "--served-model-name", "tiny", "--tensor-parallel-size", "2",
+                       "--kv-cache-memory-bytes", "16M", "--max-model-len", "512")
+    try:
+        assert httpx.get(srv.url("/health"), timeout=5).status_code == 200
+        (core,) = _spawned(srv.proc.pid)
+        deadline = time.monotonic() + 30
+        while len(_spawned(core)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = _spawned(core)
+        assert len(workers) == 2, workers
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+                "stream": True}
+        client = httpx.Client(base_url=srv.base_url, timeout=30)
+        sinks, threads, started = [], [], []
+        for _ in range(2):
+            first, sink = threading.Event(), []
+
+            def stream(sink=sink, first=first):
+                with client.stream("POST", "/v1/completions", json=body) as r:
+                    sink.append(r.status_code)
+                    for line in r.iter_lines():
+                        if line:
+                            sink.append(line)
+                            first.set()
+
+            t = threading.Thread(target=stream, daemon=True)
+            t.start()
+            sinks.append(sink)
+            threads.append(t)
+            started.append(first)
+        for first in started:
+            assert first.wait(30), "no stream started"
+        os.kill(workers[-1], signal.SIGKILL)
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive(), "a request hung after a worker died"
+        for sink in sinks:
+            payloads = [line.removeprefix("data: ") for line in sink[1:]]
+            assert payloads[-1] == "[DONE]"
+            assert "error" in json.loads(payloads[-2])
+        deadline = time.monotonic() + 10
+        while httpx.get(srv.url("/health"), timeout=5).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(srv.url("/health"), timeout=5).status_code == 503
+        late = client.post("/v1/completions", json={**body, "stream": False, "max_tokens": 4})
+        assert late.status_code == 503
+        client.close()
+    finally:
+        srv.stop(signal.SIGKILL)
