@@ -117,7 +117,8 @@ class EngineArgs:
                                   choices=SCHEDULING_POLICIES)
     # parallelism
     tensor_parallel_size: int = _arg(ParallelConfig.tensor_parallel_size,
-                                     "Tensor-parallel workers; above 1 is not yet supported (default: %(default)s).",
+                                     "Tensor-parallel workers: one process per rank over torch.distributed "
+                                     "(gloo on CPU, NCCL on CUDA) (default: %(default)s).",
                                      metavar="N", short="-tp")
     pipeline_parallel_size: int = _arg(ParallelConfig.pipeline_parallel_size,
                                        "Pipeline-parallel stages; above 1 is not yet supported (default: "
