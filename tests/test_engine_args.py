@@ -166,7 +166,7 @@ def test_unknown_llm_kwarg_names_it_and_suggests(fake_engine):
     (dict(tensor_parallel_size=0), ["tensor_parallel_size", "at least 1"]),
     (dict(pipeline_parallel_size=-1), ["pipeline_parallel_size", "at least 1"]),
     (dict(pipeline_parallel_size=2), ["pipeline parallelism (pipeline_parallel_size=2) is not yet supported"]),
-    (dict(distributed_executor_backend="ray"), ["distributed_executor_backend", "'ray'"]),
+    (dict(distributed_executor_backend="slurm"), ["distributed_executor_backend", "'slurm'"]),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), ["'uni' runs one worker"]),
     (dict(kv_offload_bytes=1 << 20, enable_prefix_caching=False), ["prefix caching"]),
 ])

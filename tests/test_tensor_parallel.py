@@ -154,3 +154,38 @@ def test_killing_a_worker_under_load_fails_requests_and_health(tmp_path):
         client.close()
     finally:
         srv.stop(signal.SIGKILL)
+
+
+# ---- Ray ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_tp2_equals_tp1(tmp_path, ray_local):
+    path = make_tiny_model(tmp_path / "llama", "llama", seed=2)
+    ref, _ = generate(path)
+    out, _ = generate(path, tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert_same_outputs(ref, out, "ray tp=2", atol=1e-4)
+
+
+def test_ray_dead_actor_fails_the_step(tmp_path, ray_local):
+    from tokenmill.executor.executor import WorkerDiedError
+
+    path = make_tiny_model(tmp_path / "llama", "llama")
+    llm = LLM(str(path), tensor_parallel_size=2, distributed_executor_backend="ray", **KW)
+    engine = llm.engine
+    try:
+        engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+        engine.step()
+        ray_local.kill(engine.core.executor.actors[1])
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError):
+            for _ in range(5):
+                engine.step()
+        assert time.monotonic() - t0 < 30
+    finally:
+        engine.shutdown()

@@ -7,7 +7,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV cache: the float dtypes, or quantized (vLLM names; fp8 = fp8_e4m3), see attention_backends/kv_quant.py.
 KV_CACHE_DTYPES = DTYPES + ("int8", "fp8", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-EXECUTOR_BACKENDS = ("uni", "mp")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # Speculative decoding proposers (vLLM's names; "deepseek_mtp" is taken as "mtp").
 SPEC_METHODS = ("ngram", "draft_model", "quantized_self", "eagle", "eagle3", "mtp")
 
@@ -55,7 +55,7 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # uni | mp; None: uni for one worker, else mp
+    distributed_executor_backend: str | None = None  # uni | mp | ray; None: uni for one worker, else mp
 
     def __post_init__(self) -> None:
         if self.distributed_executor_backend is None:
@@ -165,9 +165,8 @@ class EngineConfig:
         if s.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {s.policy!r}.")
         if p.distributed_executor_backend not in EXECUTOR_BACKENDS:
-            raise ValueError(
-                f"distributed_executor_backend must be 'uni' or 'mp', got {p.distributed_executor_backend!r}."
-            )
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                             f"got {p.distributed_executor_backend!r}.")
         if p.distributed_executor_backend == "uni" and p.world_size > 1:
             raise ValueError(
                 f"distributed_executor_backend 'uni' runs one worker; world size {p.world_size} needs 'mp'."

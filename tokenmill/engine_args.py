@@ -124,8 +124,9 @@ class EngineArgs:
                                        "Pipeline-parallel stages; above 1 is not yet supported (default: "
                                        "%(default)s).", metavar="N", short="-pp")
     distributed_executor_backend: str | None = _arg(
-        ParallelConfig.distributed_executor_backend, "How workers run: uni in this process, mp one process each "
-        "(default: uni for one worker, else mp).", choices=EXECUTOR_BACKENDS)
+        ParallelConfig.distributed_executor_backend, "How workers run: uni in this process, mp one process each, "
+        "ray one Ray actor each, on this node or a cluster (RAY_ADDRESS) (default: uni for one worker, else mp).",
+        choices=EXECUTOR_BACKENDS)
 
     # speculative decoding
     speculative_config: str | None = _arg(  # LLM(speculative_config=...) also takes a dict

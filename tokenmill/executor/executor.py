@@ -1,4 +1,5 @@
-"""Executors run the workers: in this process (`uni`), or one process per rank (`mp`).
+"""Executors run the workers: in this process (`uni`), one process per rank (`mp`), or Ray actors placed on
+one node or a cluster (`ray`, ray_executor.py).
 
 The multiprocess executor sends each call to rank 0 over a pipe; rank 0 broadcasts it to the other ranks
 with torch.distributed (gloo on CPU, NCCL's side channel on CUDA via the object broadcast), every rank
@@ -46,6 +47,10 @@ class Executor:
             return UniProcExecutor(config)
         if backend == "mp":
             return MultiprocExecutor(config, world)
+        if backend == "ray":
+            from tokenmill.executor.ray_executor import RayExecutor
+
+            return RayExecutor(config, world)
         raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got {backend!r}.")
 
     def execute_model(self, batch: ScheduledBatch) -> ModelRunnerOutput:
