@@ -179,6 +179,13 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         T, k = topk_ids.shape
+        if T == 1:  # batch-1 decode: the k experts in turn, no sort or scatter
+            out = None
+            for e, w in zip(topk_ids[0].tolist(), topk_weights[0].to(x.dtype)):
+                h = gated(self.quant_method.linear(self, "w13", e, x), self.act, self.act_name)
+                y = self.quant_method.linear(self, "w2", e, h).mul_(w)
+                out = y if out is None else out.add_(y)
+            return self._reduce(out)
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -194,7 +201,9 @@ class FusedMoE(nn.Module):
             h = gated(method.linear(self, "w13", e, xs[start:end]), self.act, self.act_name)
             torch.mul(method.linear(self, "w2", e, h), ws[start:end], out=ys[start:end])
             start = end
-        out = torch.zeros_like(x).index_add_(0, tokens, ys)
+        return self._reduce(torch.zeros_like(x).index_add_(0, tokens, ys))
+
+    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
         if self.reduce_results and self.tp_size > 1:
             dist.all_reduce(out)
         return out
