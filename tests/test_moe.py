@@ -170,9 +170,10 @@ def test_qwen2_moe_dense_layers(tmp_path):
 
 
 # ---- GGUF -----------------------------------------------------------------------------------------
-def write_moe_gguf(folder: Path, out: Path, legacy: bool = False) -> Path:
+def write_moe_gguf(folder: Path, out: Path, legacy: bool = False, qtype=None) -> Path:
     """The tiny MoE folder as llama.cpp lays it out: Mixtral as arch "llama" with an expert count (Q/K rows
-    permuted), merged [E, ...] ffn_*_exps tensors (or, `legacy`, one ffn_gate.E tensor per expert)."""
+    permuted), merged [E, ...] ffn_*_exps tensors (or, `legacy`, one ffn_gate.E tensor per expert); `qtype`
+    (a gguf-py quantizable type) for the expert tensors, else float32."""
     import gguf
     import transformers as tf
     from safetensors.torch import load_file
@@ -228,7 +229,12 @@ def write_moe_gguf(folder: Path, out: Path, legacy: bool = False) -> Path:
             a = a.reshape(-1)
         w.add_tensor(f"blk.{i}.{names[rest]}.{kind}", np.ascontiguousarray(a))
     for g, arrays in stacks.items():
-        w.add_tensor(g, np.ascontiguousarray(np.stack(arrays)))
+        a = np.ascontiguousarray(np.stack(arrays))
+        if qtype is None:
+            w.add_tensor(g, a)
+        else:
+            q = gguf.quants.quantize(a, qtype)
+            w.add_tensor(g, q, raw_shape=q.shape, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -252,6 +258,22 @@ def test_gguf_round_trip_matches_safetensors(paths, tmp_path, arch, legacy):
     assert_same_outputs([o.outputs[0] for o in ref], [o.outputs[0] for o in got], f"{arch} gguf")
 
 
+def test_gguf_quantized_experts_close(paths, tmp_path):
+    """Q8_0 [E, I, H] expert tensors are dequantized at load; the first token's logprob stays close."""
+    gguf = pytest.importorskip("gguf")
+    folder = paths["qwen3_moe"]
+    path = write_moe_gguf(folder, tmp_path / "q8.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    prompts = prompts_for(384, seed=6)[:4]
+    sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=1)
+    ref = LLM(str(folder), max_model_len=128, num_gpu_blocks_override=64).generate(prompts, sp, use_tqdm=False)
+    got = LLM(str(path), tokenizer=str(folder), max_model_len=128,
+              num_gpu_blocks_override=64).generate(prompts, sp, use_tqdm=False)
+    for a, b in zip(ref, got):
+        tid = a.outputs[0].token_ids[0]
+        assert abs(a.outputs[0].logprobs[0][tid].logprob - b.outputs[0].logprobs[0].get(
+            tid, a.outputs[0].logprobs[0][tid]).logprob) < 0.1
+
+
 # ---- int8 experts ---------------------------------------------------------------------------------
 def test_int8_experts_top1_agreement(paths):
     from test_quantization import AGREE_FLOOR, AGREE_STEPS, _teacher_forced_top1
@@ -268,3 +290,74 @@ def test_int8_experts_top1_agreement(paths):
     got = _teacher_forced_top1(qllm, seqs, [len(p) for p in prompts])
     hits = sum(a == b for x, y in zip(got, cont) for a, b in zip(x, y))
     assert hits / (AGREE_STEPS * len(prompts)) >= AGREE_FLOOR["int8"], hits
+
+
+# ---- tensor parallel over real collectives --------------------------------------------------------
+class _Holder(torch.nn.Module):
+    """One MoE block under the generic loader (checkpoint names `mlp.*`)."""
+
+    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        from tokenmill.model.blocks import Build
+        from tokenmill.model.moe_block import MoEBlock, MoESpec
+
+        spec = MoESpec(E, 2, I, renormalize=False, shared_intermediate_size=64)
+        self.mlp = MoEBlock(H, spec, Build(torch.float32, torch.float32, None, tp_rank, tp_size), "mlp")
+
+
+def _block_weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    t = {"mlp.gate.weight": torch.randn(E, H, generator=g), "mlp.shared_expert_gate.weight": torch.randn(1, H, generator=g),
+         "mlp.shared_expert.gate_proj.weight": torch.randn(64, H, generator=g) * 0.1,
+         "mlp.shared_expert.up_proj.weight": torch.randn(64, H, generator=g) * 0.1,
+         "mlp.shared_expert.down_proj.weight": torch.randn(H, 64, generator=g) * 0.1}
+    for e, (w1, w3, w2) in enumerate(_experts()):
+        t.update({f"mlp.experts.{e}.gate_proj.weight": w1, f"mlp.experts.{e}.up_proj.weight": w3,
+                  f"mlp.experts.{e}.down_proj.weight": w2})
+    return t
+
+
+def _block_output(tp_rank: int, tp_size: int, x: torch.Tensor) -> torch.Tensor:
+    from tokenmill.model.weights import load_weights
+
+    m = _Holder(tp_rank, tp_size)
+    load_weights(m, _block_weights().items())
+    return m.mlp(x)
+
+
+def _tp2_moe_worker(rank: int, port: int, x: torch.Tensor, results) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        results[rank] = _block_output(rank, 2, x)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_moe_block_tp2_equals_tp1():
+    """Experts and shared expert sharded over two gloo ranks, loaded by the generic loader, one all-reduce."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    x = torch.randn(7, H, generator=torch.Generator().manual_seed(8))
+    full = _block_output(0, 1, x)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        procs = [ctx.Process(target=_tp2_moe_worker, args=(r, port, x, results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert [p.exitcode for p in procs] == [0, 0]
+        results = dict(results)
+    for r in range(2):
+        torch.testing.assert_close(results[r], full, rtol=0, atol=1e-5)
