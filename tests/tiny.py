@@ -79,6 +79,17 @@ def make_config(arch: str, vocab_size: int, **overrides):
     elif arch == "qwen3":
         kw.update(head_dim=32, tie_word_embeddings=True)
         cls = tf.Qwen3Config
+    elif arch == "mixtral":
+        kw.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, tie_word_embeddings=False)
+        cls = tf.MixtralConfig
+    elif arch == "qwen2_moe":
+        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                  norm_topk_prob=False, tie_word_embeddings=False)
+        cls = tf.Qwen2MoeConfig
+    elif arch == "qwen3_moe":
+        kw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32, norm_topk_prob=True,
+                  tie_word_embeddings=True)
+        cls = tf.Qwen3MoeConfig
     elif arch == "gemma3":
         kw.update(head_dim=16, sliding_window=24, query_pre_attn_scalar=16)
         cls = tf.Gemma3TextConfig

@@ -21,6 +21,7 @@ from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinea
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.layers.rotary import RotaryEmbedding, rope_inv_freq
+from tokenmill.model.moe_block import MoEBlock, MoESpec
 from tokenmill.model.weights import WeightNaming, load_weights
 
 
@@ -46,6 +47,7 @@ class MLPSpec:
 class LayerSpec:
     sliding_window: int | None = None  # None: full attention
     rope: str | None = None  # key of this layer's rope parameters (transformers' layer_type); None: the only ones
+    dense_mlp: bool = False  # in a MoE model: this layer has the dense MLP (Qwen2-MoE's mlp_only_layers)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class DecoderSpec:
     embed_scale: float | None = None  # multiply the embeddings by this
     tie_word_embeddings: bool = False
     final_logit_softcapping: float | None = None
+    moe: MoESpec | None = None  # set: layers without dense_mlp have a mixture-of-experts block
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,10 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = build.norm(h, spec)
             self.post_feedforward_layernorm = build.norm(h, spec)
-        self.mlp = MLPBlock(spec, build, f"{prefix}.mlp")
+        if spec.moe is not None and not layer.dense_mlp:
+            self.mlp = MoEBlock(h, spec.moe, build, f"{prefix}.mlp")
+        else:
+            self.mlp = MLPBlock(spec, build, f"{prefix}.mlp")
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

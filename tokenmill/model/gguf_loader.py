@@ -26,7 +26,10 @@ ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
+MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")  # llama.cpp writes Mixtral as "llama" with an expert count
 # Architectures whose Q/K rows llama.cpp permuted for its rope layout.
 PERMUTED_QK = {"llama", "mistral"}
 
@@ -55,17 +58,18 @@ def hf_config_from_gguf(path: str):
     num_heads = int(m("attention.head_count"))
     hidden = int(m("embedding_length"))
     embd = tensors["token_embd.weight"]
+    names = MIXTRAL if arch == "llama" and int(m("expert_count", 0) or 0) > 0 else ARCHS[arch]
     kw = dict(
         vocab_size=int(m("vocab_size", embd.shape[-1])),
         hidden_size=hidden,
-        intermediate_size=int(m("feed_forward_length")),
+        intermediate_size=int(m("feed_forward_length") or m("expert_feed_forward_length")),
         num_hidden_layers=int(m("block_count")),
         num_attention_heads=num_heads,
         num_key_value_heads=int(m("attention.head_count_kv", num_heads)),
         max_position_embeddings=int(m("context_length", 2048)),
         rms_norm_eps=float(m("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings="output.weight" not in tensors,
-        architectures=[ARCHS[arch][1]],
+        architectures=[names[1]],
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
@@ -94,18 +98,43 @@ def hf_config_from_gguf(path: str):
             kw["sliding_window"] = int(m("attention.sliding_window"))
     if arch == "qwen2":
         kw["tie_word_embeddings"] = kw["tie_word_embeddings"]
-    cls = getattr(transformers, ARCHS[arch][0])
+    kw.update(_moe_kwargs(arch, m, tensors))
+    cls = getattr(transformers, names[0])
     cfg = cls(**kw)
     cfg.dtype = torch.float32
     cfg.gguf_architecture = arch
     return cfg
 
 
+def _moe_kwargs(arch: str, m, tensors: dict) -> dict:
+    """Mixtral / Qwen2-MoE / Qwen3-MoE hyper-parameters from `{arch}.expert_*` (empty for dense files).
+    Every layer is sparse (llama.cpp has no dense-layer list); top-k renormalisation is llama.cpp's
+    per-architecture default unless the file says (`expert_weights_norm`)."""
+    experts = int(m("expert_count", 0) or 0)
+    if experts == 0:
+        return {}
+    top_k = int(m("expert_used_count"))
+    if arch == "llama":
+        return dict(num_local_experts=experts, num_experts_per_tok=top_k)
+    kw = dict(num_experts=experts, num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[],
+              moe_intermediate_size=int(m("expert_feed_forward_length")),
+              norm_topk_prob=bool(m("expert_weights_norm", arch == "qwen3moe")))
+    if arch == "qwen2moe":
+        kw["shared_expert_intermediate_size"] = int(m("expert_shared_feed_forward_length", 0) or 0)
+        kw["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+    return kw
+
+
 _LAYER_PARTS = [
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "self_attn.q_norm", "self_attn.k_norm", "input_layernorm", "post_attention_layernorm",
     "pre_feedforward_layernorm", "post_feedforward_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+    "mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj",  # merged [E, ...]
+    "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
+    "mlp.shared_expert_gate",
 ]
+# Older llama.cpp Mixtral files: one tensor per expert, blk.N.ffn_gate.E.weight (gguf-py no longer maps them).
+_LEGACY_EXPERT = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 
 
 def _hf_names(cfg) -> list[str]:
@@ -128,6 +157,11 @@ def gguf_to_hf_names(path: str, cfg) -> dict[str, str]:
         if g is not None:
             out[f"{g}.weight"] = f"{hf}.weight"
             out[f"{g}.bias"] = f"{hf}.bias"
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0
+    for i in range(cfg.num_hidden_layers):
+        for e in range(experts):
+            for g, hf in _LEGACY_EXPERT.items():
+                out[f"blk.{i}.{g}.{e}.weight"] = f"model.layers.{i}.mlp.experts.{e}.{hf}.weight"
     return out
 
 
@@ -172,6 +206,8 @@ def iter_gguf_weights(path: str, cfg, dtype: torch.dtype,
         if blocks:
             yield hf, torch.from_numpy(np.array(w, copy=True))  # blocks: our own memory, not the file's mapping
             continue
+        if hf.endswith("shared_expert_gate.weight") and w.ndim == 1:
+            w = w.reshape(1, -1)  # llama.cpp stores Qwen2-MoE's [1, hidden] gate as a vector
         if arch == "gemma3" and t.name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
         yield hf, torch.from_numpy(np.array(w, copy=True) if not w.flags.writeable else w).to(dtype)

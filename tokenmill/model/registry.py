@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.moe_models import MixtralForCausalLM, MoEForCausalLM
 
 MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -10,6 +11,9 @@ MODELS = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": MoEForCausalLM,
+    "Qwen3MoeForCausalLM": MoEForCausalLM,
 }
 
 

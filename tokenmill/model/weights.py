@@ -5,6 +5,8 @@ A model class declares, as data:
   e.g. {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}; the
   fused layer's `shard_ids` name the shards in that order ("q"/"k"/"v", or 0, 1, ...);
 - `weight_naming`: a WeightNaming that maps checkpoint names onto parameter names.
+Expert tensors (`...experts.{e}.gate_proj.weight`, or merged `...experts.gate_proj.weight`) go to the
+FusedMoE's stacked parameters with shard id (expert, "w1"|"w3"|"w2") (layers/moe.py `expert_target`).
 Each parameter's `weight_loader(param, tensor, shard_id=None)` cuts out this rank's shard and puts it
 in place; parameters without one take the tensor whole. Afterwards every layer's quant method gets
 `process_weights_after_loading`.
@@ -19,6 +21,7 @@ from torch import nn
 
 from tokenmill.layers.attention_backends.kv_quant import KV_SCALE_NAMES, load_kv_scale
 from tokenmill.layers.linear import default_weight_loader
+from tokenmill.layers.moe import FusedMoE, expert_target
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             continue
         shard_id = None
         target = name
-        if name not in params and part in unpacked:
+        expert = expert_target(name) if name not in params and ".experts." in name else None
+        if expert is not None and expert[0] in params:  # one expert's tensor (or all experts') into FusedMoE
+            target, shard_id = expert
+            name = target
+        elif name not in params and part in unpacked:
             fused, index = unpacked[part]
             module_name = _join(parent, fused)
             target = f"{module_name}.{leaf}"
@@ -72,6 +79,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             raise ValueError(f"weight {ckpt_name} {e}") from None
         loaded.add(name)
     missing = sorted(_expected_names(params, packed) - loaded)
+    missing += [n for m in model.modules() if isinstance(m, FusedMoE) for n in m.unloaded()]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing weight tensors: {shown}")
