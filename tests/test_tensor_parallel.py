@@ -31,9 +31,10 @@ def generate(path, params=GREEDY, **kw):
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral", "qwen2_moe"])
 def test_tp2_equals_tp1(tmp_path, arch):
-    """llama: 4 heads, 2 KV heads split 1 per rank, untied head; qwen3: q/k norms and a tied embedding."""
+    """llama: 4 heads, 2 KV heads split 1 per rank, untied head; qwen3: q/k norms and a tied embedding;
+    mixtral, qwen2_moe: experts (and the shared expert) sharded over their intermediate dimension."""
     path = make_tiny_model(tmp_path / arch, arch, seed=2)
     ref, _ = generate(path)
     out, llm = generate(path, tensor_parallel_size=2)
