@@ -42,6 +42,7 @@ ROUND_TRIP = {
     "pipeline_parallel_size": (["--pipeline-parallel-size", "3"], 3, "parallel.pipeline_parallel_size"),
     "distributed_executor_backend": (["--distributed-executor-backend", "mp"], "mp",
                                      "parallel.distributed_executor_backend"),
+    "enable_expert_parallel": (["--enable-expert-parallel"], True, "parallel.enable_expert_parallel"),
     "speculative_config": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
                            '{"method": "ngram", "num_speculative_tokens": 2}', "speculative"),
 }

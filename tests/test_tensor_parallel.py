@@ -190,3 +190,39 @@ def test_ray_dead_actor_fails_the_step(tmp_path, ray_local):
         assert time.monotonic() - t0 < 30
     finally:
         engine.shutdown()
+
+
+# ---- expert parallelism ------------------------------------------------------------------------------
+def test_expert_parallel_ranks_sum_to_the_whole_layer():
+    """Two FusedMoE halves (ep_rank 0 and 1 of 2) hold experts 0-3 and 4-7 whole; their partial outputs
+    add up to the one-rank layer's, for batch-1 and grouped paths."""
+    import torch
+
+    from tokenmill.layers.moe import FusedMoE, route
+
+    torch.manual_seed(0)
+    E, H, I = 8, 16, 24
+    w13 = torch.randn(E, 2 * I, H) * 0.2
+    w2 = torch.randn(E, H, I) * 0.2
+    whole = FusedMoE(E, H, I)
+    halves = [FusedMoE(E, H, I, ep_rank=r, ep_size=2) for r in range(2)]
+    for layer in [whole, *halves]:
+        for e in range(E):
+            layer.weight_loader(layer.w13_weight, w13[e, :I], (e, "w1"))
+            layer.weight_loader(layer.w13_weight, w13[e, I:], (e, "w3"))
+            layer.weight_loader(layer.w2_weight, w2[e], (e, "w2"))
+    assert halves[0].w13_weight.shape[0] == 4 and halves[1].unloaded() == []
+    for T in (1, 5):
+        x = torch.randn(T, H)
+        weights, ids = route(torch.randn(T, E), 2, True)
+        ref = whole(x, weights, ids)
+        parts = sum(h(x, weights, ids) for h in halves)
+        torch.testing.assert_close(parts, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_ep2_equals_ep1(tmp_path, arch):
+    path = make_tiny_model(tmp_path / arch, arch, seed=4)
+    ref, _ = generate(path)
+    out, _ = generate(path, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert_same_outputs(ref, out, f"{arch} ep=2", atol=1e-4)

@@ -56,6 +56,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # uni | mp | ray; None: uni for one worker, else mp
+    enable_expert_parallel: bool = False  # MoE experts split whole across the tensor-parallel ranks
 
     def __post_init__(self) -> None:
         if self.distributed_executor_backend is None:

@@ -128,6 +128,10 @@ class EngineArgs:
         "ray one Ray actor each, on this node or a cluster (RAY_ADDRESS) (default: uni for one worker, else mp).",
         choices=EXECUTOR_BACKENDS)
 
+    enable_expert_parallel: bool = _arg(
+        ParallelConfig.enable_expert_parallel, "MoE models: split the experts whole over the tensor-parallel ranks "
+        "(each rank runs its own experts for every token routed to them) instead of slicing every expert; "
+        "attention stays tensor-parallel (default: off).")
     # speculative decoding
     speculative_config: str | None = _arg(  # LLM(speculative_config=...) also takes a dict
         None, "Speculative decoding as JSON, vLLM's shape: {\"method\": \"ngram\"|\"draft_model\"|\"quantized_self\"|"
@@ -203,7 +207,8 @@ class EngineArgs:
                                       policy=self.scheduling_policy),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     pipeline_parallel_size=self.pipeline_parallel_size,
-                                    distributed_executor_backend=self.distributed_executor_backend),
+                                    distributed_executor_backend=self.distributed_executor_backend,
+                                    enable_expert_parallel=self.enable_expert_parallel),
             device=self.device,
             attention_backend=self.attention_backend,
             speculative=SpeculativeConfig.parse(self.speculative_config),

@@ -103,7 +103,8 @@ class Worker:
                                         model=mc.model, device=str(self.device))
         tp = self.config.parallel.tensor_parallel_size
         model, self.hf_config, self.max_model_len = load_model(mc.model, mc.dtype, mc.max_model_len, str(self.device),
-                                                               quant_config=quant, tp_rank=self.rank % tp, tp_size=tp)
+                                                               quant_config=quant, tp_rank=self.rank % tp, tp_size=tp,
+                                                               expert_parallel=self.config.parallel.enable_expert_parallel)
         quant = getattr(model, "quant_config", quant)  # a pre-quantized checkpoint's, found in its config.json
         from tokenmill.diagnostics import resident_weight_bytes
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers import collectives
 from tokenmill.layers.activation import act_fn, gated
 from tokenmill.layers.linear import check_shape
 from tokenmill.layers.quantization.base import QuantizationConfig
@@ -134,12 +134,18 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu",
                  reduce_results: bool = True, tp_rank: int = 0, tp_size: int = 1,
                  params_dtype: torch.dtype = torch.float32, quant_config: QuantizationConfig | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", ep_rank: int = 0, ep_size: int = 1) -> None:
         super().__init__()
         if intermediate_size % tp_size:
             raise ValueError(f"expert intermediate size {intermediate_size} does not divide over tensor-parallel "
                              f"size {tp_size}")
+        if num_experts % ep_size:
+            raise ValueError(f"{num_experts} experts do not divide over expert-parallel size {ep_size}")
+        # Expert parallel: this rank holds experts [first, first + local) whole; the others are skipped.
         self.num_experts = num_experts
+        self.local = num_experts // ep_size
+        self.first = ep_rank * self.local
+        self.ep_size = ep_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.shard = intermediate_size // tp_size
@@ -148,9 +154,9 @@ class FusedMoE(nn.Module):
         self.prefix = prefix
         self.act_name, self.act = activation, act_fn(activation)
         self.quant_method = moe_method(quant_config)
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden_size, dtype=params_dtype),
+        self.w13_weight = nn.Parameter(torch.empty(self.local, 2 * self.shard, hidden_size, dtype=params_dtype),
                                        requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard, dtype=params_dtype),
+        self.w2_weight = nn.Parameter(torch.empty(self.local, hidden_size, self.shard, dtype=params_dtype),
                                       requires_grad=False)
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader
@@ -163,32 +169,45 @@ class FusedMoE(nn.Module):
         I, H, s, r = self.intermediate_size, self.hidden_size, self.shard, self.tp_rank
         full = (H, I) if kind == "w2" else (I, H)
         check_shape(loaded, full if expert is not None else (self.num_experts, *full))
-        dst = param.data if expert is None else param.data[expert]
+        if expert is None:  # merged [E, ...]: this rank's experts
+            loaded = loaded.narrow(0, self.first, self.local)
+        elif not self.first <= expert < self.first + self.local:
+            return  # another rank's expert
+        dst = param.data if expert is None else param.data[expert - self.first]
         if kind == "w2":
             dst.copy_(loaded.narrow(-1, r * s, s))
         else:
             dst.narrow(-2, 0 if kind == "w1" else s, s).copy_(loaded.narrow(-2, r * s, s))
-        experts = range(self.num_experts) if expert is None else (expert,)
+        experts = range(self.first, self.first + self.local) if expert is None else (expert,)
         self.loaded.update((e, kind) for e in experts)
 
     def unloaded(self) -> list[str]:
         """Checkpoint names of the expert tensors not loaded (for the loader's missing-weights error)."""
         names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-        return [f"{self.prefix}.{e}.{names[k]}.weight" for e in range(self.num_experts) for k in ("w1", "w3", "w2")
-                if (e, k) not in self.loaded]
+        return [f"{self.prefix}.{e}.{names[k]}.weight" for e in range(self.first, self.first + self.local)
+                for k in ("w1", "w3", "w2") if (e, k) not in self.loaded]
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """topk_ids are global expert ids; under expert parallelism only this rank's experts run (the
+        partial outputs are summed by the caller's all-reduce)."""
         T, k = topk_ids.shape
         if T == 1:  # batch-1 decode: the k experts in turn, no sort or scatter
             out = None
             for e, w in zip(topk_ids[0].tolist(), topk_weights[0].to(x.dtype)):
+                e -= self.first
+                if not 0 <= e < self.local:
+                    continue
                 h = gated(self.quant_method.linear(self, "w13", e, x), self.act, self.act_name)
                 y = self.quant_method.linear(self, "w2", e, h).mul_(w)
                 out = y if out is None else out.add_(y)
-            return self._reduce(out)
-        flat = topk_ids.reshape(-1)
+            return self._reduce(out if out is not None else torch.zeros_like(x))
+        flat = topk_ids.reshape(-1) - self.first
+        if self.ep_size > 1:  # pairs routed to other ranks' experts sort past the end and are never run
+            flat = torch.where((flat >= 0) & (flat < self.local), flat, self.local)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.local + 1).tolist()[: self.local]
+        n_local = sum(counts)
+        order = order[:n_local]
         tokens = order // k
         xs = x.index_select(0, tokens)
         ws = topk_weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
@@ -205,9 +224,10 @@ class FusedMoE(nn.Module):
 
     def _reduce(self, out: torch.Tensor) -> torch.Tensor:
         if self.reduce_results and self.tp_size > 1:
-            dist.all_reduce(out)
+            collectives.all_reduce(out)
         return out
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
-                f"tp={self.tp_rank}/{self.tp_size}, quant={type(self.quant_method).__name__}")
+        return (f"experts={self.num_experts} (here {self.first}..{self.first + self.local - 1}), "
+                f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, tp={self.tp_rank}/{self.tp_size}, "
+                f"quant={type(self.quant_method).__name__}")

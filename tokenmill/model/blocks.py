@@ -75,6 +75,7 @@ class Build:
     quant_config: QuantizationConfig | None = None
     tp_rank: int = 0
     tp_size: int = 1
+    expert_parallel: bool = False  # MoE layers: whole experts per rank instead of a slice of every expert
 
     def linear(self, prefix: str) -> dict:
         return dict(tp_rank=self.tp_rank, tp_size=self.tp_size, params_dtype=self.params_dtype,
@@ -185,7 +186,8 @@ class DecoderForCausalLM(nn.Module):
     aux_hidden_states: torch.Tensor | None = None
 
     def __init__(self, cfg, spec: DecoderSpec, dtype: torch.dtype, compute_dtype: torch.dtype, max_positions: int,
-                 quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
+                 quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         self.config = cfg
         self.spec = spec
@@ -195,7 +197,7 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = spec.tie_word_embeddings
         self.embed_scale = spec.embed_scale
         self.final_logit_softcapping = spec.final_logit_softcapping
-        build = Build(dtype, compute_dtype, quant_config, tp_rank, tp_size)
+        build = Build(dtype, compute_dtype, quant_config, tp_rank, tp_size, expert_parallel)
         rotary = {}
         for key in {layer.rope for layer in spec.layers}:
             inv_freq, scaling = rope_inv_freq(cfg, spec.attention.head_dim, layer_type=key)

@@ -75,7 +75,8 @@ def is_gguf(path: str) -> bool:
 
 
 def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None, device: str = "cpu", *,
-               quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1):
+               quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
+               expert_parallel: bool = False):
     """Returns (model, hf_config, max_model_len). `path` is a Hugging Face folder or a .gguf file; the
     model holds tensor-parallel rank `tp_rank`'s shard of every layer."""
     if is_gguf(path):
@@ -106,7 +107,7 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
         quant_config.bind(path, cfg, cls)
     with torch.device(device):
         model = cls(cfg, dtype=storage, compute_dtype=compute, max_positions=max_model_len,
-                    quant_config=quant_config, tp_rank=tp_rank, tp_size=tp_size)
+                    quant_config=quant_config, tp_rank=tp_rank, tp_size=tp_size, expert_parallel=expert_parallel)
     if is_gguf(path):
         from tokenmill.model.gguf_loader import iter_gguf_weights
 

@@ -4,7 +4,9 @@ plus Qwen2-MoE's shared expert (a dense gated MLP on every token, scaled by sigm
 Parameter names follow transformers' `mlp.gate`, `mlp.experts.*`, `mlp.shared_expert.*` and
 `mlp.shared_expert_gate` (Mixtral's `block_sparse_moe.` is renamed to `mlp.` by its WeightNaming). The
 router and the shared-expert gate stay unquantized (routing decides which experts run). Under tensor
-parallelism experts and shared expert produce partial sums; the block all-reduces once.
+parallelism experts and shared expert produce partial sums; the block all-reduces once. With expert
+parallelism each rank runs only its own whole experts for the tokens routed to them (every rank sees every
+token: attention stays tensor-parallel), and the same single all-reduce combines them.
 """
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from tokenmill.layers import collectives
 from tokenmill.layers.activation import act_fn, gated
 from tokenmill.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.moe import FusedMoE, route
@@ -40,10 +42,13 @@ class MoEBlock(nn.Module):
         self.tp_size = build.tp_size
         self.gate = ReplicatedLinear(hidden_size, moe.num_experts, params_dtype=build.params_dtype,
                                      compute_dtype=build.compute_dtype, prefix=f"{prefix}.gate")
+        # Expert parallel: rank r holds whole experts [r E/N, (r+1) E/N); else a slice of every expert.
+        ep = build.expert_parallel and build.tp_size > 1
         self.experts = FusedMoE(moe.num_experts, hidden_size, moe.intermediate_size, moe.activation,
-                                reduce_results=False, tp_rank=build.tp_rank, tp_size=build.tp_size,
-                                params_dtype=build.params_dtype, quant_config=build.quant_config,
-                                prefix=f"{prefix}.experts")
+                                reduce_results=False, tp_rank=0 if ep else build.tp_rank,
+                                tp_size=1 if ep else build.tp_size, params_dtype=build.params_dtype,
+                                quant_config=build.quant_config, prefix=f"{prefix}.experts",
+                                ep_rank=build.tp_rank if ep else 0, ep_size=build.tp_size if ep else 1)
         self.has_shared = moe.shared_intermediate_size > 0
         if self.has_shared:
             n = moe.shared_intermediate_size
@@ -58,7 +63,7 @@ class MoEBlock(nn.Module):
         if self.has_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.tp_size > 1:
-            dist.all_reduce(out)
+            collectives.all_reduce(out)
         return out
 
 
