@@ -166,7 +166,7 @@ def test_unknown_llm_kwarg_names_it_and_suggests(fake_engine):
     (dict(scheduling_policy="lifo"), ["policy", "'lifo'"]),
     (dict(tensor_parallel_size=0), ["tensor_parallel_size", "at least 1"]),
     (dict(pipeline_parallel_size=-1), ["pipeline_parallel_size", "at least 1"]),
-    (dict(pipeline_parallel_size=2), ["pipeline parallelism (pipeline_parallel_size=2) is not yet supported"]),
+    (dict(pipeline_parallel_size=2, speculative_config='{"method": "ngram"}'), ["pipeline parallelism"]),
     (dict(distributed_executor_backend="slurm"), ["distributed_executor_backend", "'slurm'"]),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), ["'uni' runs one worker"]),
     (dict(kv_offload_bytes=1 << 20, enable_prefix_caching=False), ["prefix caching"]),
@@ -186,9 +186,9 @@ def test_cli_rejects_bad_values(tmp_path, capsys):
             return e.code
 
     # Validation runs before the model loads: an empty folder never gets that far.
-    assert run(["generate", str(tmp_path), "--prompt", "x", "-pp", "2"]) == 2
+    assert run(["generate", str(tmp_path), "--prompt", "x", "-pp", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: pipeline parallelism") and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: pipeline_parallel_size must be at least 1") and len(err.strip().splitlines()) == 1
     for flags in (["--kv-cache-memory-bytes", "12Q"], ["--kv-cache-dtype", "fp4"], ["--block-size", "x"]):
         assert run(["generate", str(tmp_path), "--prompt", "x", *flags]) == 2
         assert flags[0] in capsys.readouterr().err

@@ -130,9 +130,10 @@ def test_a_dead_worker_fails_the_call_instead_of_hanging(path):
         ex.shutdown()
 
 
-def test_pipeline_parallelism_is_refused_clearly(path):
-    with pytest.raises(ValueError, match="not yet supported"):
-        LLM(str(path), pipeline_parallel_size=2, max_model_len=128, num_gpu_blocks_override=32)
+def test_several_ranks_in_one_process_are_refused_clearly(path):
+    with pytest.raises(ValueError, match="'mp'"):
+        LLM(str(path), pipeline_parallel_size=2, distributed_executor_backend="uni", max_model_len=128,
+            num_gpu_blocks_override=32)
 
 
 def test_drafts_verified_by_the_runner_never_change_greedy_output(path):

@@ -174,10 +174,8 @@ class EngineConfig:
             )
         if self.speculative is not None:
             self.speculative.validate()
-        if p.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"pipeline parallelism (pipeline_parallel_size={p.pipeline_parallel_size}) is not yet supported."
-            )
+        if p.pipeline_parallel_size > 1 and self.speculative is not None:
+            raise ValueError("speculative decoding with pipeline parallelism is not supported yet.")
 
 
 def _at_least(low: int, **values: int | None) -> None:

@@ -121,8 +121,9 @@ class EngineArgs:
                                      "(gloo on CPU, NCCL on CUDA) (default: %(default)s).",
                                      metavar="N", short="-tp")
     pipeline_parallel_size: int = _arg(ParallelConfig.pipeline_parallel_size,
-                                       "Pipeline-parallel stages; above 1 is not yet supported (default: "
-                                       "%(default)s).", metavar="N", short="-pp")
+                                       "Pipeline-parallel stages: the layers split over N ranks, each step in "
+                                       "two micro-batches so the stages overlap (default: %(default)s).",
+                                       metavar="N", short="-pp")
     distributed_executor_backend: str | None = _arg(
         ParallelConfig.distributed_executor_backend, "How workers run: uni in this process, mp one process each, "
         "ray one Ray actor each, on this node or a cluster (RAY_ADDRESS) (default: uni for one worker, else mp).",

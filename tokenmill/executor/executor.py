@@ -37,12 +37,8 @@ class Executor:
         par = config.parallel
         world = par.tensor_parallel_size * par.pipeline_parallel_size
         backend = getattr(par, "distributed_executor_backend", None) or ("uni" if world == 1 else "mp")
-        if par.pipeline_parallel_size > 1:
-            raise ValueError(f"pipeline_parallel_size={par.pipeline_parallel_size}: pipeline parallelism is not yet "
-                             "supported.")
         if world > 1 and backend == "uni":
-            raise ValueError(f"tensor_parallel_size={par.tensor_parallel_size} needs one process per rank: "
-                             "distributed_executor_backend 'mp'.")
+            raise ValueError(f"{world} ranks need one process each: distributed_executor_backend 'mp' or 'ray'.")
         if backend == "uni":
             return UniProcExecutor(config)
         if backend == "mp":
@@ -90,6 +86,7 @@ def _free_port() -> int:
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, world_size: int = 1) -> None:
         ctx = mp.get_context("spawn")  # fork after torch has started threads is unsafe
+        self.config = config
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.conns, self.procs = [], []
         for rank in range(world_size):
@@ -144,7 +141,8 @@ class MultiprocExecutor(Executor):
             self.conns[0].send((method, args))
         except (BrokenPipeError, OSError):
             raise WorkerDiedError(f"worker process {self.procs[0].name} is gone.") from None
-        return self._recv(self.conns[0], self.procs[0])
+        r = reply_rank(self.config)  # the last pipeline stage has the step's result
+        return self._recv(self.conns[r], self.procs[r])
 
     def check_health(self) -> None:
         for p in self.procs:
@@ -166,6 +164,12 @@ class MultiprocExecutor(Executor):
                 p.join(1.0)
         for c in self.conns:
             c.close()
+
+
+def reply_rank(config: EngineConfig) -> int:
+    """The rank that answers calls: the first rank of the last pipeline stage (rank 0 without pipelining)."""
+    par = config.parallel
+    return par.tensor_parallel_size * (par.pipeline_parallel_size - 1)
 
 
 def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: str, conn) -> None:
@@ -201,7 +205,7 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
             reply = ("ok", getattr(worker, method)(*args))
         except Exception as e:
             reply = ("error", (_picklable(e), traceback.format_exc()))
-        if rank == 0:
+        if rank == reply_rank(config):
             try:
                 conn.send(reply)
             except (BrokenPipeError, OSError):

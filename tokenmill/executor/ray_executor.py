@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.executor.executor import WORKER_START_TIMEOUT_S, Executor, WorkerDiedError
+from tokenmill.executor.executor import WORKER_START_TIMEOUT_S, Executor, WorkerDiedError, reply_rank
 from tokenmill.executor.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class RayExecutor(Executor):
         except ImportError:
             raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install 'ray>=2.40'") from None
         self.ray = ray
+        self.config = config
         self.started_ray = False
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
@@ -85,7 +86,7 @@ class RayExecutor(Executor):
         return e
 
     def collective_rpc(self, method: str, *args) -> Any:
-        """Every rank runs the call; rank 0's result is returned. A dead actor (or a collective broken by
+        """Every rank runs the call; the reply rank's (the last pipeline stage's first) result is returned. A dead actor (or a collective broken by
         one) raises WorkerDiedError."""
         ray = self.ray
         from ray.exceptions import RayActorError, RayTaskError
@@ -113,7 +114,7 @@ class RayExecutor(Executor):
         if first_error is not None:
             cause = first_error.as_instanceof_cause() if hasattr(first_error, "as_instanceof_cause") else first_error
             raise cause
-        return results[refs[0]]
+        return results[refs[reply_rank(self.config)]]
 
     def check_health(self) -> None:
         try:

@@ -90,6 +90,14 @@ class Worker:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=self.distributed_init_method, rank=self.rank,
                                     world_size=self.world_size)
+            tp, pp = self.config.parallel.tensor_parallel_size, self.config.parallel.pipeline_parallel_size
+            if tp > 1 and pp > 1:  # each stage's tensor-parallel collectives stay within the stage
+                from tokenmill.layers import collectives
+
+                for stage in range(pp):
+                    group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
+                    if stage == self.rank // tp:
+                        collectives.set_group(group)
 
     def init(self) -> WorkerInfo:
         """Device, model, KV pool and lower KV tiers; returns what the core needs to know."""
@@ -104,7 +112,9 @@ class Worker:
         tp = self.config.parallel.tensor_parallel_size
         model, self.hf_config, self.max_model_len = load_model(mc.model, mc.dtype, mc.max_model_len, str(self.device),
                                                                quant_config=quant, tp_rank=self.rank % tp, tp_size=tp,
-                                                               expert_parallel=self.config.parallel.enable_expert_parallel)
+                                                               expert_parallel=self.config.parallel.enable_expert_parallel,
+                                                               pp_rank=self.rank // tp,
+                                                               pp_size=self.config.parallel.pipeline_parallel_size)
         quant = getattr(model, "quant_config", quant)  # a pre-quantized checkpoint's, found in its config.json
         from tokenmill.diagnostics import resident_weight_bytes
 

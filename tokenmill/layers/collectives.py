@@ -1,5 +1,6 @@
-"""Tensor parallelism's collectives, timed: each step reports how long its all-reduces and all-gathers
-took (`StepTimings.collective_s`), so /v1/diagnostics can say what share of a step communication is."""
+"""The collectives of tensor parallelism and the point-to-point hand-over of pipeline parallelism, timed:
+each step reports how long it spent in them (`StepTimings.collective_s`), so /v1/diagnostics can say what
+share of a step communication is (for a pipeline stage, waiting for the previous stage counts too)."""
 from __future__ import annotations
 
 import time
@@ -8,12 +9,18 @@ import torch
 import torch.distributed as dist
 
 _spent = 0.0
+_group = None  # this rank's tensor-parallel group (None: all ranks; set when pipeline stages split them)
+
+
+def set_group(group) -> None:
+    global _group
+    _group = group
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
     global _spent
     t0 = time.perf_counter()
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=_group)
     _spent += time.perf_counter() - t0
     return t
 
@@ -23,9 +30,25 @@ def all_gather_last(y: torch.Tensor, world: int) -> torch.Tensor:
     global _spent
     t0 = time.perf_counter()
     parts = [torch.empty_like(y) for _ in range(world)]
-    dist.all_gather(parts, y.contiguous())
+    dist.all_gather(parts, y.contiguous(), group=_group)
     _spent += time.perf_counter() - t0
     return torch.cat(parts, dim=-1)
+
+
+def send_stage(tensors: list[torch.Tensor], dst: int) -> list:
+    """Pipeline parallelism: hand a stage's activations to the next stage (non-blocking: the sender goes on
+    with its next micro-batch). Returns the pending sends."""
+    return [dist.isend(t.contiguous(), dst) for t in tensors]
+
+
+def recv_stage(shapes: list[tuple[int, ...]], dtype: torch.dtype, src: int) -> list[torch.Tensor]:
+    global _spent
+    t0 = time.perf_counter()
+    out = [torch.empty(s, dtype=dtype) for s in shapes]
+    for t in out:
+        dist.recv(t, src)
+    _spent += time.perf_counter() - t0
+    return out
 
 
 def take_time() -> float:

@@ -187,7 +187,7 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, cfg, spec: DecoderSpec, dtype: torch.dtype, compute_dtype: torch.dtype, max_positions: int,
                  quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, pp_rank: int = 0, pp_size: int = 1) -> None:
         super().__init__()
         self.config = cfg
         self.spec = spec
@@ -202,17 +202,36 @@ class DecoderForCausalLM(nn.Module):
         for key in {layer.rope for layer in spec.layers}:
             inv_freq, scaling = rope_inv_freq(cfg, spec.attention.head_dim, layer_type=key)
             rotary[key] = RotaryEmbedding(inv_freq, max_positions, scaling)
+        # Pipeline parallelism: this stage holds layers [start, end); the first stage the embedding, the last
+        # the final norm and LM head (and the embedding too when the head is tied to it). Layers of other
+        # stages are empty placeholders, so parameter names keep their global layer index.
+        L = len(spec.layers)
+        if not 1 <= pp_size <= L:
+            raise ValueError(f"pipeline_parallel_size {pp_size} must be between 1 and the {L} layers")
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        self.start, self.end = L * pp_rank // pp_size, L * (pp_rank + 1) // pp_size
+        self.is_first, self.is_last = pp_rank == 0, pp_rank == pp_size - 1
         # First parameter: code that asks for the storage dtype with next(model.parameters()) gets it.
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype, tp_rank, tp_size)
+        self.embed_tokens = None
+        if self.is_first or (self.is_last and spec.tie_word_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype, tp_rank, tp_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, layer, rotary[layer.rope], build, f"layers.{i}") for i, layer in enumerate(spec.layers)
+            DecoderLayer(spec, layer, rotary[layer.rope], build, f"layers.{i}") if self.start <= i < self.end
+            else nn.Identity() for i, layer in enumerate(spec.layers)
         )
-        self.norm = build.norm(spec.hidden_size, spec)
-        self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype, tp_rank, tp_size)
-        if spec.tie_word_embeddings:
-            self.lm_head.tie_weights(self.embed_tokens)
+        self.norm = self.lm_head = None
+        if self.is_last:
+            self.norm = build.norm(spec.hidden_size, spec)
+            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, dtype, tp_rank, tp_size)
+            if spec.tie_word_embeddings:
+                self.lm_head.tie_weights(self.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The final normed hidden states; a pipeline stage before the last returns (x, residual) for the
+        next stage, which passes them as `intermediate`."""
+        if self.pp_size > 1:
+            return self._forward_stage(input_ids, positions, meta, intermediate)
         x = self.embed_tokens(input_ids).to(self.compute_dtype)
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -221,6 +240,19 @@ class DecoderForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, meta, residual)
+        return self.norm.add(residual, x)[1]
+
+    def _forward_stage(self, input_ids, positions, meta, intermediate):
+        if self.is_first:
+            x, residual = self.embed_tokens(input_ids).to(self.compute_dtype), None
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
+        else:
+            x, residual = intermediate
+        for layer in self.layers[self.start : self.end]:
+            x, residual = layer(positions, x, meta, residual)
+        if not self.is_last:
+            return x, residual
         return self.norm.add(residual, x)[1]
 
     def _forward_capturing(self, positions: torch.Tensor, x: torch.Tensor, meta) -> torch.Tensor:

@@ -43,6 +43,6 @@ def llama_spec(cfg) -> DecoderSpec:
 class LlamaForCausalLM(DecoderForCausalLM):
     def __init__(self, cfg, dtype: torch.dtype, compute_dtype: torch.dtype, max_positions: int,
                  quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, pp_rank: int = 0, pp_size: int = 1) -> None:
         super().__init__(cfg, llama_spec(cfg), dtype, compute_dtype, max_positions, quant_config, tp_rank, tp_size,
-                         expert_parallel)
+                         expert_parallel, pp_rank, pp_size)

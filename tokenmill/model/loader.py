@@ -76,7 +76,7 @@ def is_gguf(path: str) -> bool:
 
 def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None, device: str = "cpu", *,
                quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
-               expert_parallel: bool = False):
+               expert_parallel: bool = False, pp_rank: int = 0, pp_size: int = 1):
     """Returns (model, hf_config, max_model_len). `path` is a Hugging Face folder or a .gguf file; the
     model holds tensor-parallel rank `tp_rank`'s shard of every layer."""
     if is_gguf(path):
@@ -107,7 +107,8 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
         quant_config.bind(path, cfg, cls)
     with torch.device(device):
         model = cls(cfg, dtype=storage, compute_dtype=compute, max_positions=max_model_len,
-                    quant_config=quant_config, tp_rank=tp_rank, tp_size=tp_size, expert_parallel=expert_parallel)
+                    quant_config=quant_config, tp_rank=tp_rank, tp_size=tp_size, expert_parallel=expert_parallel,
+                    pp_rank=pp_rank, pp_size=pp_size)
     if is_gguf(path):
         from tokenmill.model.gguf_loader import iter_gguf_weights
 
@@ -116,7 +117,7 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
         load_weights(model, iter_gguf_weights(path, cfg, storage, quant_config.keeps_blocks if blocks else None))
     else:
         load_weights(model, iter_safetensors(path, None if prequantized else storage))
-    if quant_config is not None and getattr(quant_config, "quantize_lm_head", False):
+    if quant_config is not None and getattr(quant_config, "quantize_lm_head", False) and model.lm_head is not None:
         lm_head = model.lm_head
         lm_head.quantize_int8(model.embed_tokens if getattr(model, "tie_word_embeddings", False) else None)
     model.eval()

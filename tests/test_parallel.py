@@ -1,5 +1,6 @@
-"""Tensor parallelism over torch.distributed (gloo, one process per rank): TP=2 gives TP=1's greedy tokens
-and logprobs; a worker that dies fails the in-flight requests and turns the server unhealthy, never a hang."""
+"""Tensor, pipeline and expert parallelism over torch.distributed (gloo, one process per rank), with the
+`mp` and `ray` executors: TP=2, PP=2, EP=2 give one rank's greedy tokens and logprobs on dense and MoE models;
+a worker that dies fails the in-flight requests and turns the server unhealthy, never a hang."""
 from __future__ import annotations
 
 import json
@@ -62,18 +63,19 @@ def test_tp_with_in_process_executor_is_refused(tmp_path):
         LLM(str(path), tensor_parallel_size=2, distributed_executor_backend="uni", **KW)
 
 
-def test_a_dead_rank_fails_the_step_instead_of_hanging(tmp_path):
+@pytest.mark.parametrize("mode", ["tp", "pp"])
+def test_a_dead_rank_fails_the_step_instead_of_hanging(tmp_path, mode):
     from tokenmill.executor.executor import WorkerDiedError
 
     path = make_tiny_model(tmp_path / "llama", "llama")
-    llm = LLM(str(path), tensor_parallel_size=2, **KW)
+    llm = LLM(str(path), **{"tensor_parallel_size" if mode == "tp" else "pipeline_parallel_size": 2}, **KW)
     engine = llm.engine
     try:
         engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
         engine.step()
         engine.step()
         procs = engine.core.executor.procs
-        procs[1].kill()  # rank 1: rank 0 is left waiting in its next all-reduce
+        procs[1].kill()  # tp: rank 0 is left waiting in its next all-reduce; pp: the last stage is gone
         procs[1].join(5)
         t0 = time.monotonic()
         with pytest.raises(WorkerDiedError, match="tokenmill-worker-1"):
@@ -226,3 +228,57 @@ def test_ep2_equals_ep1(tmp_path, arch):
     ref, _ = generate(path)
     out, _ = generate(path, tensor_parallel_size=2, enable_expert_parallel=True)
     assert_same_outputs(ref, out, f"{arch} ep=2", atol=1e-4)
+
+
+# ---- pipeline parallelism ----------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral"])
+def test_pp2_equals_pp1(tmp_path, arch):
+    """Two stages of one layer each; qwen3's tied head needs the embedding on the last stage too. Prompt
+    logprobs and sampled logprobs come from the last stage."""
+    path = make_tiny_model(tmp_path / arch, arch, seed=5)
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    ref, _ = generate(path, params)
+    out, llm = generate(path, params, pipeline_parallel_size=2)
+    assert_same_outputs(ref, out, f"{arch} pp=2", atol=1e-4)
+    assert llm.engine.core.diagnostics()["collectives"]["time_s"] > 0
+
+
+@pytest.mark.parametrize("mode", ["chunked", "preempted", "pp2xtp2"])
+def test_pp2_modes(tmp_path, mode):
+    path = make_tiny_model(tmp_path / "llama", "llama", seed=6)
+    kw = {"chunked": dict(max_num_batched_tokens=16, block_size=4),
+          "preempted": dict(num_gpu_blocks_override=40, block_size=4, max_num_batched_tokens=32, max_model_len=160,
+                            kv_cache_memory_bytes=None),
+          "pp2xtp2": dict(tensor_parallel_size=2, max_num_batched_tokens=24)}[mode]
+    ref, _ = generate(path, **kw)
+    out, llm = generate(path, pipeline_parallel_size=2, **kw)
+    assert_same_outputs(ref, out, f"pp=2 {mode}", atol=1e-4)
+    if mode == "preempted":
+        assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+def test_micro_batches_split_by_tokens_in_order():
+    from tokenmill.core.batch import ScheduledBatch
+    from tokenmill.executor.model_runner import micro_batches
+
+    b = ScheduledBatch(["a", "b", "c", "d"], [30, 1, 1, 8], [1, 1, 4, 1], spec_token_ids={"c": [5, 6, 7]},
+                       prompt_logprob_ranges={"a": (0, 29)})
+    one, two = micro_batches(b, 2)
+    assert one.req_ids == ["a"] and two.req_ids == ["b", "c", "d"]
+    assert two.spec_token_ids == {"c": [5, 6, 7]} and one.prompt_logprob_ranges == {"a": (0, 29)}
+    assert two.num_sample_rows == [1, 4, 1] and one.num_tokens + two.num_tokens == b.num_tokens
+    assert micro_batches(ScheduledBatch(["x"], [3], [1]), 2)[0].req_ids == ["x"]
+
+
+def test_pp_with_speculative_decoding_is_refused(tmp_path):
+    path = make_tiny_model(tmp_path / "llama", "llama")
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        LLM(str(path), pipeline_parallel_size=2, speculative_config={"method": "ngram"}, **KW)
+
+
+def test_ray_pp2_and_ep2(tmp_path, ray_local):
+    path = make_tiny_model(tmp_path / "mixtral", "mixtral", seed=7)
+    ref, _ = generate(path)
+    for kw in (dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)):
+        out, _ = generate(path, distributed_executor_backend="ray", **kw)
+        assert_same_outputs(ref, out, f"ray {kw}", atol=1e-4)
