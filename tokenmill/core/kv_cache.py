@@ -21,6 +21,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from tokenmill.core.kv_events import KVEventLog
 from tokenmill.core.kv_offload import LoadOp, OffloadTiers
 from tokenmill.core.request import Request
 
@@ -70,6 +71,7 @@ class KVCacheManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.stats = PrefixCacheStats()
+        self.events = KVEventLog()  # blocks named and dropped, for a cache-aware router
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -162,6 +164,7 @@ class KVCacheManager:
                 # Named now, like blocks computed this step: its content lands before any attention reads it.
                 self.blocks[block_id].hash = h
                 self.cached[h] = block_id
+                self.events.stored(h)
                 self.offload.load(h, block_id)
                 req.block_ids.append(block_id)
         for _ in range(max(need - len(offloaded), 0)):
@@ -176,6 +179,7 @@ class KVCacheManager:
         if block.hash is not None:
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
+                self.events.removed(block.hash)
                 if self.offload is not None:
                     self.offload.save(block_id, block.hash)  # runs before this step's forward overwrites it
             block.hash = None
@@ -197,6 +201,7 @@ class KVCacheManager:
                 continue  # same content already cached in another block; this copy stays private
             block.hash = h
             self.cached[h] = block.block_id
+            self.events.stored(h)
 
     def free(self, req: Request) -> None:
         """Release req's blocks. Tail blocks go to the LRU first so they are evicted before the
@@ -260,6 +265,7 @@ class KVCacheManager:
             block = self.blocks[block_id]
             if block.hash is not None and self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
+                self.events.removed(block.hash)
             block.hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -267,7 +273,8 @@ class KVCacheManager:
         for block_id in self.free_queue:
             block = self.blocks[block_id]
             if block.hash is not None:
-                self.cached.pop(block.hash, None)
+                if self.cached.pop(block.hash, None) is not None:
+                    self.events.removed(block.hash)
                 block.hash = None
         if self.offload is not None:
             self.offload.clear()

@@ -141,6 +141,13 @@ class EngineCore:
 
         return engine_diagnostics(self, last_n)
 
+    def kv_events(self, since: int = 0) -> dict:
+        """Prefix-cache blocks stored/removed after event `since` (see core/kv_events.py), with the block size
+        a router needs to hash prompts the same way."""
+        out = self.kv.events.since(since, lambda: list(self.kv.cached))
+        out["block_size"] = self.kv.block_size
+        return out
+
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 

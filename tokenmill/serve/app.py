@@ -155,6 +155,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         """Where the time went over the recent steps, against this machine's measured peaks."""
         return await state.engine.call("diagnostics", last_n)
 
+    @app.get("/v1/kv_events")
+    async def kv_events(since: int = 0):
+        """Prefix-cache blocks stored/removed after event `since`: for a cache-aware router (tokenmill router)."""
+        return await state.engine.call("kv_events", since)
+
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
