@@ -291,6 +291,9 @@ def add_serve_parser(subparsers) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="Log level of the server (default: %(default)s).")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="Do not log every HTTP request.")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="Run N engine cores (each its own process and KV cache) behind this endpoint; each request "
+                        "goes to the one with the fewest requests in flight (default: %(default)s).")
     g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
                    help="Run the engine core (scheduler + model) in its own process, so HTTP parsing and "
                         "(de)tokenization never hold the step loop's GIL; --no-engine-core-process runs it in a "

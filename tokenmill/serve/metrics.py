@@ -4,6 +4,7 @@ Each server gets its own CollectorRegistry, so several apps can live in one proc
 """
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -85,14 +86,25 @@ class ServerMetrics:
                                           _TOKEN_BUCKETS).labels(**label)
         step_time = histogram("step_time_seconds", "Engine step time by phase.", _STEP_BUCKETS, m + ["phase"])
         self.step_phase = {p: step_time.labels(model_name=model_name, phase=p) for p in STEP_PHASES}
-        self._last = {"queries": 0, "hits": 0, "preemptions": 0, "generation": 0, "evictions": 0,
-                      "saves": 0, "spills": 0, "host_loads": 0, "disk_loads": 0, "load_failures": 0}
+        # Counters arrive as totals since a core started: one "last seen" per replica (data parallelism).
+        self._lasts: dict[int, dict[str, int]] = {}
+        self._last: dict[str, int] = {}
+        self._gauges: dict[int, tuple[int, int, float]] = {}  # replica -> (running, waiting, kv usage)
+        self._replica_lock = threading.Lock()
 
     # ---- observer (engine thread) ---------------------------------------------------------
-    def on_iteration(self, stats: SchedulerStats, step: StepStats | None, inter_token_s: list[float]) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_usage)
+    def on_iteration(self, stats: SchedulerStats, step: StepStats | None, inter_token_s: list[float],
+                     replica: int = 0) -> None:
+        with self._replica_lock:  # replicas report from their own threads
+            self._last = self._lasts.setdefault(replica, {})
+            self._gauges[replica] = (stats.num_running, stats.num_waiting, stats.kv_usage)
+            g = list(self._gauges.values())
+            self.running.set(sum(x[0] for x in g))
+            self.waiting.set(sum(x[1] for x in g))
+            self.kv_usage.set(sum(x[2] for x in g) / len(g))
+            self._observe(stats, step, inter_token_s)
+
+    def _observe(self, stats: SchedulerStats, step: StepStats | None, inter_token_s: list[float]) -> None:
         self._add(self.prefix_queries, "queries", stats.prefix_queries)
         self._add(self.prefix_hits, "hits", stats.prefix_hits)
         self._add(self.prefix_evictions, "evictions", stats.prefix_evictions)

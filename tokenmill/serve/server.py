@@ -137,12 +137,21 @@ def serve_main(args, engine_kwargs: dict) -> int:
     config = EngineArgs.from_kwargs(**engine_kwargs).create_engine_config()
     metrics = ServerMetrics(settings.served_model_names[0])
     own_process = getattr(args, "engine_core_process", True)
-    engine = AsyncLLMEngine.from_config(config, own_process=own_process, observer=metrics)
+    dp = getattr(args, "data_parallel_size", 1)
+    if dp < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {dp}.")
+    if dp > 1:
+        from tokenmill.engine.data_parallel import DataParallelEngine
+
+        engine = DataParallelEngine.from_config(config, dp, observer=metrics)
+        own_process = True
+    else:
+        engine = AsyncLLMEngine.from_config(config, own_process=own_process, observer=metrics)
     state = ServerState(engine, settings, metrics)
     f = engine.facts
-    log.info("model %s loaded in %.1f s (engine core %s); max_model_len %d, %d KV blocks of %d tokens",
+    log.info("model %s loaded in %.1f s (engine core %s%s); max_model_len %d, %d KV blocks of %d tokens",
              settings.model_path, f.load_time_s, "in its own process" if own_process else "in a thread",
-             f.max_model_len, f.num_blocks, f.block_size)
+             f" x {dp} data-parallel replicas" if dp > 1 else "", f.max_model_len, f.num_blocks, f.block_size)
     listen = ListenConfig(args.host, args.port, args.uvicorn_log_level, not args.disable_uvicorn_access_log)
     run_server(state, listen, build_app(state))
     return 0
