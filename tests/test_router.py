@@ -28,7 +28,8 @@ def test_round_robin_cycles_in_order():
 
 def test_least_load_picks_fewest_outstanding_tokens():
     assert LeastLoad().choose(["a", "b", "c"], {"a": 50, "b": 10, "c": 30}) == "b"
-    assert LeastLoad().choose(["a", "b"], {"a": 0, "b": 0}) == "a"
+    p = LeastLoad()
+    assert [p.choose(["a", "b"], {"a": 0, "b": 0}) for _ in range(4)] == ["a", "b", "a", "b"]  # ties take turns
 
 
 def test_prefix_aware_prefers_longest_cached_prefix():
@@ -37,6 +38,7 @@ def test_prefix_aware_prefers_longest_cached_prefix():
     assert p.choose(["a", "b", "c"], load, {"a": 2, "b": 5, "c": 0}) == "b"
     assert p.choose(["a", "b", "c"], load, {"a": 0, "b": 0, "c": 0}) == "c"  # no match: least load
     assert p.choose(["a", "b", "c"], load, {"a": 3, "b": 3}) == "a"  # equal match: the lighter
+    assert {p.choose(["a", "b"], {}, {"a": 0, "b": 0}) for _ in range(2)} == {"a", "b"}
 
 
 def test_prefix_aware_falls_back_to_least_load_when_holder_is_overloaded():
@@ -217,35 +219,38 @@ def two_servers(tmp_path_factory):
 def test_prefix_aware_sends_repeated_prompt_to_the_backend_that_cached_it(two_servers):
     model, servers = two_servers
     urls = [s.base_url for s in servers]
-    prompt = "The quick brown fox jumps over the lazy dog. " * 6
-    body = {"model": str(model), "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    prompts = ["The quick brown fox jumps over the lazy dog. " * 6,
+               "Paged attention stores keys and values in fixed-size blocks. " * 5]
+    bodies = [{"model": str(model), "prompt": p, "max_tokens": 2, "temperature": 0} for p in prompts]
 
-    def counts() -> list[int]:
-        return [len([e for e in httpx.get(f"{u}/v1/kv_events", timeout=5).json()["events"] if e[1] == "stored"])
-                for u in urls]
+    def stored(u: str) -> set[str]:
+        return {e[2] for e in httpx.get(f"{u}/v1/kv_events", timeout=5).json()["events"] if e[1] == "stored"}
+
+    def requests_by_backend(url: str) -> dict[str, float]:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+        return {u: float(line.split()[-1]) for u in urls for line in text.splitlines()
+                if line.startswith(f'tokenmill:router_requests_total{{backend="{u}"}}')}
 
     with router(urls, policy="prefix-aware", tokenizer=str(model), poll_interval_s=0.05) as (url, r):
-        # a small request on the other backend first, so plain least-load would not pick the first one
-        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
-        first = [u for u, n in zip(urls, counts()) if n > 0]
-        assert len(first) == 1
-        hashes = prompt_hashes(r.prompts.token_ids(body), 4)
-        assert wait_until(lambda: r.cache.matched(first[0], hashes) == len(hashes))
-        seen = {u: len(httpx.get(f"{u}/v1/kv_events", timeout=5).json()["events"]) for u in urls}
-        for _ in range(3):
+        home = []
+        for body in bodies:  # no cache anywhere yet: idle ties take turns, one prompt per backend
             assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
-        metrics = httpx.get(f"{url}/metrics", timeout=5).text
-        assert f'tokenmill:router_requests_total{{backend="{first[0]}"}} 4.0' in metrics
-        other = [u for u in urls if u != first[0]][0]
-        assert f'tokenmill:router_requests_total{{backend="{other}"}} 0.0' in metrics
-        assert len(httpx.get(f"{other}/v1/kv_events", timeout=5).json()["events"]) == seen[other]
-        hit = [line for line in metrics.splitlines()
-               if line.startswith(f'tokenmill:router_prefix_hit_tokens_total{{backend="{first[0]}"}}')]
-        assert float(hit[0].split()[-1]) >= 3 * 4 * len(hashes) - 12
+            hashes = prompt_hashes(r.prompts.token_ids(body), 4)
+            holders = [u for u in urls if {h.hex() for h in hashes} <= stored(u)]
+            assert len(holders) == 1
+            home.append(holders[0])
+            assert wait_until(lambda: r.cache.matched(home[-1], hashes) == len(hashes))
+        assert home[0] != home[1]
+        for body in bodies:  # (taking turns would now send each prompt to both backends)
+            for _ in range(3):
+                assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert requests_by_backend(url) == {home[0]: 4.0, home[1]: 4.0}
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+        hit = sum(float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith("tokenmill:router_prefix_hit_tokens_total"))
+        assert hit > 0
 
     with router(urls, policy="round-robin") as (url, r):
-        for _ in range(2):
-            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
-        metrics = httpx.get(f"{url}/metrics", timeout=5).text
-        for u in urls:
-            assert f'tokenmill:router_requests_total{{backend="{u}"}} 1.0' in metrics
+        for _ in range(4):  # the same prompt alternates, cache or not
+            assert httpx.post(f"{url}/v1/completions", json=bodies[0], timeout=60).status_code == 200
+        assert requests_by_backend(url) == {urls[0]: 2.0, urls[1]: 2.0}

@@ -19,9 +19,11 @@ class Policy(Protocol):
         ...
 
 
-def least_loaded(backends: Sequence[str], load: Mapping[str, int]) -> str:
-    """Fewest outstanding tokens; ties go to the earliest in `backends`."""
-    return min(backends, key=lambda b: load.get(b, 0))
+def least_loaded(backends: Sequence[str], load: Mapping[str, int], turn: int = 0) -> str:
+    """Fewest outstanding tokens; ties take turns (`turn`), so idle backends share the work."""
+    lowest = min(load.get(b, 0) for b in backends)
+    ties = [b for b in backends if load.get(b, 0) == lowest]
+    return ties[turn % len(ties)]
 
 
 @dataclass
@@ -41,10 +43,12 @@ class RoundRobin:
 class LeastLoad:
     name: str = "least-load"
     uses_cache: bool = False
+    _turn: int = 0
 
     def choose(self, backends: Sequence[str], load: Mapping[str, int],
                matched: Mapping[str, int] | None = None) -> str:
-        return least_loaded(backends, load)
+        self._turn += 1
+        return least_loaded(backends, load, self._turn - 1)
 
 
 @dataclass
@@ -55,16 +59,18 @@ class PrefixAware:
     balance_rel: float = 1.5
     name: str = "prefix-aware"
     uses_cache: bool = True
+    _turn: int = 0
 
     def choose(self, backends: Sequence[str], load: Mapping[str, int],
                matched: Mapping[str, int] | None = None) -> str:
-        lightest = least_loaded(backends, load)
+        self._turn += 1
+        lightest = least_loaded(backends, load, self._turn - 1)
         matched = matched or {}
         best = max((matched.get(b, 0) for b in backends), default=0)
         if best == 0:
             return lightest
         holders = [b for b in backends if matched.get(b, 0) == best]
-        chosen = least_loaded(holders, load)
+        chosen = least_loaded(holders, load, self._turn - 1)
         if self.overloaded(load.get(chosen, 0), load.get(lightest, 0)):
             return lightest
         return chosen
