@@ -1,5 +1,6 @@
 """A tiny OpenAI-compatible streaming server for the bench tests: known delays, known usage,
-errors on request. Prompts starting with FAIL400 / FAIL500 / FAILSTREAM fail in that way."""
+errors on request. Prompts starting with FAIL400 / FAIL500 / FAILSTREAM fail in that way; BREAKSTREAM
+drops the connection after the first chunk. Router tests: `healthy` (GET /health), `fail_status`, `honor_stream`."""
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +28,9 @@ class FakeConfig:
     requests_seen: list[dict] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=lambda: {"queries": 0.0, "hits": 0.0, "preemptions": 0.0})
     ttft_observed: list[float] = field(default_factory=list)
+    healthy: bool = True          # GET /health: 200, else 503
+    fail_status: int | None = None  # every completion answers this status before any byte
+    honor_stream: bool = False    # "stream": false gets one JSON body (default: always SSE)
 
 
 def _error(status: int, etype: str, message: str) -> JSONResponse:
@@ -43,6 +47,8 @@ def make_app(cfg: FakeConfig) -> Starlette:
             return _error(401, "AuthenticationError", "bad api key")
         body = await request.json()
         cfg.requests_seen.append(body)
+        if cfg.fail_status is not None:
+            return _error(cfg.fail_status, "ServiceUnavailableError", "backend refused")
         chat = "messages" in body
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         if prompt.startswith("FAIL400"):
@@ -70,6 +76,8 @@ def make_app(cfg: FakeConfig) -> Starlette:
                 choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
                 yield _sse({"object": "chunk", "choices": [choice]})
                 sent += k
+                if prompt.startswith("BREAKSTREAM"):
+                    raise RuntimeError("connection dropped mid-stream")
                 if prompt.startswith("FAILSTREAM"):
                     yield _sse({"error": {"type": "EngineDeadError", "message": "died mid-stream"}})
                     return
@@ -80,7 +88,18 @@ def make_app(cfg: FakeConfig) -> Starlette:
                 yield _sse({"object": "chunk", "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
 
+        if cfg.honor_stream and not body.get("stream") and not prompt.startswith(("FAILSTREAM", "BREAKSTREAM")):
+            text = " tok" * n_tokens
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                      if chat else {"index": 0, "text": text, "finish_reason": "length"})
+            return JSONResponse({"object": "chat.completion" if chat else "text_completion", "model": cfg.model,
+                                 "choices": [choice],
+                                 "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_tokens,
+                                           "total_tokens": n_prompt + n_tokens}})
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def health(request: Request):
+        return PlainTextResponse("", 200 if cfg.healthy else 503)
 
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [{"id": cfg.model, "object": "model"}]})
@@ -100,6 +119,7 @@ def make_app(cfg: FakeConfig) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", completions, methods=["POST"]),
         Route("/v1/models", models),
+        Route("/health", health),
         Route("/metrics", metrics),
     ])
 
@@ -107,11 +127,11 @@ def make_app(cfg: FakeConfig) -> Starlette:
 class FakeServer:
     """Serves make_app(cfg) on a free localhost port in a background thread."""
 
-    def __init__(self, cfg: FakeConfig) -> None:
+    def __init__(self, cfg: FakeConfig, port: int = 0) -> None:
         self.cfg = cfg
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind(("127.0.0.1", port))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         config = uvicorn.Config(make_app(cfg), log_level="warning", lifespan="off", backlog=256)
         self.server = uvicorn.Server(config)

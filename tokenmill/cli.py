@@ -1,4 +1,5 @@
-"""The `tokenmill` command line: `generate`, `chat`, `serve` and `quantize` on a local model (vLLM's flag names).
+"""The `tokenmill` command line: `generate`, `chat`, `serve` and `quantize` on a local model (vLLM's flag names),
+and `router` in front of several servers.
 
 Each subcommand is an `add_<name>_parser(subparsers)` that registers its flags and a `cmd_<name>(args)`
 that runs it. Shared flags come from `add_engine_args` / `engine_kwargs` (generated from EngineArgs;
@@ -308,6 +309,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_main(args, engine_kwargs(args))
 
 
+# ---- router ----------------------------------------------------------------------------------
+def add_router_parser(subparsers) -> None:
+    from tokenmill.router.policies import POLICIES
+
+    p = subparsers.add_parser("router", help="Route OpenAI-compatible requests over several servers.",
+                              description="One OpenAI-compatible endpoint (/v1/completions, /v1/chat/completions, "
+                                          "/v1/models, /health, /metrics) in front of several servers, tokenmill "
+                                          "or others; prefix-aware routing follows the backends' /v1/kv_events.")
+    p.add_argument("--backend", action="append", required=True, metavar="URL",
+                   help="Base URL of a backend server, e.g. http://127.0.0.1:8001; repeatable.")
+    p.add_argument("--policy", choices=list(POLICIES), default="prefix-aware",
+                   help="How to choose a backend per request (default: %(default)s).")
+    p.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: %(default)s).")
+    p.add_argument("--port", type=int, default=8000, help="Port to listen on (default: %(default)s).")
+    p.add_argument("--tokenizer", metavar="PATH",
+                   help="Tokenizer of the served model, to name the blocks of text prompts for prefix-aware "
+                        "routing (default: none; only token-id prompts are matched).")
+    p.add_argument("--block-size", type=int, metavar="N",
+                   help="Tokens per KV block on the backends (default: as their /v1/kv_events report, else 16).")
+    p.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="Seconds between health checks of each backend (default: %(default)s).")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="Log level of the router (default: %(default)s).")
+    p.set_defaults(func=cmd_router)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tokenmill.router.app import RouterConfig, create_app
+
+    cfg = RouterConfig(backends=args.backend, policy=args.policy, tokenizer=args.tokenizer,
+                       block_size=args.block_size, health_interval_s=args.health_interval)
+    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    return 0
+
+
 # ---- entry point -----------------------------------------------------------------------------
 def add_bench_parser(subparsers) -> None:
     from tokenmill.bench.offline import add_offline_parsers
@@ -324,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(subparsers)
     add_chat_parser(subparsers)
     add_serve_parser(subparsers)
+    add_router_parser(subparsers)
     add_bench_parser(subparsers)
     from tokenmill.quantize import add_quantize_parser
 

@@ -1,0 +1,322 @@
+"""The router's HTTP face: OpenAI-compatible routes proxied to one backend per request (httpx), with health
+checks, one retry on another backend for failures the client never saw, and SSE passed through as it comes.
+
+Retry only before the first byte reaches the client: after that a retry could duplicate a completion, so a
+broken stream ends with an error event in OpenAI's shape and `data: [DONE]` instead."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import httpx
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tokenmill.router.cache_index import CacheIndex, prompt_hashes
+from tokenmill.router.metrics import CONTENT_TYPE, RouterMetrics
+from tokenmill.router.policies import Policy, make_policy
+from tokenmill.router.prompts import PromptTokenizer, estimate_tokens
+
+log = logging.getLogger(__name__)
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+_FORWARD_HEADERS = ("authorization", "content-type", "accept", "openai-organization", "x-request-id")
+
+
+@dataclass
+class RouterConfig:
+    backends: list[str]
+    policy: str = "round-robin"
+    tokenizer: str | None = None
+    block_size: int | None = None  # None: as the backends report in /v1/kv_events (default 16)
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    poll_interval_s: float = 0.1
+    connect_timeout_s: float = 3.0
+    read_timeout_s: float = 600.0  # between bytes: long prefills of long prompts
+
+
+@dataclass
+class Backend:
+    url: str
+    healthy: bool = True
+    load: int = 0  # outstanding tokens
+    in_flight: int = 0
+
+
+def error_body(status: int, message: str, code: str | None = None) -> dict:
+    etype = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": etype, "param": None, "code": code}}
+
+
+def error_response(status: int, message: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code), status_code=status)
+
+
+class BackendFailed(Exception):
+    """The backend failed before anything reached the client: safe to retry elsewhere."""
+
+    def __init__(self, message: str, response: Response | None = None) -> None:
+        super().__init__(message)
+        self.response = response  # the backend's own error, to pass on if no retry is possible
+
+
+@dataclass
+class Router:
+    cfg: RouterConfig
+    policy: Policy = field(init=False)
+    backends: dict[str, Backend] = field(init=False)
+    cache: CacheIndex = field(init=False)
+    metrics: RouterMetrics = field(init=False)
+    prompts: PromptTokenizer = field(init=False)
+    client: httpx.AsyncClient | None = None
+
+    def __post_init__(self) -> None:
+        urls = [u.rstrip("/") for u in self.cfg.backends]
+        if not urls:
+            raise ValueError("give at least one --backend URL.")
+        self.policy = make_policy(self.cfg.policy)
+        self.backends = {u: Backend(u) for u in urls}
+        self.cache = CacheIndex(urls)
+        self.metrics = RouterMetrics(urls)
+        self.prompts = PromptTokenizer(self.cfg.tokenizer)
+        for u in urls:
+            self.metrics.healthy.labels(backend=u).set(1)
+
+    # ---- health --------------------------------------------------------------------------
+    def healthy(self) -> list[str]:
+        return [b.url for b in self.backends.values() if b.healthy]
+
+    def set_health(self, url: str, ok: bool) -> None:
+        b = self.backends[url]
+        if b.healthy and not ok:
+            log.warning("backend %s left the rotation", url)
+            self.cache.forget(url)
+        elif ok and not b.healthy:
+            log.warning("backend %s rejoined the rotation", url)
+        b.healthy = ok
+        self.metrics.healthy.labels(backend=url).set(1 if ok else 0)
+
+    async def check(self, url: str) -> bool:
+        """GET /health answers 200; a server without /health (404) counts if /v1/models answers."""
+        assert self.client is not None
+        t = self.cfg.health_timeout_s
+        try:
+            r = await self.client.get(f"{url}/health", timeout=t)
+            if r.status_code == 404:
+                r = await self.client.get(f"{url}/v1/models", timeout=t)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def check_all(self) -> None:
+        urls = list(self.backends)
+        results = await asyncio.gather(*(self.check(u) for u in urls))
+        for u, ok in zip(urls, results):
+            self.set_health(u, ok)
+
+    async def health_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            try:
+                await self.check_all()
+            except Exception:
+                log.exception("health check")
+
+    # ---- routing -------------------------------------------------------------------------
+    def choose(self, candidates: list[str], hashes: list[bytes] | None) -> tuple[str, int]:
+        """The backend for this request and its cached leading blocks (0 without cache info)."""
+        load = {u: self.backends[u].load for u in candidates}
+        matched = None
+        if self.policy.uses_cache and hashes:
+            matched = {u: self.cache.matched(u, hashes) for u in candidates}
+        url = self.policy.choose(candidates, load, matched)
+        return url, (matched or {}).get(url, 0)
+
+    async def prompt_info(self, body: dict) -> tuple[int, list[bytes] | None, int]:
+        """(estimated tokens, block hashes of the prompt or None, prompt tokens)."""
+        ids = None
+        if self.policy.uses_cache:
+            ids = await asyncio.to_thread(self.prompts.token_ids, body)
+        estimate = estimate_tokens(body, ids)
+        if ids is None:
+            return estimate, None, 0
+        return estimate, prompt_hashes(ids, self.cfg.block_size or self.cache.block_size), len(ids)
+
+    async def proxy(self, request: Request, path: str) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError
+        except ValueError:
+            return error_response(400, "the request body must be a JSON object.")
+        estimate, hashes, n_prompt = await self.prompt_info(body)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        tried: list[str] = []
+        last: BackendFailed | None = None
+        for _ in range(2):
+            candidates = [u for u in self.healthy() if u not in tried]
+            if not candidates:
+                break
+            url, blocks = self.choose(candidates, hashes)
+            if tried:
+                self.metrics.retries.labels(backend=tried[-1]).inc()
+            tried.append(url)
+            if hashes is not None:
+                bs = self.cfg.block_size or self.cache.block_size
+                self.metrics.query_tokens.labels(backend=url).inc(n_prompt)
+                self.metrics.hit_tokens.labels(backend=url).inc(blocks * bs)
+            try:
+                return await self.forward(url, path, raw, headers, estimate)
+            except BackendFailed as e:
+                log.warning("backend %s failed: %s", url, e)
+                last = e
+        if last is not None and last.response is not None:
+            return last.response
+        if last is not None:
+            return error_response(502, f"the backend failed: {last}", "backend_error")
+        return error_response(503, "no healthy backend to serve this request.", "no_healthy_backend")
+
+    async def forward(self, url: str, path: str, raw: bytes, headers: dict[str, str], estimate: int) -> Response:
+        """Send to one backend; BackendFailed when nothing was returned to the client yet."""
+        assert self.client is not None
+        b, m = self.backends[url], self.metrics
+        m.requests.labels(backend=url).inc()
+        self._take(b, estimate, 1)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._take(b, -estimate, -1)
+
+        try:
+            resp = await self.client.send(self.client.build_request("POST", url + path, content=raw, headers=headers),
+                                          stream=True)
+        except httpx.HTTPError as e:
+            release()
+            m.errors.labels(backend=url).inc()
+            if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
+                self.set_health(url, False)
+            raise BackendFailed(f"{type(e).__name__}: {e}") from e
+        try:
+            out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
+            if resp.status_code >= 500:
+                content = await resp.aread()
+                m.errors.labels(backend=url).inc()
+                raise BackendFailed(f"status {resp.status_code}",
+                                    Response(content, resp.status_code, headers=out_headers))
+            if "text/event-stream" not in resp.headers.get("content-type", ""):
+                content = await resp.aread()
+                release()
+                return Response(content, resp.status_code, headers=out_headers)
+            chunks = resp.aiter_raw()
+            first = await anext(chunks, b"")
+        except httpx.HTTPError as e:
+            await resp.aclose()
+            release()
+            m.errors.labels(backend=url).inc()
+            raise BackendFailed(f"{type(e).__name__}: {e}") from e
+        except BaseException:
+            await resp.aclose()
+            release()
+            raise
+        async def cleanup() -> None:  # also when the client left before the stream began
+            await resp.aclose()
+            release()
+
+        return StreamingResponse(self._relay(url, resp, first, chunks, release), resp.status_code,
+                                 headers=out_headers, background=BackgroundTask(cleanup))
+
+    async def _relay(self, url: str, resp: httpx.Response, first: bytes, chunks: AsyncIterator[bytes],
+                     release) -> AsyncIterator[bytes]:
+        tail = b""
+        try:
+            if first:
+                tail = first[-2:]
+                yield first
+            async for chunk in chunks:
+                if chunk:
+                    tail = (tail + chunk)[-2:]
+                    yield chunk
+        except httpx.HTTPError as e:
+            self.metrics.errors.labels(backend=url).inc()
+            log.warning("stream from %s broke: %s", url, e)
+            prefix = b"" if tail == b"\n\n" or not tail else b"\n\n"
+            event = error_body(502, f"the backend's stream broke: {type(e).__name__}", "backend_stream_error")
+            yield prefix + f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await resp.aclose()
+            release()
+
+    def _take(self, b: Backend, tokens: int, requests: int) -> None:
+        b.load += tokens
+        b.in_flight += requests
+        self.metrics.load.labels(backend=b.url).set(b.load)
+        self.metrics.in_flight.labels(backend=b.url).set(b.in_flight)
+
+    # ---- other routes --------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        assert self.client is not None
+        for url in self.healthy():
+            try:
+                r = await self.client.get(f"{url}/v1/models", headers={
+                    k: v for k, v in request.headers.items() if k.lower() == "authorization"})
+            except httpx.HTTPError:
+                continue
+            if r.status_code < 500:
+                return Response(r.content, r.status_code, media_type="application/json")
+        return error_response(503, "no healthy backend to list models.", "no_healthy_backend")
+
+
+def create_app(cfg: RouterConfig) -> Starlette:
+    router = Router(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        timeout = httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.read_timeout_s, write=30.0, pool=30.0)
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            router.client = client
+            await router.check_all()
+            tasks = [asyncio.create_task(router.health_forever())]
+            if router.policy.uses_cache:
+                tasks.append(asyncio.create_task(router.cache.poll_forever(client, cfg.poll_interval_s)))
+            try:
+                yield
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def completions(request: Request) -> Response:
+        return await router.proxy(request, "/v1/completions")
+
+    async def chat(request: Request) -> Response:
+        return await router.proxy(request, "/v1/chat/completions")
+
+    async def health(request: Request) -> Response:
+        if router.healthy():
+            return Response(status_code=200)
+        return error_response(503, "no healthy backend.", "no_healthy_backend")
+
+    async def metrics(request: Request) -> Response:
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE)
+
+    app = Starlette(lifespan=lifespan, routes=[
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/models", router.models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ])
+    app.state.router = router
+    return app
