@@ -72,8 +72,8 @@ class LiveServer:
 
 
 def start_server(model: str | None, log_path: Path, *args: str, api_key: str | None = None,
-                 timeout: float = 120.0) -> LiveServer:
-    port = free_port()
+                 timeout: float = 120.0, port: int | None = None) -> LiveServer:
+    port = port or free_port()
     cmd = [sys.executable, "-m", "tokenmill", "serve"] + ([str(model)] if model else [])
     cmd += ["--port", str(port), "--disable-uvicorn-access-log", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",

@@ -254,3 +254,53 @@ def test_prefix_aware_sends_repeated_prompt_to_the_backend_that_cached_it(two_se
         for _ in range(4):  # the same prompt alternates, cache or not
             assert httpx.post(f"{url}/v1/completions", json=bodies[0], timeout=60).status_code == 200
         assert requests_by_backend(url) == {urls[0]: 2.0, urls[1]: 2.0}
+
+
+def test_a_replica_killed_under_load_fails_or_completes_each_request_once_and_rejoins(two_servers, tmp_path):
+    """Requests through the router while one real replica is killed: none hangs, each completes (once) or
+    gets an error; the dead replica leaves the rotation, and a server started again on its port rejoins."""
+    import signal
+
+    from server_harness import start_server
+
+    model, servers = two_servers
+    urls = [s.base_url for s in servers]
+    body = {"model": str(model), "prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True,
+            "temperature": 0}
+    victim = servers[1]
+    results: list = []
+
+    def send(i: int) -> None:
+        try:
+            r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": f"{i} {body['prompt']}"}, timeout=60)
+            results.append((r.status_code, len(r.json()["choices"]) if r.status_code == 200 else 0))
+        except httpx.HTTPError as e:
+            results.append((repr(e), 0))
+
+    with router(urls, policy="least-load") as (url, r):
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(10)
+        for t in threads:
+            t.join(90)
+            assert not t.is_alive(), "a request hung"
+        assert len(results) == 8
+        assert all(code == 200 and n == 1 or isinstance(code, int) and code >= 500 for code, n in results), results
+        assert sum(code == 200 for code, _ in results) >= 4
+        assert wait_until(lambda: not r.backends[urls[1]].healthy, 10)
+        # Everything now goes to the survivor.
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        port = int(urls[1].rsplit(":", 1)[1])
+        again = start_server(model, tmp_path / "again.log", "--block-size", "4", "--kv-cache-memory-bytes", "4M",
+                             "--no-engine-core-process", port=port)
+        try:
+            assert wait_until(lambda: r.backends[urls[1]].healthy, 15), "the restarted replica did not rejoin"
+            for _ in range(4):  # and takes requests again
+                assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+            assert r.backends[urls[1]].healthy
+        finally:
+            again.stop()
+            servers[1] = again
