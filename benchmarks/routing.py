@@ -120,7 +120,7 @@ def main() -> None:
     p.add_argument("--question-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--kv-cache", default="12M", help="KV pool per replica (default: about 5 of the 8 prefixes).")
+    p.add_argument("--kv-cache", default="10M", help="KV pool per replica (default: about half of the 8 prefixes).")
     p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args()
 
