@@ -8,7 +8,7 @@ import pytest
 
 import tokenmill.llm
 from tokenmill.cli import build_parser, main
-from tokenmill.config import EngineConfig, SpeculativeConfig
+from tokenmill.config import EngineConfig, KVTransferConfig, SpeculativeConfig
 from tokenmill.engine_args import EngineArgs
 from tokenmill.llm import LLM, parse_prompts
 
@@ -43,11 +43,13 @@ ROUND_TRIP = {
     "distributed_executor_backend": (["--distributed-executor-backend", "mp"], "mp",
                                      "parallel.distributed_executor_backend"),
     "enable_expert_parallel": (["--enable-expert-parallel"], True, "parallel.enable_expert_parallel"),
+    "kv_transfer_config": (["--kv-transfer-config", '{"kv_role": "kv_both"}'], '{"kv_role": "kv_both"}',
+                           "kv_transfer"),
     "speculative_config": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
                            '{"method": "ngram", "num_speculative_tokens": 2}', "speculative"),
 }
 # Fields whose config value is parsed from the argument's.
-CONFIG_VALUES = {"speculative_config": SpeculativeConfig("ngram", 2)}
+CONFIG_VALUES = {"speculative_config": SpeculativeConfig("ngram", 2), "kv_transfer_config": KVTransferConfig("kv_both")}
 NAMES = [f.name for f in fields(EngineArgs)]
 
 

@@ -304,3 +304,53 @@ def test_a_replica_killed_under_load_fails_or_completes_each_request_once_and_re
         finally:
             again.stop()
             servers[1] = again
+
+
+# ---- disaggregated prefill/decode -------------------------------------------------------------------
+def test_pd_through_the_router_equals_one_engine(tmp_path):
+    """router --pd: a prefill instance (kv_producer) computes each prompt for one token and writes its
+    blocks; the decode instance (kv_consumer) loads them and decodes. Text, logprobs, streaming and n=2 equal
+    a normal engine's (the producer serving the request itself)."""
+    from server_harness import start_server
+    from tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "llama", "llama", seed=8)
+    shared = tmp_path / "kv"
+    common = ("--block-size", "4", "--kv-cache-memory-bytes", "8M", "--no-engine-core-process")
+
+    def role(r: str) -> tuple[str, ...]:
+        return ("--kv-transfer-config", json.dumps({"kv_role": r, "kv_connector_extra_config":
+                                                    {"shared_storage_path": str(shared)}}))
+
+    with ThreadPoolExecutor(2) as pool:
+        fp = pool.submit(start_server, model, tmp_path / "prefill.log", *common, *role("kv_producer"))
+        fd = pool.submit(start_server, model, tmp_path / "decode.log", *common, *role("kv_consumer"))
+        producer, consumer = fp.result(), fd.result()
+    try:
+        with router([consumer.base_url], policy="round-robin", prefill=[producer.base_url]) as (url, r):
+            for i, kw in enumerate([{}, {"n": 2}, {"stream": True}]):
+                prompt = f"{i} The quick brown fox jumps over the lazy dog. " * 4
+                body = {"model": str(model), "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1,
+                        **kw}
+                if kw.get("stream"):
+                    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+                        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+                    assert events[-1] == "[DONE]"
+                    got = "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"])
+                    ref = httpx.post(producer.url("/v1/completions"), json={**body, "stream": False}, timeout=60)
+                    assert got == ref.json()["choices"][0]["text"]
+                    continue
+                pd = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+                ref = httpx.post(producer.url("/v1/completions"), json=body, timeout=60).json()
+                assert [c["text"] for c in pd["choices"]] == [c["text"] for c in ref["choices"]]
+                for a, b in zip(pd["choices"], ref["choices"]):
+                    la, lb = a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"]
+                    assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-4
+        text = httpx.get(consumer.url("/metrics"), timeout=5).text
+        imported = sum(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith("tokenmill:kv_transfer_blocks_total") and 'direction="imported"' in line)
+        assert imported >= 3 * 10  # each prompt's full blocks came from the prefill instance
+        assert "tokenmill:kv_transfer_bytes_total" in text
+    finally:
+        producer.stop()
+        consumer.stop()

@@ -328,6 +328,11 @@ def add_router_parser(subparsers) -> None:
                         "routing (default: none; only token-id prompts are matched).")
     p.add_argument("--block-size", type=int, metavar="N",
                    help="Tokens per KV block on the backends (default: as their /v1/kv_events report, else 16).")
+    p.add_argument("--pd", action="store_true",
+                   help="Disaggregated prefill/decode: each request runs first on a --prefill instance (a "
+                        "kv_producer) for one token, then on a --backend (a kv_consumer) that loads its KV.")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="With --pd: a prefill instance; repeatable (taken in turn).")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS",
                    help="Seconds between health checks of each backend (default: %(default)s).")
     p.add_argument("--uvicorn-log-level", default="info",
@@ -341,8 +346,10 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     from tokenmill.router.app import RouterConfig, create_app
 
+    if args.pd != bool(args.prefill):
+        raise ValueError("--pd needs at least one --prefill URL, and --prefill needs --pd.")
     cfg = RouterConfig(backends=args.backend, policy=args.policy, tokenizer=args.tokenizer,
-                       block_size=args.block_size, health_interval_s=args.health_interval)
+                       block_size=args.block_size, health_interval_s=args.health_interval, prefill=args.prefill)
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0
 

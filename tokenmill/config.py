@@ -133,6 +133,42 @@ class SpeculativeConfig:
 
 
 @dataclass
+class KVTransferConfig:
+    """`--kv-transfer-config` (vLLM's shape): disaggregated prefill/decode, see core/kv_connector.py."""
+
+    kv_role: str  # kv_producer (prefill instance) | kv_consumer (decode instance) | kv_both
+    kv_connector: str = "SharedStorageConnector"
+    kv_connector_extra_config: dict = field(default_factory=dict)  # shared_storage_path: the hand-over folder
+
+    @classmethod
+    def parse(cls, value: "str | dict | KVTransferConfig | None") -> "KVTransferConfig | None":
+        import json
+        from dataclasses import fields
+
+        from tokenmill.core.kv_connector import CONNECTORS, ROLES
+
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}.")
+        known = {f.name for f in fields(cls)} | {"kv_rank", "kv_parallel_size", "kv_buffer_size", "kv_port", "kv_ip"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown kv_transfer_config keys: {', '.join(unknown)}.")
+        d = {k: v for k, v in value.items() if k in {f.name for f in fields(cls)}}
+        if d.get("kv_role") not in ROLES:
+            raise ValueError(f"kv_transfer_config kv_role must be one of {', '.join(ROLES)}, got {d.get('kv_role')!r}.")
+        if d.get("kv_connector", CONNECTORS[0]) not in CONNECTORS:
+            raise ValueError(f"kv_connector {d['kv_connector']!r} is not available; known: {', '.join(CONNECTORS)}.")
+        return cls(**d)
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -141,6 +177,7 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str | None = None  # None: the device's default backend
     speculative: SpeculativeConfig | None = None
+    kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         if self.speculative is not None:  # KV slots for the drafts past each request's scheduled tokens
@@ -174,6 +211,10 @@ class EngineConfig:
             )
         if self.speculative is not None:
             self.speculative.validate()
+        if self.kv_transfer is not None and p.world_size > 1:
+            raise ValueError("kv_transfer_config with tensor or pipeline parallelism is not supported yet.")
+        if self.kv_transfer is not None and not c.enable_prefix_caching:
+            raise ValueError("kv_transfer_config needs prefix caching: blocks are handed over by their prefix hash.")
         if p.pipeline_parallel_size > 1 and self.speculative is not None:
             raise ValueError("speculative decoding with pipeline parallelism is not supported yet.")
 

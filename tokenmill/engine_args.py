@@ -24,6 +24,7 @@ from tokenmill.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    KVTransferConfig,
     SpeculativeConfig,
 )
 
@@ -133,6 +134,10 @@ class EngineArgs:
         ParallelConfig.enable_expert_parallel, "MoE models: split the experts whole over the tensor-parallel ranks "
         "(each rank runs its own experts for every token routed to them) instead of slicing every expert; "
         "attention stays tensor-parallel (default: off).")
+    kv_transfer_config: str | None = _arg(  # LLM(kv_transfer_config=...) also takes a dict
+        None, "Disaggregated prefill/decode as JSON, vLLM's shape: {\"kv_role\": \"kv_producer\"|\"kv_consumer\"|"
+        "\"kv_both\", \"kv_connector\": \"SharedStorageConnector\", \"kv_connector_extra_config\": "
+        "{\"shared_storage_path\": DIR}}; see docs/scaling.md (default: off).", parse=str, metavar="JSON")
     # speculative decoding
     speculative_config: str | None = _arg(  # LLM(speculative_config=...) also takes a dict
         None, "Speculative decoding as JSON, vLLM's shape: {\"method\": \"ngram\"|\"draft_model\"|\"quantized_self\"|"
@@ -213,6 +218,7 @@ class EngineArgs:
             device=self.device,
             attention_backend=self.attention_backend,
             speculative=SpeculativeConfig.parse(self.speculative_config),
+            kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
         )
         config.validate()
         return config

@@ -57,7 +57,8 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, offload: OffloadTiers | None = None
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, offload: OffloadTiers | None = None,
+        connector=None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}.")
@@ -72,6 +73,7 @@ class KVCacheManager:
         self.cached: dict[bytes, int] = {}
         self.stats = PrefixCacheStats()
         self.events = KVEventLog()  # blocks named and dropped, for a cache-aware router
+        self.connector = connector  # core/kv_connector.py: prefill/decode hand-over of named blocks
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -126,6 +128,20 @@ class KVCacheManager:
             tiers.append(tier)
         return chain[: self.offload.blocks_worth_loading(tiers)] if chain else []
 
+    def get_remote_chain(self, req: Request, num_local_blocks: int) -> list[bytes]:
+        """Hashes that continue req's local hit (device + lower tiers, `num_local_blocks` long) in the KV
+        connector's store (a prefill instance's blocks). Like a device hit, never covers the last token."""
+        if self.connector is None or req.params.prompt_logprobs is not None:
+            return []
+        self._update_hashes(req, req.num_tokens - 1)
+        wanted = [h for h in req.block_hashes[num_local_blocks : (req.num_tokens - 1) // self.block_size]]
+        found = []
+        for h in self.connector.lookup(wanted):
+            if h in self.cached:
+                break
+            found.append(h)
+        return found
+
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(
         self,
@@ -134,6 +150,7 @@ class KVCacheManager:
         computed_blocks: list[int] | None = None,
         offloaded: list[bytes] | None = None,
         num_lookahead_tokens: int = 0,
+        remote: list[bytes] | None = None,
     ) -> bool:
         """Make req's block table cover num_computed(+cached) + num_new_tokens tokens. `computed_blocks`
         (device hits) are shared; `offloaded` hashes (from get_offloaded_chain) get fresh blocks that
@@ -142,7 +159,8 @@ class KVCacheManager:
         the blocks."""
         computed_blocks = computed_blocks or []
         offloaded = offloaded or []
-        num_computed = req.num_computed_tokens + (len(computed_blocks) + len(offloaded)) * self.block_size
+        remote = remote or []
+        num_computed = req.num_computed_tokens + (len(computed_blocks) + len(offloaded) + len(remote)) * self.block_size
         need = (self.blocks_needed(num_computed + num_new_tokens + num_lookahead_tokens)
                 - len(req.block_ids) - len(computed_blocks))
         # Reviving a free cached block takes it out of the free queue too.
@@ -167,7 +185,14 @@ class KVCacheManager:
                 self.events.stored(h)
                 self.offload.load(h, block_id)
                 req.block_ids.append(block_id)
-        for _ in range(max(need - len(offloaded), 0)):
+        for h in remote:  # a prefill instance's blocks: loaded by the connector before the forward pass
+            block_id = self._take_free_block()
+            self.blocks[block_id].hash = h
+            self.cached[h] = block_id
+            self.events.stored(h)
+            self.connector.load(h, block_id)
+            req.block_ids.append(block_id)
+        for _ in range(max(need - len(offloaded) - len(remote), 0)):
             req.block_ids.append(self._take_free_block())
         if self.enable_prefix_caching:
             self._cache_full_blocks(req, num_computed + num_new_tokens)
@@ -202,6 +227,8 @@ class KVCacheManager:
             block.hash = h
             self.cached[h] = block.block_id
             self.events.stored(h)
+            if self.connector is not None:
+                self.connector.export(block.block_id, h)
 
     def free(self, req: Request) -> None:
         """Release req's blocks. Tail blocks go to the LRU first so they are evicted before the
@@ -242,8 +269,16 @@ class KVCacheManager:
 
     # ---- offloading ----------------------------------------------------------------------
     def take_transfer_ops(self) -> list:
-        """This step's saves/spills/loads, in the order they must run (before the forward pass)."""
-        return self.offload.take_ops() if self.offload is not None else []
+        """This step's saves/spills/loads, in the order they must run (before the forward pass); the KV
+        connector's imports last (their blocks are fresh, no tier op touches them)."""
+        ops = self.offload.take_ops() if self.offload is not None else []
+        if self.connector is not None:
+            ops += self.connector.take_imports()
+        return ops
+
+    def take_export_ops(self) -> list:
+        """Blocks this step computed that a KV producer hands over (run after the forward pass)."""
+        return self.connector.take_exports() if self.connector is not None else []
 
     def loads_failed(self, ops: list[LoadOp]) -> set[int]:
         """These loads came back corrupt: forget the hashes everywhere. Returns the device blocks that
@@ -255,7 +290,10 @@ class KVCacheManager:
                 if self.cached.get(op.hash) == op.block_id:
                     del self.cached[op.hash]
                 block.hash = None
-            self.offload.load_failed(op.hash)
+            if self.offload is not None and isinstance(op, LoadOp):
+                self.offload.load_failed(op.hash)
+            elif self.connector is not None:
+                self.connector.import_failed(op.hash)
             bad.add(op.block_id)
         return bad
 

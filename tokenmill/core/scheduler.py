@@ -237,14 +237,16 @@ class Scheduler:
             if req.grammar is not None and req.grammar.matcher is None:
                 compiling.append(self.waiting.pop())
                 continue
-            computed, offloaded = [], []
+            computed, offloaded, remote = [], [], []
             if req.num_computed_tokens == 0:
                 computed = self.kv.get_computed_blocks(req)
                 offloaded = self.kv.get_offloaded_chain(req, len(computed))
-            # Cached tokens, whether shared on the device or loaded from a lower tier, cost no budget.
-            num_cached = (len(computed) + len(offloaded)) * self.kv.block_size
+                remote = self.kv.get_remote_chain(req, len(computed) + len(offloaded))
+            # Cached tokens, shared on the device, loaded from a lower tier or from a prefill instance, cost
+            # no budget.
+            num_cached = (len(computed) + len(offloaded) + len(remote)) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(req, n, computed, offloaded, self.num_lookahead_tokens):
+            if not self.kv.allocate_slots(req, n, computed, offloaded, self.num_lookahead_tokens, remote):
                 break
             self.waiting.pop()
             if req.num_cached_tokens < 0:

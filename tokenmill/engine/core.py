@@ -32,7 +32,10 @@ class EngineCore:
         self.executor = Executor.create(config)
         info = self.info = self.executor.info
         offload = build_tiers(config.cache, info.offload, info.bytes_per_block)
-        self.kv = KVCacheManager(info.num_blocks, info.block_size, config.cache.enable_prefix_caching, offload)
+        from tokenmill.core.kv_connector import make_connector
+
+        self.kv = KVCacheManager(info.num_blocks, info.block_size, config.cache.enable_prefix_caching, offload,
+                                 make_connector(getattr(config, "kv_transfer", None)))
         self._tokenizer = tokenizer
         self.structured = StructuredOutputManager(self._load_tokenizer, info.vocab_size, self._eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, self.kv, info.max_model_len, self.structured)
@@ -81,6 +84,14 @@ class EngineCore:
         if ops:
             # Saves, spills and loads of the lower KV tiers run before the forward reads or overwrites blocks.
             failed, st.offload_s = self.executor.transfer_kv(ops)
+            if self.kv.connector is not None:
+                from tokenmill.core.kv_connector import ImportOp
+
+                imported = [op for op in ops if isinstance(op, ImportOp)]
+                bad = sum(1 for op in failed if isinstance(op, ImportOp))
+                self.stats.kv_transfer_bytes += (len(imported) - bad) * self.info.bytes_per_block
+                if imported:
+                    self.stats.kv_transfer_s += st.offload_s
             if failed:
                 self.scheduler.recompute_failed_loads(out, self.kv.loads_failed(failed))
         if not out:
@@ -93,6 +104,11 @@ class EngineCore:
         self.structured.fill_bitmask(batch, [r for r, _ in out.scheduled])
         st.grammar_s = time.perf_counter() - t1
         result = self.executor.execute_model(batch)
+        exports = self.kv.take_export_ops()
+        if exports:  # a KV producer: hand the blocks just computed to decode instances before replying
+            nbytes, secs = self.executor.collective_rpc("export_kv", exports)
+            self.stats.kv_transfer_bytes += nbytes
+            self.stats.kv_transfer_s += secs
         t1 = time.perf_counter()
         outputs = refused + self.scheduler.update_from_output(out, result)
         t = result.timings
@@ -133,7 +149,16 @@ class EngineCore:
         return SchedulerStats(sched.num_running, sched.num_waiting, kv.usage, kv.stats.queries, kv.stats.hits,
                               kv.stats.evictions, sched.num_preemptions, sched.prompt_tokens,
                               sched.generation_tokens, offload,
-                              sched.spec_stats.as_dict() if self.config.speculative is not None else None)
+                              sched.spec_stats.as_dict() if self.config.speculative is not None else None,
+                              self._kv_transfer_stats())
+
+    def _kv_transfer_stats(self) -> dict | None:
+        c = self.kv.connector
+        if c is None:
+            return None
+        return {"bytes": self.stats.kv_transfer_bytes, "seconds": self.stats.kv_transfer_s,
+                "exported_blocks": c.stats.exported, "imported_blocks": c.stats.imported,
+                "import_failures": c.stats.import_failures}
 
     # ---- utility calls (also reachable over IPC) ----------------------------------------
     def diagnostics(self, last_n: int | None = None) -> dict:

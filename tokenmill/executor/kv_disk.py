@@ -87,7 +87,7 @@ def read_block(f, header: Header, index: int, expected_hash: bytes, out: np.ndar
 
 
 def write_file(path: str, hashes: list[bytes], blocks: np.ndarray) -> None:
-    tmp = path + ".tmp"
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # unique: two writers of one name never mix
     with open(tmp, "wb") as f:
         f.write(encode_header(hashes, blocks))
         f.write(memoryview(np.ascontiguousarray(blocks)).cast("B"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,7 @@ class Worker:
         self.device = torch.device(config.device)
         self.runner: ModelRunner | None = None
         self.transfer = None
+        self.connector = None  # executor/kv_connector.ConnectorWorker with --kv-transfer-config
 
     # ---- start-up ------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -140,6 +142,12 @@ class Worker:
         built = build_transfer(cache, self.runner)
         if built is not None:
             self.transfer, offload = built
+        kv_transfer = getattr(self.config, "kv_transfer", None)
+        if kv_transfer is not None:
+            from tokenmill.core.kv_connector import make_connector
+            from tokenmill.executor.kv_connector import ConnectorWorker
+
+            self.connector = ConnectorWorker(self.runner.kv_caches(), make_connector(kv_transfer).path)
         torch.manual_seed(mc.seed)  # after loading, so sampling draws the same in any process
         return WorkerInfo(num_blocks, cache.block_size, self.runner.bytes_per_block, self.max_model_len, vocab,
                           str(self.device), str(kv_dtype).removeprefix("torch."),
@@ -214,11 +222,29 @@ class Worker:
         """Run the KV tier ops before the step's forward; returns (failed loads, seconds)."""
         from tokenmill.core.kv_offload import LoadOp
 
-        failed = self.transfer.run(ops)
-        loaded = [op.block_id for op in ops if isinstance(op, LoadOp)]
+        from tokenmill.core.kv_connector import ImportOp
+
+        imports = [op for op in ops if isinstance(op, ImportOp)]
+        tier_ops = [op for op in ops if not isinstance(op, ImportOp)]
+        failed, seconds = [], 0.0
+        if tier_ops:
+            failed = self.transfer.run(tier_ops)
+            seconds = self.transfer.stats.last_ops_s
+        if imports:
+            t0 = time.perf_counter()
+            failed += self.connector.load(imports)
+            seconds += time.perf_counter() - t0
+        loaded = [op.block_id for op in ops if isinstance(op, (LoadOp, ImportOp))]
         if loaded:  # written outside a forward pass: lazy zeroing must leave them be
             self.runner.mark_initialized(torch.tensor(loaded, dtype=torch.long))
-        return failed, self.transfer.stats.last_ops_s
+        return failed, seconds
+
+    def export_kv(self, ops: list) -> tuple[int, float]:
+        """A KV producer's blocks computed by the step just run: write them for the decode instances.
+        Returns (bytes written, seconds)."""
+        t0 = time.perf_counter()
+        self.connector.export(ops)
+        return len(ops) * self.runner.bytes_per_block, time.perf_counter() - t0
 
     def ping(self) -> str:
         return "pong"

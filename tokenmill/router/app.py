@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -40,6 +41,9 @@ class RouterConfig:
     poll_interval_s: float = 0.1
     connect_timeout_s: float = 3.0
     read_timeout_s: float = 600.0  # between bytes: long prefills of long prompts
+    # Disaggregated prefill/decode (--pd): each request first runs on a prefill instance (kv_producer) with
+    # max_tokens=1, which hands its prompt's KV over; then `backends` (kv_consumer instances) decode it.
+    prefill: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -88,6 +92,8 @@ class Router:
         self.prompts = PromptTokenizer(self.cfg.tokenizer)
         for u in urls:
             self.metrics.healthy.labels(backend=u).set(1)
+        self.prefill = [u.rstrip("/") for u in self.cfg.prefill]
+        self._prefill_turn = 0
 
     # ---- health --------------------------------------------------------------------------
     def healthy(self) -> list[str]:
@@ -159,6 +165,8 @@ class Router:
             return error_response(400, "the request body must be a JSON object.")
         estimate, hashes, n_prompt = await self.prompt_info(body)
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        if self.prefill:
+            await self.prefill_first(path, body, headers)
         tried: list[str] = []
         last: BackendFailed | None = None
         for _ in range(2):
@@ -183,6 +191,25 @@ class Router:
         if last is not None:
             return error_response(502, f"the backend failed: {last}", "backend_error")
         return error_response(503, "no healthy backend to serve this request.", "no_healthy_backend")
+
+    async def prefill_first(self, path: str, body: dict, headers: dict[str, str]) -> None:
+        """PD: compute the prompt's KV on a prefill instance (one token, not streamed) so the decode instance
+        loads it instead of computing it. A failed prefill only costs the decode instance the compute."""
+        assert self.client is not None
+        url = self.prefill[self._prefill_turn % len(self.prefill)]
+        self._prefill_turn += 1
+        short = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "logprobs", "top_logprobs",
+                                                             "n", "best_of", "max_completion_tokens")}
+        short.update(max_tokens=1, stream=False)
+        t0 = time.monotonic()
+        try:
+            r = await self.client.post(f"{url}{path}", json=short, headers=headers)
+            if r.status_code >= 400:
+                raise BackendFailed(f"prefill answered {r.status_code}")
+            self.metrics.prefill_seconds.observe(time.monotonic() - t0)
+        except (httpx.HTTPError, BackendFailed) as e:
+            log.warning("prefill on %s failed (%s): the decode instance computes the prompt", url, e)
+            self.metrics.prefill_failures.inc()
 
     async def forward(self, url: str, path: str, raw: bytes, headers: dict[str, str], estimate: int) -> Response:
         """Send to one backend; BackendFailed when nothing was returned to the client yet."""

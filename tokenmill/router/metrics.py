@@ -2,7 +2,7 @@
 (several routers can live in one process, as in the tests)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -28,6 +28,12 @@ class RouterMetrics:
         self.in_flight = gauge("in_flight_requests", "Requests in flight at the backend.")
         self.load = gauge("in_flight_tokens", "Outstanding tokens (prompt estimate + max_tokens) at the backend.")
         self.healthy = gauge("backend_healthy", "1 while the backend is in the rotation.")
+        # Disaggregated prefill/decode (--pd).
+        self.prefill_seconds = Histogram("tokenmill:router_prefill_seconds", "Prefill-instance time per request "
+                                         "(its KV is handed to the decode instance).", registry=r,
+                                         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.prefill_failures = Counter("tokenmill:router_prefill_failures", "Prefills that failed (the decode "
+                                        "instance computed the prompt).", registry=r)
         for name in backends:  # export zeros from the start
             for m in (self.requests, self.errors, self.retries, self.hit_tokens, self.query_tokens,
                       self.in_flight, self.load, self.healthy):

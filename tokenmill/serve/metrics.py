@@ -67,6 +67,13 @@ class ServerMetrics:
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.").labels(**label)
         self._spec_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
                                  m + ["position"])
+        self.kv_transfer_bytes = counter("kv_transfer_bytes", "Disaggregated prefill/decode: KV bytes handed "
+                                         "over (written by a producer, loaded by a consumer).").labels(**label)
+        self.kv_transfer_seconds = counter("kv_transfer_seconds", "Time spent writing or loading handed-over KV.")\
+            .labels(**label)
+        kv_blocks = counter("kv_transfer_blocks", "KV blocks handed over, by direction.", m + ["direction"])
+        self.kv_transfer_blocks = {d: kv_blocks.labels(model_name=model_name, direction=d)
+                                   for d in ("exported", "imported", "failed")}
         self._success = counter("request_success", "Finished requests by finish reason.", m + ["finished_reason"])
         self._model = model_name
         for reason in ("stop", "length", "abort"):
@@ -122,6 +129,16 @@ class ServerMetrics:
             self._add(self.spec_accepted, "spec_accepted", sp["num_accepted_tokens"])
             for pos, n in enumerate(sp["accepted_per_pos"]):
                 self._add(self._spec_pos.labels(model_name=self._model, position=str(pos)), f"spec_pos{pos}", n)
+        kt = stats.kv_transfer
+        if kt is not None:
+            self._add(self.kv_transfer_bytes, "kvt_bytes", kt["bytes"])
+            self._add(self.kv_transfer_blocks["exported"], "kvt_exported", kt["exported_blocks"])
+            self._add(self.kv_transfer_blocks["imported"], "kvt_imported", kt["imported_blocks"])
+            self._add(self.kv_transfer_blocks["failed"], "kvt_failed", kt["import_failures"])
+            delta = kt["seconds"] - self._last.get("kvt_seconds", 0.0)
+            if delta > 0:
+                self.kv_transfer_seconds.inc(delta)
+            self._last["kvt_seconds"] = kt["seconds"]
         self._add(self.preemptions, "preemptions", stats.num_preemptions)
         self._add(self.generation_tokens, "generation", stats.generation_tokens)
         for s in inter_token_s:
