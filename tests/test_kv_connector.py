@@ -2,6 +2,7 @@
 consumer instead of computed, gives exactly the output of one engine; a corrupt block is recomputed."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -78,3 +79,38 @@ def test_bad_kv_transfer_config(bad, message):
 def test_kv_transfer_needs_prefix_caching(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="prefix caching"):
         LLM(str(tiny_llama), kv_transfer_config=transfer("kv_both", tmp_path), enable_prefix_caching=False, **KW)
+
+
+def test_tcp_connector_pulls_blocks_from_a_producer_server(tiny_llama, baseline, tmp_path):
+    """Another node: the consumer pulls the prompt's blocks from the producer's POST /v1/kv_blocks into its
+    own folder, then loads them."""
+    import signal
+
+    import httpx
+
+    from server_harness import start_server
+
+    params, ref = baseline
+    producer = start_server(tiny_llama, tmp_path / "producer.log", "--block-size", "4", "--kv-cache-memory-bytes",
+                            "8M", "--no-engine-core-process", "--api-key", "k", "--kv-transfer-config",
+                            json.dumps(transfer("kv_producer", tmp_path / "producer-store")), api_key="k")
+    try:
+        for p in PROMPTS:
+            r = httpx.post(producer.url("/v1/completions"), json={"prompt": p, "max_tokens": 1},
+                           headers={"Authorization": "Bearer k"}, timeout=60)
+            assert r.status_code == 200, r.text
+        cfg = {"kv_role": "kv_consumer", "kv_connector": "TCPConnector",
+               "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "consumer-store"),
+                                             "producers": [producer.base_url], "api_key": "k"}}
+        consumer = LLM(str(tiny_llama), kv_transfer_config=cfg, **KW)
+        out = consumer.generate(PROMPTS, params, use_tqdm=False)
+        for a, b in zip(ref, out):
+            assert_same_outputs(a.outputs, b.outputs, "pd over tcp")
+        kt = consumer.engine.core.scheduler_stats().kv_transfer
+        assert kt["imported_blocks"] > 20 and kt["import_failures"] == 0
+        assert consumer.engine.core.kv.connector.stats.pulled_bytes > 0
+        bad = httpx.post(producer.url("/v1/kv_blocks"), json={"hashes": "x"}, headers={"Authorization": "Bearer k"})
+        assert bad.status_code == 400
+        assert httpx.post(producer.url("/v1/kv_blocks"), json={"hashes": []}).status_code == 401  # needs the key
+    finally:
+        producer.stop(signal.SIGKILL)

@@ -8,6 +8,9 @@ half a file). A consumer admitting a request looks its prompt's hash chain up th
 cache and loads the blocks it finds into fresh device blocks before the forward pass, instead of computing
 them. Blocks are named by the same sha256 chain as the prefix cache (core/kv_cache.hash_block), so a
 consumer only ever loads KV computed for exactly its prefix. A load that fails its checksum is recomputed.
+
+TCPConnector (between nodes): the consumer pulls the blocks it lacks from the producers' servers over HTTP
+into its own folder first (see the class).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-CONNECTORS = ("SharedStorageConnector",)
+CONNECTORS = ("SharedStorageConnector", "TCPConnector")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class ConnectorStats:
     exported: int = 0  # blocks written for consumers
     imported: int = 0  # blocks loaded instead of computed
     import_failures: int = 0
+    pulled_bytes: int = 0  # TCPConnector: block files fetched from producers
 
 
 def block_path(root: str, h: bytes) -> str:
@@ -98,9 +102,86 @@ class SharedStorageConnector:
         self._bad.add(h)
 
 
+@dataclass
+class TCPConnector(SharedStorageConnector):
+    """Between nodes: a consumer pulls the blocks it lacks from producer servers over TCP (HTTP POST
+    /v1/kv_blocks: the leading blocks of a hash chain that the producer holds, in the same checksummed file
+    format) into its local folder, then loads them as SharedStorageConnector does. Producers are ordinary
+    kv_producer instances (their blocks in a local folder); their API key, if any, goes in `api_key`."""
+
+    producers: list[str] = field(default_factory=list)
+    api_key: str | None = None
+    timeout_s: float = 10.0
+
+    def lookup(self, hashes: list[bytes]) -> list[bytes]:
+        found = super().lookup(hashes)
+        missing = hashes[len(found):]
+        if not self.consume or not missing or not self.producers or missing[0] in self._bad:
+            return found
+        for url in self.producers:
+            got = self._pull(url, missing)
+            if got:
+                return found + got
+        return found
+
+    def _pull(self, url: str, hashes: list[bytes]) -> list[bytes]:
+        import struct
+
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            r = httpx.post(f"{url.rstrip('/')}/v1/kv_blocks", json={"hashes": [h.hex() for h in hashes]},
+                           headers=headers, timeout=self.timeout_s)
+            if r.status_code != 200:
+                return []
+        except httpx.HTTPError:
+            return []
+        data, pos, got = r.content, 0, []
+        for h in hashes:  # length-prefixed files, in chain order, stopping at the producer's first miss
+            if pos + 4 > len(data):
+                break
+            (n,) = struct.unpack_from("<I", data, pos)
+            blob = data[pos + 4 : pos + 4 + n]
+            if len(blob) != n:
+                break
+            path = block_path(self.path, h)
+            tmp = f"{path}.{os.getpid()}.pull"
+            with open(tmp, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)  # checked against its checksum when loaded
+            got.append(h)
+            pos += 4 + n
+        self.stats.pulled_bytes += pos
+        return got
+
+
+def read_blocks(root: str, hashes: list[str], limit: int = 1 << 12) -> bytes:
+    """A producer's answer to POST /v1/kv_blocks: the leading blocks of `hashes` it holds, each as a 4-byte
+    little-endian length and the block's file."""
+    import struct
+
+    out = bytearray()
+    for hexh in hashes[:limit]:
+        try:
+            h = bytes.fromhex(hexh)
+            with open(block_path(root, h), "rb") as f:
+                blob = f.read()
+        except (ValueError, OSError):
+            break
+        out += struct.pack("<I", len(blob)) + blob
+    return bytes(out)
+
+
 def make_connector(cfg) -> SharedStorageConnector | None:
     """From config.KVTransferConfig (None: no transfer)."""
     if cfg is None:
         return None
-    path = (cfg.kv_connector_extra_config or {}).get("shared_storage_path", "tokenmill-kv-transfer")
-    return SharedStorageConnector(os.path.abspath(path), cfg.kv_role)
+    extra = cfg.kv_connector_extra_config or {}
+    path = os.path.abspath(extra.get("shared_storage_path", "tokenmill-kv-transfer"))
+    if cfg.kv_connector == "TCPConnector":
+        producers = extra.get("producers") or []
+        if isinstance(producers, str):
+            producers = [producers]
+        return TCPConnector(path, cfg.kv_role, producers=list(producers), api_key=extra.get("api_key"))
+    return SharedStorageConnector(path, cfg.kv_role)

@@ -160,6 +160,25 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         """Prefix-cache blocks stored/removed after event `since`: for a cache-aware router (tokenmill router)."""
         return await state.engine.call("kv_events", since)
 
+    @app.post("/v1/kv_blocks")
+    async def kv_blocks(raw: Request):
+        """A KV producer's blocks for a decode instance on another node (TCPConnector): the leading blocks of
+        the given hash chain that this instance wrote, length-prefixed."""
+        from tokenmill.core.kv_connector import read_blocks
+
+        if state.settings.kv_store is None:
+            return APIError(404, "this server is not a KV producer (--kv-transfer-config kv_role).", None,
+                            "not_found").response()
+        try:
+            body = json.loads(await raw.body())
+            hashes = body["hashes"]
+            if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            raise bad_request("give {\"hashes\": [hex, ...]}.", "hashes") from None
+        data = await state.run_blocking(read_blocks, state.settings.kv_store, hashes)
+        return Response(data, media_type="application/octet-stream")
+
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)

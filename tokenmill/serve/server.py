@@ -135,6 +135,10 @@ def serve_main(args, engine_kwargs: dict) -> int:
     from tokenmill.engine_args import EngineArgs
 
     config = EngineArgs.from_kwargs(**engine_kwargs).create_engine_config()
+    if config.kv_transfer is not None and config.kv_transfer.kv_role in ("kv_producer", "kv_both"):
+        from tokenmill.core.kv_connector import make_connector
+
+        settings.kv_store = make_connector(config.kv_transfer).path
     metrics = ServerMetrics(settings.served_model_names[0])
     own_process = getattr(args, "engine_core_process", True)
     dp = getattr(args, "data_parallel_size", 1)

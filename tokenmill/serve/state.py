@@ -19,6 +19,7 @@ MiB = 1 << 20
 class ServerSettings:
     served_model_names: list[str]
     model_path: str = ""
+    kv_store: str | None = None  # a KV producer's block folder, served at POST /v1/kv_blocks
     api_key: str | None = None
     chat_template: str | None = None
     max_waiting_requests: int | None = None  # None: no limit
