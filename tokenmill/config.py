@@ -67,6 +67,20 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+def json_object(value: "str | dict", name: str) -> dict:
+    """A JSON-object flag (vLLM's --speculative-config, --kv-transfer-config): text or a dict -> a new dict."""
+    import json
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}.")
+    return dict(value)
+
+
 @dataclass
 class SpeculativeConfig:
     """`--speculative-config` (vLLM's JSON shape). See docs/speculative.md."""
@@ -84,19 +98,11 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
         """From JSON text, a dict or an instance; a clear ValueError for unknown keys or bad values."""
-        import json
         from dataclasses import fields
 
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")
-        d = dict(value)
+        d = json_object(value, "speculative_config")
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -142,20 +148,13 @@ class KVTransferConfig:
 
     @classmethod
     def parse(cls, value: "str | dict | KVTransferConfig | None") -> "KVTransferConfig | None":
-        import json
         from dataclasses import fields
 
         from tokenmill.core.kv_connector import CONNECTORS, ROLES
 
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}.")
+        value = json_object(value, "kv_transfer_config")
         known = {f.name for f in fields(cls)} | {"kv_rank", "kv_parallel_size", "kv_buffer_size", "kv_port", "kv_ip"}
         unknown = sorted(set(value) - known)
         if unknown:

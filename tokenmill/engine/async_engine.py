@@ -191,20 +191,10 @@ class AsyncLLMEngine:
         except CoreDeadError as e:
             self._on_dead(str(e))
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       **kw) -> AsyncIterator[RequestDelta]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 **kw) -> AsyncIterator[RequestDelta]:
         """Deltas of one request until it finishes; leaving early aborts it."""
-        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
-        self.add_request(request_id, prompt_token_ids, params, queue, **kw)
-        finished = False
-        try:
-            while not finished:
-                delta = await queue.get()
-                finished = delta.finished
-                yield delta
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return stream_deltas(self, request_id, prompt_token_ids, params, **kw)
 
     async def call(self, method: str, *args):
         """Run an EngineCore method in the core (diagnostics, reset_prefix_cache) and return its result."""
@@ -341,3 +331,19 @@ class AsyncLLMEngine:
             queue.put_nowait(delta)
             if delta.finished:
                 self._in_flight.discard(delta.request_id)
+
+
+async def stream_deltas(engine, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                        **kw) -> AsyncIterator[RequestDelta]:
+    """`engine.generate` for any engine with add_request/abort (one core, or data-parallel replicas)."""
+    queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+    engine.add_request(request_id, prompt_token_ids, params, queue, **kw)
+    finished = False
+    try:
+        while not finished:
+            delta = await queue.get()
+            finished = delta.finished
+            yield delta
+    finally:
+        if not finished:
+            engine.abort(request_id)

@@ -9,7 +9,7 @@ import asyncio
 import itertools
 import threading
 
-from tokenmill.engine.async_engine import AsyncLLMEngine, EngineError
+from tokenmill.engine.async_engine import AsyncLLMEngine, EngineError, stream_deltas
 
 
 class ReplicaObserver:
@@ -110,18 +110,8 @@ class DataParallelEngine:
         if i is not None:
             self.engines[i].abort(request_id, error)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params, **kw):
-        queue: asyncio.Queue = asyncio.Queue()
-        self.add_request(request_id, prompt_token_ids, params, queue, **kw)
-        finished = False
-        try:
-            while not finished:
-                delta = await queue.get()
-                finished = delta.finished
-                yield delta
-        finally:
-            if not finished:
-                self.abort(request_id)
+    def generate(self, request_id: str, prompt_token_ids: list[int], params, **kw):
+        return stream_deltas(self, request_id, prompt_token_ids, params, **kw)
 
     async def call(self, method: str, *args):
         """Run a core method on every live replica: dicts come back as replica 0's with a `replicas` list of
