@@ -43,6 +43,8 @@ def test_decode_instance_loads_the_prefill_and_matches_one_engine(tiny_llama, ba
     kt = consumer.engine.core.scheduler_stats().kv_transfer
     assert kt["imported_blocks"] > 20 and kt["import_failures"] == 0 and kt["bytes"] > 0
     assert consumer.engine.core.scheduler_stats().prefix_hits > 0
+    # The files were read in the background while the request waited; the admitting step only copied them.
+    assert consumer.engine.core.executor.worker.connector.from_memory == kt["imported_blocks"]
 
 
 def test_corrupt_or_missing_blocks_are_recomputed(tiny_llama, baseline, tmp_path):

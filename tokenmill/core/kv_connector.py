@@ -34,6 +34,14 @@ class ImportOp:
     hash: bytes
 
 
+@dataclass(frozen=True)
+class PrefetchOp:
+    """Read these blocks' files into host memory in the background (the worker), so the step that admits
+    the request only copies them to the device: the reads overlap with the steps in between."""
+
+    hashes: tuple[bytes, ...]
+
+
 @dataclass
 class ConnectorStats:
     exported: int = 0  # blocks written for consumers
@@ -60,6 +68,10 @@ class SharedStorageConnector:
         self.consume = self.role in ("kv_consumer", "kv_both")
         self._written: OrderedDict[bytes, None] = OrderedDict()  # recently exported: do not write again
         self._bad: set[bytes] = set()  # failed their checksum here: recompute, do not look up again
+        # Overlapped loading: request id -> its remote chain, while the worker reads it into host memory.
+        self.prefetches: list[PrefetchOp] = []
+        self.pending: dict[str, tuple[bytes, ...]] = {}
+        self.ready: set[str] = set()
 
     def lookup(self, hashes: list[bytes]) -> list[bytes]:
         """The leading hashes of a prompt's chain that a producer has written."""
@@ -86,10 +98,38 @@ class SharedStorageConnector:
         self.imports.append(op)
         return op
 
-    def take_imports(self) -> list[ImportOp]:
+    def take_imports(self) -> list:
+        """Prefetches first (they start background reads), then this step's imports."""
         ops, self.imports = self.imports, []
         self.stats.imported += len(ops)
-        return ops
+        pre, self.prefetches = self.prefetches, []
+        return pre + ops
+
+    # ---- overlapped loading -------------------------------------------------------------------
+    def admissible(self, req_id: str, chain: list[bytes]) -> bool:
+        """May a request whose remote chain is `chain` be admitted now? The first time, its blocks start
+        loading into host memory in the background and it waits (the queue goes on without it); once the
+        worker reports them read, it is admitted and its import is a copy from memory."""
+        if not chain or req_id in self.ready:
+            return True
+        if req_id not in self.pending:
+            self.pending[req_id] = tuple(chain)
+            self.prefetches.append(PrefetchOp(tuple(chain)))
+        return False
+
+    def pending_hashes(self) -> list[bytes]:
+        return [h for chain in self.pending.values() for h in chain]
+
+    def mark_read(self, done: set[bytes]) -> None:
+        """The worker has read (or failed to read) these hashes: their requests may be admitted."""
+        for rid, chain in list(self.pending.items()):
+            if all(h in done for h in chain):
+                del self.pending[rid]
+                self.ready.add(rid)
+
+    def admitted(self, req_id: str) -> None:
+        self.ready.discard(req_id)
+        self.pending.pop(req_id, None)
 
     def take_exports(self) -> list[ExportOp]:
         ops, self.exports = self.exports, []

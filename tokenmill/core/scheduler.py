@@ -139,6 +139,8 @@ class Scheduler:
         self._unsend(req)
         if req.grammar is not None:
             self.structured.free(req)
+        if self.kv.connector is not None:
+            self.kv.connector.admitted(req.request_id)  # forget a pending handed-over KV read
         self.requests.pop(req.request_id, None)
         req.status = status
         req.finished_time = time.monotonic()
@@ -230,7 +232,8 @@ class Scheduler:
                 budget -= n
 
         # Admit waiting requests, unless this step already had to preempt. A request whose grammar is still
-        # compiling stays in the queue without holding up the ones behind it.
+        # compiling, or whose handed-over KV is still being read (KV connector), stays in the queue without
+        # holding up the ones behind it.
         compiling = []
         while budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs and not out.preempted:
             req = self.waiting.peek()
@@ -242,6 +245,10 @@ class Scheduler:
                 computed = self.kv.get_computed_blocks(req)
                 offloaded = self.kv.get_offloaded_chain(req, len(computed))
                 remote = self.kv.get_remote_chain(req, len(computed) + len(offloaded))
+                connector = self.kv.connector
+                if remote and not connector.admissible(req.request_id, remote):
+                    compiling.append(self.waiting.pop())  # its KV is being read: waits without holding others up
+                    continue
             # Cached tokens, shared on the device, loaded from a lower tier or from a prefill instance, cost
             # no budget.
             num_cached = (len(computed) + len(offloaded) + len(remote)) * self.kv.block_size
@@ -249,6 +256,8 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, computed, offloaded, self.num_lookahead_tokens, remote):
                 break
             self.waiting.pop()
+            if self.kv.connector is not None:
+                self.kv.connector.admitted(req.request_id)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
                 self.kv.record_query(req.num_prompt_tokens, num_cached)

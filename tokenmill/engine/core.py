@@ -76,6 +76,9 @@ class EngineCore:
         st = StepStats()
         t0 = time.perf_counter()
         refused = self._fail_bad_grammars()
+        connector = self.kv.connector
+        if connector is not None and connector.pending:  # handed-over KV read in the background: done yet?
+            connector.mark_read(set(self.executor.collective_rpc("kv_prefetched", connector.pending_hashes())))
         out = self.scheduler.schedule()
         st.schedule_s = time.perf_counter() - t0
         if on_scheduled is not None:
@@ -97,6 +100,8 @@ class EngineCore:
         if not out:
             if not refused and self.structured.num_compiling:
                 self.structured.wait(COMPILE_WAIT_S)  # only grammars to wait for: do not spin
+            elif not refused and connector is not None and connector.pending:
+                time.sleep(COMPILE_WAIT_S / 5)  # only handed-over KV being read: do not spin
             self.stats.add(st)
             return EngineCoreOutputs(refused, None, self.scheduler_stats(), self.stats.idle_s)
         batch = self.scheduler.build_batch(out)

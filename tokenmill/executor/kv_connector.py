@@ -3,12 +3,15 @@ and loads them into a decode instance's pool, in the disk tier's checksummed fil
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from tokenmill.core.kv_connector import ExportOp, ImportOp, block_path
+from tokenmill.core.kv_connector import ExportOp, ImportOp, PrefetchOp, block_path
 from tokenmill.executor import kv_disk
 from tokenmill.executor.kv_transfer import KVTransfer
 
@@ -21,6 +24,38 @@ class ConnectorWorker:
         self.path = path
         self.bytes_moved = 0
         self.seconds = 0.0
+        # Overlapped loading: blocks read (and checked) in the background, waiting for their import.
+        self.staged: OrderedDict[bytes, np.ndarray | None] = OrderedDict()  # None: the read failed
+        self.max_staged = 1 << 14
+        self.from_memory = 0  # imports served by a background read (overlapped) rather than read in the step
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-kv-prefetch")
+
+    def _read(self, h: bytes) -> np.ndarray | None:
+        row = np.empty(self.io.bytes_per_block, dtype=np.uint8)
+        path = block_path(self.path, h)
+        try:
+            with open(path, "rb") as f:
+                header = kv_disk.read_header(f, self.io.bytes_per_block)
+                kv_disk.read_block(f, header, 0, h, row)
+            return row
+        except (OSError, kv_disk.CorruptBlock) as e:
+            log.warning("KV transfer: %s reading %s: recomputing", e, path)
+            return None
+
+    def prefetch(self, op: PrefetchOp) -> None:
+        def run() -> None:
+            for h in op.hashes:
+                row = self._read(h)
+                with self._lock:
+                    self.staged[h] = row
+                    while len(self.staged) > self.max_staged:
+                        self.staged.popitem(last=False)
+        self._pool.submit(run)
+
+    def finished(self, hashes: list[bytes]) -> list[bytes]:
+        with self._lock:
+            return [h for h in hashes if h in self.staged]
 
     def export(self, ops: list[ExportOp]) -> None:
         """Write each block to <path>/<hash>.kvb (one file per block, renamed into place when complete)."""
@@ -47,15 +82,15 @@ class ConnectorWorker:
         staging = np.empty((len(ops), io.bytes_per_block), dtype=np.uint8)
         good, failed = [], []
         for k, op in enumerate(ops):
-            path = block_path(self.path, op.hash)
-            try:
-                with open(path, "rb") as f:
-                    header = kv_disk.read_header(f, io.bytes_per_block)
-                    kv_disk.read_block(f, header, 0, op.hash, staging[k])
-                good.append(k)
-            except (OSError, kv_disk.CorruptBlock) as e:
-                log.warning("KV transfer: %s reading %s: recomputing", e, path)
+            with self._lock:
+                staged = self.staged.pop(op.hash, False)
+            row = self._read(op.hash) if staged is False else staged  # not prefetched: read it now
+            self.from_memory += staged is not False
+            if row is None:
                 failed.append(op)
+                continue
+            staging[k] = row
+            good.append(k)
         if good:
             io._to_device([ops[k].block_id for k in good], io._views(torch.from_numpy(staging[good])), None)
         self.bytes_moved += len(good) * io.bytes_per_block

@@ -222,10 +222,13 @@ class Worker:
         """Run the KV tier ops before the step's forward; returns (failed loads, seconds)."""
         from tokenmill.core.kv_offload import LoadOp
 
-        from tokenmill.core.kv_connector import ImportOp
+        from tokenmill.core.kv_connector import ImportOp, PrefetchOp
 
+        for op in ops:
+            if isinstance(op, PrefetchOp):
+                self.connector.prefetch(op)  # background reads: returns at once
         imports = [op for op in ops if isinstance(op, ImportOp)]
-        tier_ops = [op for op in ops if not isinstance(op, ImportOp)]
+        tier_ops = [op for op in ops if not isinstance(op, (ImportOp, PrefetchOp))]
         failed, seconds = [], 0.0
         if tier_ops:
             failed = self.transfer.run(tier_ops)
@@ -238,6 +241,10 @@ class Worker:
         if loaded:  # written outside a forward pass: lazy zeroing must leave them be
             self.runner.mark_initialized(torch.tensor(loaded, dtype=torch.long))
         return failed, seconds
+
+    def kv_prefetched(self, hashes: list[bytes]) -> list[bytes]:
+        """Which of these handed-over blocks the background reads have finished (read or failed)."""
+        return self.connector.finished(hashes)
 
     def export_kv(self, ops: list) -> tuple[int, float]:
         """A KV producer's blocks computed by the step just run: write them for the decode instances.
