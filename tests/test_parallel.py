@@ -32,10 +32,11 @@ def generate(path, params=GREEDY, **kw):
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2_moe"])
 def test_tp2_equals_tp1(tmp_path, arch):
-    """llama: 4 heads, 2 KV heads split 1 per rank, untied head; qwen3: q/k norms and a tied embedding;
-    mixtral, qwen2_moe: experts (and the shared expert) sharded over their intermediate dimension."""
+    """qwen3: 4 heads and 2 KV heads split over the ranks, q/k norms, a tied (vocab-parallel) embedding;
+    qwen2_moe: experts and the shared expert sharded over their intermediate dimension. (Llama runs under TP
+    in the chunked/speculative test and through Ray; Mixtral under EP and PP.)"""
     path = make_tiny_model(tmp_path / arch, arch, seed=2)
     ref, _ = generate(path)
     out, llm = generate(path, tensor_parallel_size=2)
@@ -222,7 +223,7 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer():
         torch.testing.assert_close(parts, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen2_moe"])
 def test_ep2_equals_ep1(tmp_path, arch):
     path = make_tiny_model(tmp_path / arch, arch, seed=4)
     ref, _ = generate(path)
@@ -231,7 +232,7 @@ def test_ep2_equals_ep1(tmp_path, arch):
 
 
 # ---- pipeline parallelism ----------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3", "mixtral"])
 def test_pp2_equals_pp1(tmp_path, arch):
     """Two stages of one layer each; qwen3's tied head needs the embedding on the last stage too. Prompt
     logprobs and sampled logprobs come from the last stage."""
