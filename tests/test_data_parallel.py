@@ -40,8 +40,8 @@ def streamed_text(srv, prompt: str) -> str:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("dp") / "llama", "llama", hidden_size=128,
-                           intermediate_size=256, num_hidden_layers=4)
-    common = ("--served-model-name", "tiny", "--kv-cache-memory-bytes", "16M", "--max-model-len", "512")
+                           intermediate_size=256, num_hidden_layers=4, max_position_embeddings=4096)
+    common = ("--served-model-name", "tiny", "--kv-cache-memory-bytes", "32M", "--max-model-len", "4096")
     one = start_server(path, path.parent / "one.log", *common)
     two = start_server(path, path.parent / "two.log", *common, "--data-parallel-size", "2")
     yield one, two
@@ -89,8 +89,8 @@ def test_a_dead_replica_fails_only_its_requests(servers):
     assert len(cores) == 2, cores
     results: list = []
 
-    def run(p):
-        body = {"model": "tiny", "prompt": p, "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+    def run(p):  # long enough (thousands of tokens) to be running when the replica is killed
+        body = {"model": "tiny", "prompt": p, "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
         try:
             results.append(httpx.post(two.url("/v1/completions"), json=body, timeout=120).status_code)
         except httpx.HTTPError as e:
@@ -99,7 +99,14 @@ def test_a_dead_replica_fails_only_its_requests(servers):
     threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # both replicas are generating
+        d = httpx.get(two.url("/metrics"), timeout=10).text
+        running = sum(float(line.split()[-1]) for line in d.splitlines()
+                      if line.startswith("tokenmill:num_requests_running{"))
+        if running >= len(PROMPTS):
+            break
+        time.sleep(0.05)
     os.kill(cores[-1], signal.SIGKILL)
     t0 = time.monotonic()
     for t in threads:

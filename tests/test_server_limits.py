@@ -68,23 +68,28 @@ def test_overload_gets_503_with_retry_after(server):
 def test_sigterm_drains_then_exits(server):
     with httpx.Client(base_url=server.base_url, timeout=30) as a_client, \
             httpx.Client(base_url=server.base_url, timeout=30) as b_client:
-        with a_client.stream("POST", "/v1/completions", json=body(10, logprobs=0)) as a, \
-                b_client.stream("POST", "/v1/completions", json=body(LONG)) as b:
+        with a_client.stream("POST", "/v1/completions", json=body(10, logprobs=0)) as a:
             a_events = events(a)
-            next(a_events)
-            server.proc.send_signal(signal.SIGTERM)
-            # A finishes within the drain timeout, untouched.
-            rest = list(a_events)
-            assert rest[-1] == "[DONE]"
-            chunks = [json.loads(e) for e in rest[:-1]]
-            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-            # B would need seconds: the drain aborts it with an error event, then ends the stream.
-            b_payloads = list(events(b))
-            assert b_payloads[-1] == "[DONE]"
-            error = json.loads(b_payloads[-2])["error"]
-            assert error["code"] == "shutting_down" and error["type"] == "server_error"
+            next(a_events)  # A runs; B, sent only now, waits behind it (--max-waiting-requests 1 admits one)
+            with b_client.stream("POST", "/v1/completions", json=body(LONG)) as b:
+                server.proc.send_signal(signal.SIGTERM)
+                _drain_checks(a_events, b)
         # New connections are refused while draining and after.
         with pytest.raises(httpx.TransportError):
             httpx.get(server.url("/health"), timeout=2)
     assert server.proc.wait(10) == 0
     assert "draining" in server.log()
+
+
+def _drain_checks(a_events, b) -> None:
+    """After SIGTERM: A (in the drain timeout) ends normally, B (too long) with a shutting_down error."""
+    # A finishes within the drain timeout, untouched.
+    rest = list(a_events)
+    assert rest[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in rest[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # B would need seconds: the drain aborts it with an error event, then ends the stream.
+    b_payloads = list(events(b))
+    assert b_payloads[-1] == "[DONE]"
+    error = json.loads(b_payloads[-2])["error"]
+    assert error["code"] == "shutting_down" and error["type"] == "server_error"
