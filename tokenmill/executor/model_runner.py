@@ -18,7 +18,7 @@ from tokenmill.layers.attention import Attention, AttentionTimer
 from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend
 from tokenmill.sample.rejection_sampler import rejection_sample
-from tokenmill.sample.sampler import Sampler, SamplingMetadata, apply_penalties, apply_top_k_top_p_min_p, compute_logprobs
+from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, target_distribution
 
 log = logging.getLogger(__name__)
 
@@ -126,12 +126,7 @@ class ModelRunner:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
         collective_s = collectives.take_time()
-        if logits is None:
-            out = ModelRunnerOutput()
-        elif batch.spec_token_ids:
-            out = self._sample_spec(logits, inp, batch)
-        else:
-            out = self._sample(logits, inp, batch)
+        out = self._sample(logits, inp, batch) if logits is not None else ModelRunnerOutput()
         out.prompt_logprobs = prompt_lps
         if self.spec is not None:
             self._propose(inp, batch, hidden, out, t2 - t1)
@@ -183,8 +178,7 @@ class ModelRunner:
             whole = merge_inputs(inputs)
             if rows:
                 logits = torch.cat(rows)
-                result = self._sample_spec(logits, whole, batch) if batch.spec_token_ids else \
-                    self._sample(logits, whole, batch)
+                result = self._sample(logits, whole, batch)
             for h, inp in zip(hidden, inputs):
                 result.prompt_logprobs.update(self._prompt_logprobs(h, inp))
         else:
@@ -223,40 +217,29 @@ class ModelRunner:
         return meta
 
     def _sample(self, logits: torch.Tensor, inp: StepInputs, batch: ScheduledBatch) -> ModelRunnerOutput:
+        """Sample every sampled row; a request with drafts has its rows verified against them."""
         meta = self._sampling_metadata(inp, batch)
-        sampled = self.sampler(logits, meta)
-        lp = None
-        if sampled.logprobs is not None:
-            lp = (sampled.logprobs.tolist(), sampled.ranks.tolist(), sampled.top_ids.tolist(),
-                  sampled.top_logprobs.tolist())
-        return self._result(inp, sampled.token_ids.tolist(), None, lp)
-
-    def _sample_spec(self, logits: torch.Tensor, inp: StepInputs, batch: ScheduledBatch) -> ModelRunnerOutput:
-        """Verify the drafts: the target's processed distribution p at every row, then exact rejection
-        sampling against each draft's q (a point mass for n-gram and greedy drafts)."""
-        meta = self._sampling_metadata(inp, batch)
-        raw = logits.float()
-        x = apply_penalties(raw, meta)
-        greedy_ids = x.argmax(dim=-1)
-        probs = x  # never read for greedy rows
-        if not meta.all_greedy:
-            temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature).unsqueeze(1)
-            probs = apply_top_k_top_p_min_p(x / temperature, meta).softmax(dim=-1)
+        if not batch.spec_token_ids:
+            return self._result(inp, self.sampler(logits, meta), None)
+        # Exact rejection sampling against each draft's q (a point mass for n-gram and greedy drafts).
+        raw, greedy_ids, probs = target_distribution(logits, meta)
         reqs = [(r, rows, spec) for r, rows, spec in zip(inp.requests, inp.rows_per_request, inp.spec) if rows]
         draft_probs = [self.spec.probs_for(r.req_id, len(spec)) if self.spec is not None and spec else None
                        for r, _, spec in reqs]
         tokens, num_accepted = rejection_sample(
-            probs, greedy_ids, [rows for _, rows, _ in reqs], [spec for _, _, spec in reqs], draft_probs,
-            [r.params.greedy for r, _, _ in reqs], [r.generator for r, _, _ in reqs])
-        lp = None
-        if meta.max_num_logprobs > 0 or meta.need_logprobs:
-            token_lp, top_lp, top_ids, ranks = compute_logprobs(raw, tokens, meta.max_num_logprobs)
-            lp = (token_lp.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())
-        return self._result(inp, tokens.tolist(), num_accepted, lp)
+            probs if probs is not None else raw, greedy_ids, [rows for _, rows, _ in reqs],
+            [spec for _, _, spec in reqs], draft_probs, [r.params.greedy for r, _, _ in reqs],
+            [r.generator for r, _, _ in reqs])
+        return self._result(inp, Sampler.output(raw, tokens, meta), num_accepted)
 
-    def _result(self, inp: StepInputs, tokens: list[int], num_accepted: list[int] | None, lp) -> ModelRunnerOutput:
+    def _result(self, inp: StepInputs, sampled: SamplerOutput, num_accepted: list[int] | None) -> ModelRunnerOutput:
         """Per request: its sampled rows' tokens, cut after the accepted drafts and the one token that
         follows them."""
+        tokens = sampled.token_ids.tolist()
+        lp = None
+        if sampled.logprobs is not None:
+            lp = (sampled.logprobs.tolist(), sampled.ranks.tolist(), sampled.top_ids.tolist(),
+                  sampled.top_logprobs.tolist())
         result = ModelRunnerOutput()
         row = j = 0
         for r, rows in zip(inp.requests, inp.rows_per_request):

@@ -265,22 +265,31 @@ def _exponential_noise(shape: tuple[int, int], generators: list[torch.Generator 
     return q.clamp_(min=torch.finfo(torch.float32).tiny)
 
 
+def target_distribution(logits: Tensor, meta: SamplingMetadata) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(raw float32 logits, the greedy token of each row (argmax after penalties), the distribution to
+    sample from (penalties, temperature, top-k/top-p/min-p; None when every row is greedy)). Shared by the
+    sampler and the speculative verifier, so drafts are judged against exactly what would be sampled."""
+    raw = logits.float()
+    x = apply_penalties(raw, meta)
+    greedy_ids = x.argmax(dim=-1)
+    if meta.all_greedy:
+        return raw, greedy_ids, None
+    temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature).unsqueeze(1)
+    return raw, greedy_ids, apply_top_k_top_p_min_p(x / temperature, meta).softmax(dim=-1)
+
+
 class Sampler:
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        raw = logits.float()
-        x = apply_penalties(raw, meta)
-        if meta.all_greedy:
-            token_ids = x.argmax(dim=-1)
-        else:
-            greedy_ids = x.argmax(dim=-1)
-            greedy_rows = meta.temperature == 0
-            temperature = torch.where(greedy_rows, 1.0, meta.temperature).unsqueeze(1)
-            x = apply_top_k_top_p_min_p(x / temperature, meta)
-            probs = x.softmax(dim=-1)
+        raw, token_ids, probs = target_distribution(logits, meta)
+        if probs is not None:
             # argmax(p / q) with q ~ Exp(1) is an exact sample from p (exponential race).
             sampled = (probs / _exponential_noise(probs.shape, meta.generators, probs.device)).argmax(dim=-1)
-            token_ids = torch.where(greedy_rows, greedy_ids, sampled)
+            token_ids = torch.where(meta.temperature == 0, token_ids, sampled)
+        return self.output(raw, token_ids, meta)
 
+    @staticmethod
+    def output(raw: Tensor, token_ids: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """The chosen tokens, with their logprobs when any row asked for them."""
         if meta.max_num_logprobs > 0 or meta.need_logprobs:
             token_lp, top_lp, top_ids, ranks = compute_logprobs(raw, token_ids, meta.max_num_logprobs)
             return SamplerOutput(token_ids, token_lp, top_lp, top_ids, ranks)
