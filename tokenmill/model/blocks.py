@@ -219,6 +219,7 @@ class DecoderForCausalLM(nn.Module):
             DecoderLayer(spec, layer, rotary[layer.rope], build, f"layers.{i}") if self.start <= i < self.end
             else nn.Identity() for i, layer in enumerate(spec.layers)
         )
+        self.own_layers = list(self.layers)[self.start : self.end]  # a plain list: no ModuleList slice per step
         self.norm = self.lm_head = None
         if self.is_last:
             self.norm = build.norm(spec.hidden_size, spec)
@@ -230,26 +231,15 @@ class DecoderForCausalLM(nn.Module):
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The final normed hidden states; a pipeline stage before the last returns (x, residual) for the
         next stage, which passes them as `intermediate`."""
-        if self.pp_size > 1:
-            return self._forward_stage(input_ids, positions, meta, intermediate)
-        x = self.embed_tokens(input_ids).to(self.compute_dtype)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        if self.aux_hidden_layers:
-            return self._forward_capturing(positions, x, meta)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, meta, residual)
-        return self.norm.add(residual, x)[1]
-
-    def _forward_stage(self, input_ids, positions, meta, intermediate):
         if self.is_first:
             x, residual = self.embed_tokens(input_ids).to(self.compute_dtype), None
             if self.embed_scale is not None:
                 x = x * self.embed_scale
         else:
             x, residual = intermediate
-        for layer in self.layers[self.start : self.end]:
+        if self.aux_hidden_layers:
+            return self._forward_capturing(positions, x, meta)
+        for layer in self.own_layers:
             x, residual = layer(positions, x, meta, residual)
         if not self.is_last:
             return x, residual
