@@ -134,9 +134,8 @@ class KVCacheManager:
         if self.connector is None or req.params.prompt_logprobs is not None:
             return []
         self._update_hashes(req, req.num_tokens - 1)
-        wanted = [h for h in req.block_hashes[num_local_blocks : (req.num_tokens - 1) // self.block_size]]
         found = []
-        for h in self.connector.lookup(wanted):
+        for h in self.connector.lookup(req.block_hashes[num_local_blocks : (req.num_tokens - 1) // self.block_size]):
             if h in self.cached:
                 break
             found.append(h)

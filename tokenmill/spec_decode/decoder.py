@@ -23,17 +23,19 @@ class NgramDrafter:
         self.proposer = NgramProposer(min_n, max_n)
         self.history: dict[str, tuple[np.ndarray, int]] = {}
 
-    def _tokens(self, rid: str, known: list[int]) -> np.ndarray:
+    def _tokens(self, view: StepView, i: int) -> np.ndarray:
+        """Request i's tokens as a numpy view; only those new since the last step are copied in."""
+        rid, total = view.requests[i].req_id, view.length(i)
         buf, n = self.history.get(rid, (None, 0))
-        if buf is None or n > len(known):
-            buf, n = np.empty(max(64, 2 * len(known)), dtype=np.int64), 0
-        if len(known) > buf.size:
-            grown = np.empty(2 * len(known), dtype=np.int64)
+        if buf is None or n > total:
+            buf, n = np.empty(max(64, 2 * total), dtype=np.int64), 0
+        if total > buf.size:
+            grown = np.empty(2 * total, dtype=np.int64)
             grown[:n] = buf[:n]
             buf = grown
-        buf[n : len(known)] = known[n:]
-        self.history[rid] = (buf, len(known))
-        return buf[: len(known)]
+        buf[n:total] = view.tokens(i, n, total)
+        self.history[rid] = (buf, total)
+        return buf[:total]
 
     def forget(self, rid: str) -> None:
         self.history.pop(rid, None)
@@ -41,8 +43,7 @@ class NgramDrafter:
     def propose(self, view: StepView, want: set[int], k: int) -> dict[int, Draft]:
         out = {}
         for i in want:
-            r = view.requests[i]
-            drafts = self.proposer.propose(self._tokens(r.req_id, view.known(i)), k)
+            drafts = self.proposer.propose(self._tokens(view, i), k)
             if drafts:
                 out[i] = Draft(drafts, None)
         return out
@@ -55,7 +56,11 @@ class SpecDecoder:
         self.drafter = drafter  # NgramDrafter or DraftRunner
         self.policy = AdaptivePolicy(self.k, config.adaptive, config.disable_by_batch_size)
         self.draft_probs: dict[str, torch.Tensor] = {}  # request -> [k, V] q of its pending random drafts
-        self.last_k = self.k
+
+    @property
+    def last_k(self) -> int:
+        """The drafts per request chosen for the next step (0: off)."""
+        return self.policy.last_k
 
     @property
     def runner(self) -> DraftRunner | None:
@@ -93,7 +98,6 @@ class SpecDecoder:
     def propose(self, view: StepView) -> dict[str, list[int]]:
         sampled = [i for i, got in enumerate(view.accepted) if got]
         k = self.policy.choose(len(sampled))
-        self.last_k = k
         want = set(sampled)
         runner = self.runner
         t0 = time.perf_counter()

@@ -44,9 +44,15 @@ class StepView:
     hidden: torch.Tensor | None = None  # [T, H] the target's final hidden states
     aux_hidden: torch.Tensor | None = None  # [T, n*H] EAGLE-3's layer features
 
-    def known(self, i: int) -> list[int]:
-        got = self.accepted[i]
-        return self.requests[i].token_ids + got if got else self.requests[i].token_ids
+    def length(self, i: int) -> int:
+        """Tokens request i has now: those before the step and those it emitted."""
+        return len(self.requests[i].token_ids) + len(self.accepted[i] or ())
+
+    def tokens(self, i: int, a: int, b: int) -> list[int]:
+        """Tokens [a, b) of request i's sequence now, without copying the whole context."""
+        base, got = self.requests[i].token_ids, self.accepted[i] or []
+        n = len(base)
+        return base[a:b] if b <= n else base[a:n] + got[max(a - n, 0) : b - n]
 
 
 @dataclass
@@ -104,26 +110,24 @@ class DraftRunner:
                     if b in self.stale:
                         dc = j * bs
                         break
-            known = view.known(i)
+            length = view.length(i)
             cap = len(r.block_ids) * bs  # positions with a slot
             if self.head:
-                end = min(len(known) - 1 if got else c + n, cap)  # the target's feature exists below end
+                end = min(length - 1 if got else c + n, cap)  # the target's feature exists below end
                 first = max(dc, c)  # features before c are gone with earlier steps
                 if first >= end:
                     continue
-                if got is None and end >= len(known):  # the prompt's last feature waits for the sampled token
-                    end = len(known) - 1
-                tokens = known[first + 1 : end + 1]
+                tokens = view.tokens(i, first + 1, end + 1)
                 rows = int(view.row_starts[i]) + np.arange(first - c, end - c)
             else:
                 fed = self.fed.pop(r.req_id, None)
                 if fed is not None and got and dc == fed[0]:
                     dc += min(len(got) - 1, fed[1])  # accepted drafts' KV was written when they were fed
-                end = min(len(known) if got else c + n, cap)
+                end = min(length if got else c + n, cap)
                 first = min(dc, end - 1) if got else dc
                 if first >= end:
                     continue
-                tokens = known[first:end]
+                tokens = view.tokens(i, first, end)
                 rows = None
             segs.append((i, first, tokens, rows))
         return segs
