@@ -47,6 +47,7 @@ class ConnectorStats:
     exported: int = 0  # blocks written for consumers
     imported: int = 0  # blocks loaded instead of computed
     import_failures: int = 0
+    seconds: float = 0.0  # writing exports, and the steps' transfer phases that imported
     pulled_bytes: int = 0  # TCPConnector: block files fetched from producers
 
 
@@ -135,6 +136,11 @@ class SharedStorageConnector:
         ops, self.exports = self.exports, []
         self.stats.exported += len(ops)
         return ops
+
+    def timed(self, ops: list, seconds: float) -> None:
+        """A step's transfer phase took `seconds`; it counts as KV transfer when it imported blocks."""
+        if any(isinstance(op, ImportOp) for op in ops):
+            self.stats.seconds += seconds
 
     def import_failed(self, h: bytes) -> None:
         self.stats.import_failures += 1

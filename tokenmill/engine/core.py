@@ -87,14 +87,8 @@ class EngineCore:
         if ops:
             # Saves, spills and loads of the lower KV tiers run before the forward reads or overwrites blocks.
             failed, st.offload_s = self.executor.transfer_kv(ops)
-            if self.kv.connector is not None:
-                from tokenmill.core.kv_connector import ImportOp
-
-                imported = [op for op in ops if isinstance(op, ImportOp)]
-                bad = sum(1 for op in failed if isinstance(op, ImportOp))
-                self.stats.kv_transfer_bytes += (len(imported) - bad) * self.info.bytes_per_block
-                if imported:
-                    self.stats.kv_transfer_s += st.offload_s
+            if connector is not None:
+                connector.timed(ops, st.offload_s)
             if failed:
                 self.scheduler.recompute_failed_loads(out, self.kv.loads_failed(failed))
         if not out:
@@ -111,9 +105,7 @@ class EngineCore:
         result = self.executor.execute_model(batch)
         exports = self.kv.take_export_ops()
         if exports:  # a KV producer: hand the blocks just computed to decode instances before replying
-            nbytes, secs = self.executor.collective_rpc("export_kv", exports)
-            self.stats.kv_transfer_bytes += nbytes
-            self.stats.kv_transfer_s += secs
+            connector.stats.seconds += self.executor.collective_rpc("export_kv", exports)
         t1 = time.perf_counter()
         outputs = refused + self.scheduler.update_from_output(out, result)
         t = result.timings
@@ -161,9 +153,9 @@ class EngineCore:
         c = self.kv.connector
         if c is None:
             return None
-        return {"bytes": self.stats.kv_transfer_bytes, "seconds": self.stats.kv_transfer_s,
-                "exported_blocks": c.stats.exported, "imported_blocks": c.stats.imported,
-                "import_failures": c.stats.import_failures}
+        st = c.stats
+        return {"bytes": (st.exported + st.imported) * self.info.bytes_per_block, "seconds": st.seconds,
+                "exported_blocks": st.exported, "imported_blocks": st.imported, "import_failures": st.import_failures}
 
     # ---- utility calls (also reachable over IPC) ----------------------------------------
     def diagnostics(self, last_n: int | None = None) -> dict:

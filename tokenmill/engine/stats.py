@@ -49,8 +49,6 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     idle_s: float = 0.0  # time the serving loop waited with nothing to do
-    kv_transfer_bytes: int = 0  # disaggregated prefill/decode: KV bytes written (producer) or loaded (consumer)
-    kv_transfer_s: float = 0.0
     last: StepStats = field(default_factory=StepStats)
     history: deque = field(default_factory=lambda: deque(maxlen=4096))  # recent non-empty steps
     _idle_seen: float = 0.0  # idle_s when the last step entered the history

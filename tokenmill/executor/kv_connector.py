@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,8 +21,6 @@ class ConnectorWorker:
     def __init__(self, caches: list[torch.Tensor], path: str) -> None:
         self.io = KVTransfer(caches, 0, None)  # packed-row views and device copies; no host slots here
         self.path = path
-        self.bytes_moved = 0
-        self.seconds = 0.0
         # Overlapped loading: blocks read (and checked) in the background, waiting for their import.
         self.staged: OrderedDict[bytes, np.ndarray | None] = OrderedDict()  # None: the read failed
         self.max_staged = 1 << 14
@@ -61,7 +58,6 @@ class ConnectorWorker:
         """Write each block to <path>/<hash>.kvb (one file per block, renamed into place when complete)."""
         if not ops:
             return
-        t0 = time.perf_counter()
         io = self.io
         rows = torch.empty((len(ops), io.bytes_per_block), dtype=torch.uint8)
         blocks = torch.tensor([op.block_id for op in ops], device=io.device)
@@ -70,14 +66,11 @@ class ConnectorWorker:
         data = rows.numpy()
         for i, op in enumerate(ops):
             kv_disk.write_file(block_path(self.path, op.hash), [op.hash], data[i : i + 1])
-        self.bytes_moved += data.nbytes
-        self.seconds += time.perf_counter() - t0
 
     def load(self, ops: list[ImportOp]) -> list[ImportOp]:
         """Read and check each block, copy the good ones into their device blocks; returns the failed."""
         if not ops:
             return []
-        t0 = time.perf_counter()
         io = self.io
         staging = np.empty((len(ops), io.bytes_per_block), dtype=np.uint8)
         good, failed = [], []
@@ -93,6 +86,4 @@ class ConnectorWorker:
             good.append(k)
         if good:
             io._to_device([ops[k].block_id for k in good], io._views(torch.from_numpy(staging[good])), None)
-        self.bytes_moved += len(good) * io.bytes_per_block
-        self.seconds += time.perf_counter() - t0
         return failed
