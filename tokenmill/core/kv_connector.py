@@ -219,12 +219,17 @@ def read_blocks(root: str, hashes: list[str], limit: int = 1 << 12) -> bytes:
     return bytes(out)
 
 
+def store_path(cfg) -> str:
+    """The folder a config.KVTransferConfig's blocks are written to and read from."""
+    return os.path.abspath((cfg.kv_connector_extra_config or {}).get("shared_storage_path", "tokenmill-kv-transfer"))
+
+
 def make_connector(cfg) -> SharedStorageConnector | None:
     """From config.KVTransferConfig (None: no transfer)."""
     if cfg is None:
         return None
     extra = cfg.kv_connector_extra_config or {}
-    path = os.path.abspath(extra.get("shared_storage_path", "tokenmill-kv-transfer"))
+    path = store_path(cfg)
     if cfg.kv_connector == "TCPConnector":
         producers = extra.get("producers") or []
         if isinstance(producers, str):

@@ -144,10 +144,10 @@ class Worker:
             self.transfer, offload = built
         kv_transfer = getattr(self.config, "kv_transfer", None)
         if kv_transfer is not None:
-            from tokenmill.core.kv_connector import make_connector
+            from tokenmill.core.kv_connector import store_path
             from tokenmill.executor.kv_connector import ConnectorWorker
 
-            self.connector = ConnectorWorker(self.runner.kv_caches(), make_connector(kv_transfer).path)
+            self.connector = ConnectorWorker(self.runner.kv_caches(), store_path(kv_transfer))
         torch.manual_seed(mc.seed)  # after loading, so sampling draws the same in any process
         return WorkerInfo(num_blocks, cache.block_size, self.runner.bytes_per_block, self.max_model_len, vocab,
                           str(self.device), str(kv_dtype).removeprefix("torch."),

@@ -136,9 +136,9 @@ def serve_main(args, engine_kwargs: dict) -> int:
 
     config = EngineArgs.from_kwargs(**engine_kwargs).create_engine_config()
     if config.kv_transfer is not None and config.kv_transfer.kv_role in ("kv_producer", "kv_both"):
-        from tokenmill.core.kv_connector import make_connector
+        from tokenmill.core.kv_connector import store_path
 
-        settings.kv_store = make_connector(config.kv_transfer).path
+        settings.kv_store = store_path(config.kv_transfer)
     metrics = ServerMetrics(settings.served_model_names[0])
     own_process = getattr(args, "engine_core_process", True)
     dp = getattr(args, "data_parallel_size", 1)
