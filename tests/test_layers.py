@@ -4,7 +4,6 @@ their outputs combined by hand, against a dense F.linear over the full weight. O
 collectives in two gloo processes."""
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -322,43 +321,26 @@ def test_loader_runs_process_weights_after_loading():
 
 
 # ---- real collectives ---------------------------------------------------------------------------
-def _tp2_worker(rank: int, port: int, tensors: dict, results) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        x, ids = tensors["x"], tensors["ids"]
-        col = ColumnParallelLinear(8, 12, bias=True, gather_output=True, tp_rank=rank, tp_size=2)
-        row = RowParallelLinear(8, 6, bias=True, input_is_parallel=False, tp_rank=rank, tp_size=2)
-        emb = VocabParallelEmbedding(11, 8, tp_rank=rank, tp_size=2)
-        head = ParallelLMHead(11, 8, tp_rank=rank, tp_size=2)
-        for layer, w, b in ((col, "Wc", "bc"), (row, "Wr", "br")):
-            load(layer, "weight", tensors[w])
-            load(layer, "bias", tensors[b])
-        load(emb, "weight", tensors["E"])
-        head.tie_weights(emb)
-        results[rank] = {"col": col(x), "row": row(x), "emb": emb(ids), "logits": head.compute_logits(x)}
-    finally:
-        dist.destroy_process_group()
+def _tp2_layers(rank: int, tensors: dict) -> dict:
+    x, ids = tensors["x"], tensors["ids"]
+    col = ColumnParallelLinear(8, 12, bias=True, gather_output=True, tp_rank=rank, tp_size=2)
+    row = RowParallelLinear(8, 6, bias=True, input_is_parallel=False, tp_rank=rank, tp_size=2)
+    emb = VocabParallelEmbedding(11, 8, tp_rank=rank, tp_size=2)
+    head = ParallelLMHead(11, 8, tp_rank=rank, tp_size=2)
+    for layer, w, b in ((col, "Wc", "bc"), (row, "Wr", "br")):
+        load(layer, "weight", tensors[w])
+        load(layer, "bias", tensors[b])
+    load(emb, "weight", tensors["E"])
+    head.tie_weights(emb)
+    return {"col": col(x), "row": row(x), "emb": emb(ids), "logits": head.compute_logits(x)}
 
 
 def test_collectives_in_two_processes():
-    import torch.multiprocessing as mp
+    from gloo_ranks import run_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     t = {"x": randn(3, 8, seed=40), "ids": torch.tensor([0, 6, 10, 5]), "Wc": randn(12, 8, seed=41),
          "bc": randn(12, seed=42), "Wr": randn(6, 8, seed=43), "br": randn(6, seed=44), "E": randn(11, 8, seed=45)}
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        procs = [ctx.Process(target=_tp2_worker, args=(r, port, t, results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        assert [p.exitcode for p in procs] == [0, 0]
-        results = dict(results)
+    results = run_ranks(_tp2_layers, t)
     for r in range(2):
         out = results[r]
         torch.testing.assert_close(out["col"], F.linear(t["x"], t["Wc"], t["bc"]), rtol=0, atol=ATOL)

@@ -330,37 +330,16 @@ def _block_output(tp_rank: int, tp_size: int, x: torch.Tensor) -> torch.Tensor:
     return m.mlp(x)
 
 
-def _tp2_moe_worker(rank: int, port: int, x: torch.Tensor, results) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        results[rank] = _block_output(rank, 2, x)
-    finally:
-        dist.destroy_process_group()
+def _tp2_moe_block(rank: int, x: torch.Tensor) -> torch.Tensor:
+    return _block_output(rank, 2, x)
 
 
 def test_moe_block_tp2_equals_tp1():
     """Experts and shared expert sharded over two gloo ranks, loaded by the generic loader, one all-reduce."""
-    import socket
-
-    import torch.multiprocessing as mp
+    from gloo_ranks import run_ranks
 
     x = torch.randn(7, H, generator=torch.Generator().manual_seed(8))
     full = _block_output(0, 1, x)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        procs = [ctx.Process(target=_tp2_moe_worker, args=(r, port, x, results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        assert [p.exitcode for p in procs] == [0, 0]
-        results = dict(results)
+    results = run_ranks(_tp2_moe_block, x)
     for r in range(2):
         torch.testing.assert_close(results[r], full, rtol=0, atol=1e-5)
