@@ -101,6 +101,18 @@ def quantize(a: np.ndarray, qtype) -> np.ndarray:
     return gguf.quants.quantize(a, qtype)
 
 
+def add_common_header(w, cfg) -> None:
+    """The hyper-parameters every decoder GGUF carries (gguf-py's GGUFWriter, a transformers config)."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+
+
 def write_gguf(hf_dir: str | Path, out: str | Path, qtype=None,
                types: Callable[[str], object] | None = None) -> Path:
     """`qtype` for every matrix, or `types(gguf_name)` per matrix (None: float32)."""
@@ -112,14 +124,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype=None,
     arch = "gemma3" if cfg.model_type.startswith("gemma3") else "llama"
     qtype = qtype or gguf.GGMLQuantizationType.F32
     w = gguf.GGUFWriter(str(out), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
+    add_common_header(w, cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if arch == "gemma3":
         w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])

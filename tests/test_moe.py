@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gguf_tiny import LAYER_NAMES, permute
+from gguf_tiny import LAYER_NAMES, add_common_header, permute
 from test_parity import NEW_TOKENS, check_against_oracle, hf_greedy, prompts_for
 from tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams
@@ -186,14 +186,7 @@ def write_moe_gguf(folder: Path, out: Path, legacy: bool = False, qtype=None) ->
     experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(out), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
+    add_common_header(w, cfg)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_rope_dimension_count(head_dim)
     w.add_key_length(head_dim)
