@@ -96,3 +96,15 @@ def start_server(model: str | None, log_path: Path, *args: str, api_key: str | N
         time.sleep(0.1)
     server.stop(signal.SIGKILL)
     raise TimeoutError(f"server did not become healthy in {timeout} s:\n{server.log()}")
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The multiprocessing-spawned children of a process (engine cores, workers; not the resource
+    tracker), oldest first."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for c in (task / "children").read_text().split():
+            cmd = Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if "spawn_main" in cmd:
+                found.append(int(c))
+    return sorted(found)

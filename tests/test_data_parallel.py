@@ -8,12 +8,11 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from server_harness import start_server
+from server_harness import spawned_children, start_server
 from tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -73,19 +72,9 @@ def test_both_replicas_serve_concurrent_requests(servers):
     assert all(r["steps"] > 0 for r in d["replicas"])
 
 
-def _spawned(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for c in (task / "children").read_text().split():
-            cmd = Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if "spawn_main" in cmd:
-                out.append(int(c))
-    return sorted(out)
-
-
 def test_a_dead_replica_fails_only_its_requests(servers):
     _, two = servers
-    cores = _spawned(two.proc.pid)
+    cores = spawned_children(two.proc.pid)
     assert len(cores) == 2, cores
     results: list = []
 

@@ -8,7 +8,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -88,24 +87,8 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging(tmp_path, mode):
 
 
 # ---- the server -------------------------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out.extend(int(c) for c in (task / "children").read_text().split())
-    return out
-
-
-def _spawned(pid: int) -> list[int]:
-    found = []
-    for c in _children(pid):
-        cmd = Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        if "spawn_main" in cmd:
-            found.append(c)
-    return sorted(found)
-
-
 def test_killing_a_worker_under_load_fails_requests_and_health(tmp_path):
-    from server_harness import start_server
+    from server_harness import spawned_children, start_server
 
     path = make_tiny_model(tmp_path / "llama", "llama", hidden_size=128, intermediate_size=256,
                            num_hidden_layers=4)
@@ -113,11 +96,11 @@ def test_killing_a_worker_under_load_fails_requests_and_health(tmp_path):
                        "--kv-cache-memory-bytes", "16M", "--max-model-len", "512")
     try:
         assert httpx.get(srv.url("/health"), timeout=5).status_code == 200
-        (core,) = _spawned(srv.proc.pid)
+        (core,) = spawned_children(srv.proc.pid)
         deadline = time.monotonic() + 30
-        while len(_spawned(core)) < 2 and time.monotonic() < deadline:
+        while len(spawned_children(core)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        workers = _spawned(core)
+        workers = spawned_children(core)
         assert len(workers) == 2, workers
         body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
                 "stream": True}

@@ -7,12 +7,11 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from server_harness import start_server
+from server_harness import spawned_children, start_server
 from tiny import make_tiny_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -23,21 +22,9 @@ SLOW = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_att
             num_key_value_heads=4)
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        out.extend(int(c) for c in text)
-    return out
-
-
 def core_pid(server_pid: int) -> int:
     """The spawned engine-core process (not multiprocessing's resource tracker)."""
-    found = []
-    for c in children(server_pid):
-        cmd = Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        if "spawn_main" in cmd:
-            found.append(c)
+    found = spawned_children(server_pid)
     assert len(found) == 1, found
     return found[0]
 
