@@ -79,6 +79,17 @@ def raises(exc, *words):
     (dict(logprobs=-1), "logprobs"),
     (dict(prompt_logprobs=-1), "prompt_logprobs"),
     (dict(stop=["ok", ""]), "stop"),
+    (dict(top_k=2**63), "top_k"),
+    (dict(seed=2**64), "seed"),
+    (dict(n=2**63), "n"),
+    (dict(max_tokens=10**30), "max_tokens"),
+    (dict(logprobs=2**70), "logprobs"),
+    (dict(n=2.0), "n"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+    (dict(logit_bias={5: float("inf")}), "logit_bias"),
+    (dict(logit_bias={"five": 1.0}), "logit_bias"),
+    (dict(stop_token_ids=["2"]), "stop_token_ids"),
 ])
 def test_bad_sampling_params(kwargs, name):
     with raises(ValueError) as e:
@@ -92,6 +103,32 @@ def test_edge_sampling_params_are_accepted():
                    frequency_penalty=-2.0, repetition_penalty=1e-3, min_tokens=1, logprobs=0, prompt_logprobs=0)
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(max_tokens=None, min_tokens=100).max_tokens is None
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(stop_token_ids=[10**6]), ("stop_token_ids", "1000000")),
+    (dict(logit_bias={-1: 1.0}), ("logit_bias", "-1")),
+    (dict(min_tokens=MAX_LEN + 1, max_tokens=None), ("min_tokens", str(MAX_LEN))),
+])
+def test_params_checked_against_the_model_at_admission(llm, kwargs, words):
+    with raises(ValueError, *words):
+        llm.generate([[7, 8, 9]], SamplingParams(**kwargs), use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_extreme_but_valid_values_run_beside_others(llm):
+    """Values at the edge of int64 are admitted and normalised (top_k beyond the vocabulary is no top-k; seeds
+    wrap modulo 2**63), and never fail the batch they share."""
+    prompts = [[7, 8, 9, 10], [11, 12, 13]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=5)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    extreme = SamplingParams(temperature=0.7, max_tokens=5, top_k=2**63 - 1, seed=-(2**63), n=2,
+                             logit_bias={3: 100.0, 4: -100.0}, stop_token_ids=[llm.engine.vocab_size - 1],
+                             ignore_eos=True)
+    outs = llm.generate([prompts[0], [5, 6], prompts[1]], [greedy, extreme, greedy], use_tqdm=False)
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == expected
+    assert [len(c.token_ids) for c in outs[1].outputs] == [5, 5]
+    assert_idle(llm)
 
 
 def test_logprobs_beyond_vocab(llm):
@@ -170,7 +207,7 @@ def test_engine_recovers_after_a_bad_prompt_in_a_batch(llm):
         assert [o.outputs[0].token_ids for o in llm.generate(good, sp, use_tqdm=False)] == expected
 
 
-def test_engine_recovers_after_a_failing_step(llm, monkeypatch):
+def test_a_transient_step_failure_is_retried(llm, monkeypatch):
     sp = SamplingParams(temperature=0.0, max_tokens=6)
     prompts = [[7, 8, 9, 10], [11, 12, 13]]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
@@ -185,11 +222,47 @@ def test_engine_recovers_after_a_failing_step(llm, monkeypatch):
         return real(batch)
 
     monkeypatch.setattr(runner, "execute_model", flaky)
-    with pytest.raises(RuntimeError, match="simulated"):
-        llm.generate(prompts, sp, use_tqdm=False)
-    assert_idle(llm)  # in-flight requests were aborted and their blocks freed
-    monkeypatch.setattr(runner, "execute_model", real)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == expected
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert calls["n"] > 3
+    assert [o.outputs[0].token_ids for o in outs] == expected  # each request ran again alone, unchanged
+    assert_idle(llm)
+
+
+POISON_SEED = 666
+
+
+def poisoned(real):
+    """execute_model that fails whenever the batch holds a request seeded POISON_SEED (as a per-request
+    value that breaks tensor building would), after the other requests were added."""
+
+    def run(batch):
+        if any(new.params.seed == POISON_SEED for new in batch.new_requests):
+            raise OverflowError("simulated: a value that does not fit a tensor")
+        return real(batch)
+
+    return run
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_a_request_that_fails_the_step_fails_alone(llm, monkeypatch, shared_prefix):
+    """The failing request ends with an error; the others in its step finish as if it had never been there,
+    including one admitted in the same step that shares prefix blocks the failing one was to compute."""
+    prompt = list(range(5, 45))  # 40 tokens: two full blocks to share
+    good = SamplingParams(temperature=0.0, max_tokens=6)
+    others = [prompt if shared_prefix else [7, 8, 9, 10], [11, 12, 13]]
+    expected = [o.outputs[0].token_ids for o in llm.generate(others, good, use_tqdm=False)]
+    llm.engine.core.reset_prefix_cache()
+    monkeypatch.setattr(llm.engine.runner, "execute_model", poisoned(llm.engine.runner.execute_model))
+    bad = SamplingParams(temperature=0.0, max_tokens=6, seed=POISON_SEED)
+    preemptions = llm.engine.scheduler.num_preemptions
+    outs = llm.generate([prompt, *others], [bad, good, good], use_tqdm=False)
+    # Sharing the failed request's uncomputed blocks sent the second back to the queue to recompute them.
+    assert llm.engine.scheduler.num_preemptions - preemptions == int(shared_prefix)
+    failed = outs[0].outputs[0]
+    assert failed.finish_reason == "abort" and "failed in the engine" in str(failed.stop_reason)
+    assert [o.outputs[0].token_ids for o in outs[1:]] == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outs[1:])
+    assert_idle(llm)
 
 
 # ---- engine configuration ----------------------------------------------------------------------

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+# Every integer the sampler turns into a tensor fits in int64; seeds are taken modulo 2**63 at admission.
+INT64_MAX = 2**63 - 1
 
 
 @dataclass
@@ -97,6 +101,11 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias:
+            try:  # JSON gives the ids as strings
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)[:3]!r}.") from None
         self.validate()
 
     @property
@@ -111,7 +120,17 @@ class SamplingParams:
         def bad(param: str, msg: str) -> None:
             raise ValueError(f"{param} {msg}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                bad(name, f"must be an integer, got {value!r}.")
+            if value is not None and not -INT64_MAX - 1 <= value <= INT64_MAX:
+                bad(name, f"must fit in a signed 64-bit integer, got {value}.")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(name, f"must be a finite number, got {value!r}.")
+        if self.n < 1:
             bad("n", f"must be at least 1, got {self.n}.")
         if self.temperature < 0.0:
             bad("temperature", f"must be non-negative, got {self.temperature}.")
@@ -137,5 +156,13 @@ class SamplingParams:
             bad("logprobs", f"must be non-negative, got {self.logprobs}.")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             bad("prompt_logprobs", f"must be non-negative, got {self.prompt_logprobs}.")
-        if any(not s for s in self._stop_list):
-            bad("stop", "must not contain empty strings.")
+        if any(not isinstance(s, str) or not s for s in self._stop_list):
+            bad("stop", "must be non-empty strings.")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be integers.")
+        if self.logit_bias:
+            for tok, value in self.logit_bias.items():
+                if isinstance(tok, bool) or not isinstance(tok, int):
+                    bad("logit_bias", f"keys must be token ids (integers), got {tok!r}.")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    bad("logit_bias", f"values must be finite numbers, got {value!r} for token {tok}.")

@@ -110,3 +110,13 @@ class ModelRunnerOutput:
     # Speculative decoding: drafts proposed for each request's next step (the scheduler verifies them then).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     timings: StepTimings = field(default_factory=StepTimings)
+
+    def merge(self, other: "ModelRunnerOutput") -> None:
+        """Append another step's results (requests run apart after a failed step)."""
+        self.req_ids += other.req_ids
+        self.sampled_token_ids += other.sampled_token_ids
+        self.logprobs.update(other.logprobs)
+        self.prompt_logprobs.update(other.prompt_logprobs)
+        self.spec_token_ids.update(other.spec_token_ids)
+        for name, value in vars(other.timings).items():
+            setattr(self.timings, name, getattr(self.timings, name) + value)

@@ -24,7 +24,8 @@ class EngineCoreOutput:
     finished_time: float | None = None
     # Finished because its grammar was complete: the last token is text, not an EOS or stop token.
     grammar_done: bool = False
-    error: str | None = None  # the request failed in the core (a grammar that did not compile): a 400
+    error: str | None = None  # the request failed in the core: a grammar that did not compile (400), a step (500)
+    error_status: int = 400
 
     @property
     def finished(self) -> bool:

@@ -165,6 +165,9 @@ class Scheduler:
             self._forget.append(req.request_id)
             req.sent = None
 
+    def preempt(self, req: Request) -> None:
+        self._preempt(req)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)

@@ -246,7 +246,8 @@ class AsyncLLMEngine:
         if failed:  # requests the core refused (a grammar that did not compile): 400 to their callers
             out.outputs = [o for o in out.outputs if o.error is None]
             for o in failed:
-                self._fail_children({o.request_id}, EngineError(o.error, 400))
+                self._fail_children({o.request_id}, EngineError(
+                    o.error, o.error_status, None if o.error_status < 500 else "engine_error"))
         batches: dict = defaultdict(list)
         itl: list[float] = []
         done: list[RequestState] = []

@@ -10,8 +10,9 @@ from typing import Callable
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from tokenmill.core.batch import ModelRunnerOutput
 from tokenmill.core.request import EngineCoreRequest, RequestStatus
-from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.stats import EngineStats, StepStats
 from tokenmill.structured_output.manager import StructuredOutputManager
 
@@ -19,6 +20,13 @@ log = logging.getLogger(__name__)
 
 # A step with nothing to run but grammars compiling waits this long for one (the core loop's stall wait).
 COMPILE_WAIT_S = 0.005
+
+
+def _fatal(e: BaseException) -> bool:
+    """A worker is gone: no step can run again (retrying one request at a time would not help)."""
+    from tokenmill.executor.executor import WorkerDiedError
+
+    return isinstance(e, WorkerDiedError)
 
 
 class EngineCore:
@@ -102,7 +110,15 @@ class EngineCore:
         t1 = time.perf_counter()
         self.structured.fill_bitmask(batch, [r for r, _ in out.scheduled])
         st.grammar_s = time.perf_counter() - t1
-        result = self.executor.execute_model(batch)
+        try:
+            result = self.executor.execute_model(batch)
+        except Exception as e:  # one request's failure must not fail the others: find it, run the rest
+            if _fatal(e):
+                raise
+            log.warning("step of %d request(s) failed (%s: %s); running them one at a time", len(out.scheduled),
+                        type(e).__name__, e)
+            result, failed = self._run_one_by_one(out)
+            refused += failed
         exports = self.kv.take_export_ops()
         if exports:  # a KV producer: hand the blocks just computed to decode instances before replying
             connector.stats.seconds += self.executor.collective_rpc("export_kv", exports)
@@ -121,6 +137,46 @@ class EngineCore:
         self.stats.generation_tokens = self.scheduler.generation_tokens
         self.stats.add(st)
         return EngineCoreOutputs(outputs, st, self.scheduler_stats(), self.stats.idle_s)
+
+    def _run_one_by_one(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, list[EngineCoreOutput]]:
+        """After a failed step: the workers forget the step's requests (their copies may be half-updated) and
+        run each again alone, in batch order (a request admitted this step may share blocks an earlier one
+        computes). Requests that fail alone finish with an error, their uncomputed blocks unnamed; requests
+        sharing those blocks go back to the queue to recompute them. `out.scheduled` keeps the requests that
+        ran; their results come back merged, as one step's would."""
+        sched, bs = self.scheduler, self.kv.block_size
+        for req, _ in out.scheduled:
+            sched._unsend(req)
+        merged = ModelRunnerOutput()
+        ran, failed, tainted = [], [], set()
+        for req, n in out.scheduled:
+            if req.status != RequestStatus.RUNNING:
+                continue
+            if tainted & set(req.block_ids):  # reads KV a failed request was to write: recompute it later
+                sched.preempt(req)
+                continue
+            one = SchedulerOutput([(req, n)], spec={k: v for k, v in out.spec.items() if k == req.request_id})
+            batch = sched.build_batch(one)
+            try:
+                self.structured.fill_bitmask(batch, [req])
+                result = self.executor.execute_model(batch)
+            except Exception as e:
+                if _fatal(e):
+                    raise
+                log.exception("request %s failed in the engine step", req.request_id)
+                first = req.num_computed_tokens // bs
+                tainted.update(req.block_ids[first:])
+                self.kv.unname_from(req, first)
+                sched._unsend(req)
+                sched.finish_request(req, RequestStatus.FINISHED_ABORTED)
+                message = f"the request failed in the engine: {type(e).__name__}: {e}"
+                failed.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=message,
+                                               error=message, error_status=500, finished_time=req.finished_time))
+                continue
+            ran.append((req, n))
+            merged.merge(result)
+        out.scheduled = ran
+        return merged, failed
 
     def _fail_bad_grammars(self) -> list[EngineCoreOutput]:
         """Requests whose grammar did not compile end here, with the reason as their stop_reason (the

@@ -3,10 +3,12 @@ Runs on the caller's side (the API process under `serve`), so tokenizing never h
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenmill.core.request import EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
+
+SEED_RANGE = 2**63  # torch generators take non-negative 64-bit seeds
 
 
 @dataclass
@@ -56,11 +58,7 @@ class Processor:
             prompt_token_ids = self.tokenize(prompt)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate_prompt(prompt_token_ids)
-        vocab = self.facts.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs must be at most the vocabulary size {vocab}, got {params.logprobs}.")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
-            raise ValueError(f"prompt_logprobs must be at most the vocabulary size {vocab}, got {params.prompt_logprobs}.")
+        params = self.check_params(params)
         if params.structured_outputs is not None:
             from tokenmill.structured_output.grammar import validate
 
@@ -70,10 +68,33 @@ class Processor:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         reqs = [
             EngineCoreRequest(cid, prompt_token_ids, params, max_tokens, self.facts.eos_token_ids, priority, arrival,
-                              index=i, seed=None if params.seed is None else params.seed + i)
+                              index=i, seed=None if params.seed is None else (params.seed + i) % SEED_RANGE)
             for i, cid in enumerate(child_ids(request_id, params.n))
         ]
         return prompt, prompt_token_ids, params, reqs
+
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """Every value the core turns into a tensor, checked against the model here, at admission: a bad value
+        is this caller's ValueError, never a failure inside a batched step that other requests share."""
+        vocab, max_len = self.facts.vocab_size, self.facts.max_model_len
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs must be at most the vocabulary size {vocab}, got {params.logprobs}.")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise ValueError(f"prompt_logprobs must be at most the vocabulary size {vocab}, got {params.prompt_logprobs}.")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids contains token id {bad[0]}, outside the vocabulary [0, {vocab}).")
+        bad = [t for t in params.logit_bias or () if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab}).")
+        if params.min_tokens > max_len:
+            raise ValueError(f"min_tokens must be at most max_model_len {max_len}, got {params.min_tokens}.")
+        changes = {}
+        if params.top_k >= vocab:  # keeps every token: the same as no top-k
+            changes["top_k"] = 0
+        if params.seed is not None and not 0 <= params.seed < SEED_RANGE:
+            changes["seed"] = params.seed % SEED_RANGE  # negative seeds are valid for OpenAI
+        return replace(params, **changes) if changes else params
 
     def validate_prompt(self, ids: list[int]) -> None:
         max_len = self.facts.max_model_len
