@@ -239,11 +239,21 @@ def test_earliest_stop_string_wins(tok, include):
         assert detok.output_text == expected
 
 
-def test_stop_strings_starting_at_same_place_prefer_first_listed(tok):
+def test_the_stop_string_that_ends_first_wins_however_the_text_is_split(tok):
     ids = tok.encode(FOX, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=["fox jumps", "fox"], include_stop_str_in_output=True))
-    assert detok.update(ids) == "fox jumps"
-    assert detok.output_text == "The quick brown fox jumps"
+    for stops in (["fox jumps", "fox"], ["fox", "fox jumps"], ["own fox", "brown fox jumps", "n f"]):
+        shortest_end = min(stops, key=lambda s: FOX.index(s) + len(s))
+        for chunks in ([ids], [[i] for i in ids], chunked(ids, random.Random(1))):
+            detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=stops, include_stop_str_in_output=True))
+            assert [r for r in (detok.update(c) for c in chunks) if r] == [shortest_end]
+            assert detok.output_text == FOX[: FOX.index(shortest_end) + len(shortest_end)]
+
+
+def test_stop_strings_ending_together_prefer_the_longest(tok):
+    ids = tok.encode(FOX, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=["fox", "brown fox"]))
+    assert detok.update(ids) == "brown fox"
+    assert detok.output_text == "The quick "
 
 
 @pytest.mark.parametrize("include", [False, True])

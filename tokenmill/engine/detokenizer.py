@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.engine.stop_strings import StopMatcher
 
 # How many prompt ids to decode ahead of the first generated token. Context matters for tokenizers
 # whose decoder treats the first token specially (SentencePiece drops the leading space of the text).
@@ -127,8 +128,10 @@ def _drop_suffix(chunks: list[str], n: int) -> None:
 class IncrementalDetokenizer:
     """Turns a request's generated token ids into text, step by step, and detects stop strings.
 
-    Work per `update` is proportional to the new ids and the longest stop string, not to the
-    length of the output: the text is kept as a list of chunks and joined only when read.
+    Work per `update` is proportional to the new ids and their text, not to the length of the output nor
+    to the number of stop strings: the text is kept as a list of chunks and joined only when read, and stop
+    strings are found by one automaton (stop_strings.py). Of several stop strings the one that ends first
+    wins, however the text was split into steps.
     """
 
     tokenizer: Any = field(repr=False)
@@ -140,12 +143,10 @@ class IncrementalDetokenizer:
 
     def __post_init__(self) -> None:
         self._stream = _make_text_stream(self.tokenizer, self.prompt_token_ids, self.params.skip_special_tokens)
-        self._stops = list(self.params.stop_strings)
-        # A stop string can straddle old and new text by at most this many old characters.
-        self._overlap = max((len(s) for s in self._stops), default=1) - 1
+        stops = list(self.params.stop_strings)
+        self._stops = StopMatcher(stops) if stops else None
         self._chunks: list[str] = []  # all output text
         self._length = 0
-        self._tail = ""  # the last `_overlap` characters of the output
         self._unsent: list[str] = []  # output text not yet returned by get_delta
 
     @property
@@ -173,16 +174,15 @@ class IncrementalDetokenizer:
         if not delta:
             return None
 
-        match = self._find_stop(delta) if check_stop else None
+        found = self._stops.feed(delta) if self._stops is not None else None
+        offset = self._length
         self._chunks.append(delta)
         self._unsent.append(delta)
         self._length += len(delta)
-        if match is None:
-            if self._overlap:
-                self._tail = (self._tail + delta)[-self._overlap :]
+        if found is None or not check_stop:
             return None
 
-        start, stop = match
+        start, stop = offset + found[0], found[1]
         keep = start + len(stop) if self.params.include_stop_str_in_output else start
         # The cut never reaches text already streamed: get_delta holds back every partial stop string.
         _drop_suffix(self._chunks, self._length - keep)
@@ -191,36 +191,6 @@ class IncrementalDetokenizer:
         self.stop_string = stop
         return stop
 
-    def _find_stop(self, delta: str) -> tuple[int, str] | None:
-        """Earliest stop string ending inside `delta`, as (absolute start offset, stop string).
-
-        Only the last few old characters plus the new text are searched, since any match that lies
-        entirely in older text was found by an earlier update. Ties go to the stop listed first.
-        """
-        if not self._stops:
-            return None
-        window = self._tail + delta
-        window_offset = self._length - len(self._tail)
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            # A match must end in the new text, so it starts at most len(stop)-1 chars before it.
-            index = window.find(stop, max(0, len(self._tail) - len(stop) + 1))
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        if best is None:
-            return None
-        return window_offset + best[0], best[1]
-
-    def _partial_stop_length(self) -> int:
-        """Length of the longest suffix of the output that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(self._tail)), longest, -1):
-                if self._tail.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
-
     def get_delta(self, finished: bool = False) -> str:
         """Text produced since the last call, for streaming.
 
@@ -228,7 +198,7 @@ class IncrementalDetokenizer:
         could be the beginning of a stop string are held back and returned by a later call.
         """
         unsent = "".join(self._unsent)
-        hold = 0 if finished or self.finished else self._partial_stop_length()
+        hold = 0 if finished or self.finished or self._stops is None else self._stops.partial
         # `hold` cannot exceed the unsent text: a longer suffix would have been held back before.
         cut = max(0, len(unsent) - hold)
         self._unsent = [unsent[cut:]] if cut < len(unsent) else []
