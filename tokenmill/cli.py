@@ -268,7 +268,8 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: %(default)s).")
     g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: %(default)s).")
     g.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
-                   help="Require 'Authorization: Bearer KEY' on /v1/* (default: $TOKENMILL_API_KEY, else none).")
+                   help="Require 'Authorization: Bearer KEY' on every route but /health, /version and /metrics "
+                        "(default: $TOKENMILL_API_KEY, else none).")
     g.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="Model name(s) clients use; the first one is reported back "
                         "(default: the MODEL argument, or SmolLM2-135M-Instruct for the embedded model).")
@@ -282,6 +283,25 @@ def add_serve_parser(subparsers) -> None:
                    help="On SIGTERM, how long in-flight requests may run before they are aborted (default: %(default)s).")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="Most logprobs / top_logprobs a request may ask for (default: %(default)s).")
+    g.add_argument("--max-n", type=int, default=16, help="Most sequences (n) one request may ask for (default: %(default)s).")
+    g.add_argument("--max-stop-strings", type=int, default=16,
+                   help="Most stop strings one request may give (default: %(default)s; OpenAI allows 4).")
+    g.add_argument("--max-stop-string-length", type=int, default=256, metavar="CHARS",
+                   help="Longest stop string accepted, in characters (default: %(default)s).")
+    g.add_argument("--max-request-tokens", type=int, default=0, metavar="N",
+                   help="Per-request token budget: prompt tokens + n x max_tokens, over all prompts of a request "
+                        "(default: 8 x max_model_len).")
+    g.add_argument("--max-input-chars", type=int, default=0, metavar="N",
+                   help="Most characters of text one request may ask to tokenize (prompt, messages, /tokenize); longer "
+                        "text is refused before it is read (default: 32 x max_model_len).")
+    g.add_argument("--protect-metrics", action="store_true",
+                   help="Require the API key on /metrics too (default: open, like /health, as in vLLM).")
+    g.add_argument("--request-header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="Close connections whose request line and headers do not arrive within this time "
+                        "(default: %(default)s).")
+    g.add_argument("--request-body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="Answer 408 and close when a request body does not arrive within this time "
+                        "(default: %(default)s).")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='Let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser.')
     g.add_argument("--tool-call-parser", metavar="NAME",

@@ -17,12 +17,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill import __version__
 from tokenmill.serve.chat_completions import chat_prompt, create_chat_completion
 from tokenmill.serve.completions import create_completion
-from tokenmill.serve.errors import APIError, BodyTooLarge, bad_request
+from tokenmill.serve.errors import APIError, BodyTimeout, BodyTooLarge, bad_request
 from tokenmill.serve.metrics import CONTENT_TYPE
 from tokenmill.serve.middleware import GuardMiddleware, too_large
 from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                       ModelList, TokenizeRequest, TokenizeResponse, DetokenizeResponse)
-from tokenmill.serve.sampling import check_prompt_ids
+from tokenmill.serve.sampling import check_input_chars, check_prompt_ids
 from tokenmill.serve.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -78,8 +78,9 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.tokenmill = state
     _add_error_handlers(app)
     _add_routes(app, state)
-    app.add_middleware(GuardMiddleware, api_key=state.settings.api_key,
-                       max_body_bytes=state.settings.max_request_body_bytes)
+    settings = state.settings
+    app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes,
+                       protect_metrics=settings.protect_metrics, body_timeout_s=settings.request_body_timeout_s)
     return app
 
 
@@ -91,6 +92,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BodyTooLarge)
     async def _too_large(request: Request, e: BodyTooLarge):
         return too_large(app.state.tokenmill.settings.max_request_body_bytes).response()
+
+    @app.exception_handler(BodyTimeout)
+    async def _body_timeout(request: Request, e: BodyTimeout):
+        limit = app.state.tokenmill.settings.request_body_timeout_s
+        return APIError(408, f"The request body did not arrive within {limit:g} s.", None, "request_timeout",
+                        headers={"Connection": "close"}).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
@@ -192,6 +199,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if req.messages is not None:
             _, ids = await chat_prompt(state, req, req.add_generation_prompt)
         else:
+            check_input_chars(len(req.prompt), state.limits, "prompt")
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
             try:
                 ids = await state.tokenize(req.prompt, add_special)
@@ -208,7 +216,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         req = await parse_body(raw, DetokenizeRequest)
         state.check_model(req.model)
         if req.tokens:
-            check_prompt_ids(req.tokens, state.limits, "tokens")
+            limits = state.limits
+            if len(req.tokens) > limits.max_request_tokens:
+                raise bad_request(f"tokens holds {len(req.tokens)} ids; this server detokenizes at most "
+                                  f"{limits.max_request_tokens} (--max-request-tokens).", "tokens")
+            check_prompt_ids(req.tokens, limits, "tokens")
         return DetokenizeResponse(prompt=await state.detokenize(req.tokens))
 
     @app.get("/", include_in_schema=False)

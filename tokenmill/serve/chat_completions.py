@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages through the chat template, streamed or not."""
 from __future__ import annotations
 
+import json
 import time
 from typing import AsyncIterator
 
@@ -16,22 +17,42 @@ from tokenmill.serve.generation import (DONE, SSEResponse, Submission, error_eve
 from tokenmill.serve.logprobs import chat_logprobs
 from tokenmill.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                       ChatDelta, ChatResponseMessage, ChatStreamChoice)
-from tokenmill.serve.sampling import build_sampling_params
+from tokenmill.serve.sampling import build_sampling_params, check_input_chars, check_request_budget
 from tokenmill.serve.state import ServerState
 from tokenmill.serve.structured import check_constraint, request_constraint
+
+
+def message_chars(req) -> int:
+    """The text a chat request asks us to render and tokenize: message contents, tool calls and tools."""
+    total = 0
+    for m in req.messages or ():
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content:
+            total += sum(len(json.dumps(p.model_dump(exclude_none=True))) for p in m.content)
+        if m.tool_calls:
+            total += len(json.dumps(m.tool_calls))
+    tools = getattr(req, "tools", None)
+    kwargs = getattr(req, "chat_template_kwargs", None)
+    return total + (len(json.dumps(tools)) if tools else 0) + (len(json.dumps(kwargs, default=str)) if kwargs else 0)
 
 
 async def chat_prompt(state: ServerState, req, add_generation_prompt: bool = True,
                       continue_final_message: bool = False) -> tuple[str, list[int]]:
     """The rendered conversation and its token ids (400 when the template rejects the messages)."""
     tok = state.engine.tokenizer
+    check_input_chars(message_chars(req), state.limits, "messages")
     try:
         text = await state.run_blocking(
             render_chat, tok, req.messages, state.settings.chat_template, add_generation_prompt,
             continue_final_message, getattr(req, "tools", None), getattr(req, "chat_template_kwargs", None))
-        ids = await state.run_blocking(encode_chat, tok, text)
-    except ValueError as e:  # includes UnicodeError from lone surrogates
+    except ValueError as e:
         raise bad_request(" ".join(str(e).split()), "messages") from None
+    try:
+        ids = await state.run_blocking(encode_chat, tok, text)
+    except (ValueError, TypeError) as e:  # the tokenizer refuses lone surrogates with a TypeError
+        raise bad_request(f"messages could not be tokenized (text that is not valid Unicode?): {e}", "messages") \
+            from None
     if not ids:
         raise bad_request("messages rendered to an empty prompt.", "messages")
     return text, ids
@@ -58,6 +79,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if so is not None:
         await check_constraint(state, so, so_param)
     params = build_sampling_params(req, len(ids), state.limits, so)
+    check_request_budget([len(ids)], [params], state.limits)
     state.check_capacity()
     sub = Submission(state.engine, [ids], [text], [params], req.priority, arrival_time)
     sub.start()

@@ -12,7 +12,8 @@ from tokenmill.serve.generation import (DONE, SSEResponse, Submission, error_eve
                                         token_decoder)
 from tokenmill.serve.logprobs import completion_logprobs
 from tokenmill.serve.protocol import CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse
-from tokenmill.serve.sampling import build_sampling_params, check_prompt_ids
+from tokenmill.serve.sampling import (build_sampling_params, check_input_chars, check_prompt_ids,
+                                     check_request_budget)
 from tokenmill.serve.state import ServerState
 from tokenmill.serve.structured import check_constraint, request_constraint
 
@@ -25,6 +26,7 @@ async def _prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[st
         raise bad_request("prompt must not be empty.", "prompt")
     ids, texts = [], []
     limits = state.limits
+    check_input_chars(sum(len(p) for p in prompt if isinstance(p, str)), limits, "prompt")
     for p in prompt:
         if isinstance(p, str):
             if not p:
@@ -53,6 +55,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         await check_constraint(state, so, so_param)
     prompt_ids, texts = await _prompts(state, req.prompt)
     params = [build_sampling_params(req, len(ids), state.limits, so) for ids in prompt_ids]
+    check_request_budget([len(ids) for ids in prompt_ids], params, state.limits)
     if req.echo:  # echo needs the prompt as text, also when it came as token ids
         texts = [t if t is not None else await state.detokenize(ids) for t, ids in zip(texts, prompt_ids)]
     state.check_capacity()

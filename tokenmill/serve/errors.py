@@ -46,6 +46,10 @@ class BodyTooLarge(Exception):
     """Raised while reading a request body that grows past the limit."""
 
 
+class BodyTimeout(Exception):
+    """Raised while reading a request body that does not arrive in time (--request-body-timeout)."""
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
 

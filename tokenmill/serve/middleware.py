@@ -1,10 +1,15 @@
 """Plain ASGI middleware (no BaseHTTPMiddleware, so streaming and disconnects pass straight through):
-bearer-token auth on /v1/* and a request-body size limit."""
+bearer-token auth on every route that does work, a request-body size limit and a body-arrival timeout."""
 from __future__ import annotations
 
+import asyncio
 import hmac
+import time
 
-from tokenmill.serve.errors import APIError, BodyTooLarge
+from tokenmill.serve.errors import APIError, BodyTimeout, BodyTooLarge
+
+# Open without the API key, as in vLLM: probes, the version, and the API's own description.
+OPEN_PATHS = frozenset({"/health", "/version", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 MISSING_KEY = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
@@ -19,10 +24,13 @@ def _header(scope, name: bytes) -> bytes | None:
 
 
 class GuardMiddleware:
-    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, protect_metrics: bool = False,
+                 body_timeout_s: float = 30.0) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.open_paths = OPEN_PATHS if protect_metrics else OPEN_PATHS | {"/metrics"}
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -33,7 +41,7 @@ class GuardMiddleware:
         await self.app(scope, self._limited(receive), send)
 
     def _check(self, scope) -> APIError | None:
-        if self.expected is not None and scope["path"].startswith("/v1"):
+        if self.expected is not None and scope["path"] not in self.open_paths:
             given = _header(scope, b"authorization")
             if given is None:
                 return APIError(401, MISSING_KEY, None, None)
@@ -51,16 +59,29 @@ class GuardMiddleware:
         return None
 
     def _limited(self, receive):
+        """The body, counted (a chunked upload without Content-Length can be too large too) and timed: it must
+        arrive in full within body_timeout_s of the request's start. Later receives (waiting for a disconnect
+        while streaming) are not timed."""
         received = 0
         limit = self.max_body_bytes
+        deadline = time.monotonic() + self.body_timeout_s
+        done = False
 
         async def wrapped():
-            nonlocal received
-            message = await receive()
+            nonlocal received, done
+            if done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
+            except asyncio.TimeoutError:
+                raise BodyTimeout() from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > limit:  # a chunked upload without Content-Length
+                if received > limit:
                     raise BodyTooLarge()
+                done = not message.get("more_body", False)
+            else:
+                done = True
             return message
 
         return wrapped

@@ -7,7 +7,6 @@ from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.serve.errors import APIError, bad_request, context_length_error, from_value_error
 from tokenmill.serve.protocol import ChatCompletionRequest, CompletionRequest
 
-MAX_N = 128  # OpenAI's limit; keeps one request from flooding the scheduler
 MAX_LOGIT_BIAS = 100.0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 SEED_LIMIT = 2**63
@@ -15,9 +14,38 @@ SEED_LIMIT = 2**63
 
 @dataclass
 class Limits:
+    """What one request may ask for (serve flags; docs/server.md lists them). 0 for a budget: derived from
+    max_model_len."""
+
     max_model_len: int
     vocab_size: int
     max_logprobs: int = 20
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_stop_string_length: int = 256  # characters
+    max_request_tokens: int = 0  # prompt tokens + n x max_tokens, over all prompts; 0: 8 x max_model_len
+    max_input_chars: int = 0  # characters of prompt text to tokenize; 0: 32 x max_model_len
+
+    def __post_init__(self) -> None:
+        self.max_request_tokens = self.max_request_tokens or 8 * self.max_model_len
+        self.max_input_chars = self.max_input_chars or 32 * self.max_model_len
+
+
+def check_input_chars(num_chars: int, limits: Limits, param: str) -> None:
+    """Before tokenizing: text that could never fit the context is refused unread."""
+    if num_chars > limits.max_input_chars:
+        raise bad_request(f"{param} is {num_chars} characters; this server tokenizes at most "
+                          f"{limits.max_input_chars} characters per request (--max-input-chars).", param)
+
+
+def check_request_budget(prompt_lens: list[int], params: list[SamplingParams], limits: Limits) -> None:
+    """One request's total work: every prompt once plus n x max_tokens generated tokens for each."""
+    total = sum(n + p.n * (p.max_tokens or limits.max_model_len - n) for n, p in zip(prompt_lens, params))
+    if total > limits.max_request_tokens:
+        what = "prompt tokens + n x max_tokens" + (" over all prompts" if len(params) > 1 else "")
+        raise bad_request(f"this request asks for {total} tokens ({what}); this server allows at most "
+                          f"{limits.max_request_tokens} per request (--max-request-tokens). Lower n or max_tokens.",
+                          "max_tokens")
 
 
 def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -70,8 +98,15 @@ def build_sampling_params(req: CompletionRequest | ChatCompletionRequest, num_pr
 
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_param} must be at least 1, got {max_tokens}.", max_param)
-    if req.n > MAX_N:
-        raise bad_request(f"n must be at most {MAX_N}, got {req.n}.", "n")
+    if req.n < 1:
+        raise bad_request(f"n must be at least 1, got {req.n}.", "n")
+    if req.n > limits.max_n:
+        raise bad_request(f"n must be at most {limits.max_n} on this server (--max-n), got {req.n}.", "n")
+    _check_stops(req.stop, limits)
+    if max_tokens is None and req.n * (limits.max_model_len - num_prompt_tokens) + num_prompt_tokens \
+            > limits.max_request_tokens:
+        # No max_tokens given (chat: up to the context): each sequence gets its share of the request budget.
+        max_tokens = max(1, (limits.max_request_tokens - num_prompt_tokens) // req.n)
     if logprobs is not None and not 0 <= logprobs <= limits.max_logprobs:
         raise bad_request(f"{lp_param} must be in [0, {limits.max_logprobs}], got {logprobs}.", lp_param)
     if req.seed is not None and not -SEED_LIMIT <= req.seed < SEED_LIMIT:
@@ -110,10 +145,22 @@ def build_sampling_params(req: CompletionRequest | ChatCompletionRequest, num_pr
         raise from_value_error(e, fields) from None
 
 
+def _check_stops(stop: str | list[str] | None, limits: Limits) -> None:
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > limits.max_stop_strings:
+        raise bad_request(f"stop may hold at most {limits.max_stop_strings} strings on this server "
+                          f"(--max-stop-strings), got {len(stops)}.", "stop")
+    longest = max(map(len, stops), default=0)
+    if longest > limits.max_stop_string_length:
+        raise bad_request(f"each stop string may be at most {limits.max_stop_string_length} characters on this "
+                          f"server (--max-stop-string-length), got one of {longest}.", "stop")
+
+
 def check_prompt_ids(ids: list[int], limits: Limits, param: str) -> None:
     if not ids:
         raise bad_request(f"{param} must not be empty.", param)
     _check_ids(ids, limits.vocab_size, param)
 
 
-__all__ = ["APIError", "Limits", "build_sampling_params", "check_context", "check_prompt_ids"]
+__all__ = ["APIError", "Limits", "build_sampling_params", "check_context", "check_input_chars", "check_prompt_ids",
+           "check_request_budget"]

@@ -12,6 +12,7 @@ import signal
 from dataclasses import dataclass
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tokenmill.engine.async_engine import EngineError
 from tokenmill.serve.state import ServerState
@@ -66,9 +67,48 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, plus a deadline for each request's line and headers: a connection that
+    trickles them in (slowloris) is closed after header_timeout_s, however often bytes arrive. uvicorn's
+    keep-alive timer restarts on every byte, and nothing times a new connection's first request."""
+
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        self._header_cycle = self.cycle
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _header_timeout(self) -> None:
+        idle = self.cycle is None or self.cycle.response_complete
+        if self.cycle is self._header_cycle and idle and not self.transport.is_closing():  # no new request began
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not self._header_cycle:  # a request's headers are in: its body has its own timeout
+            self._header_timer.cancel()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # may start a pipelined request at once
+        if not self.transport.is_closing() and self.cycle.response_complete:
+            self._header_timer.cancel()
+            self._arm_header_timer()  # the next request on this connection
+
+    def connection_lost(self, exc) -> None:
+        self._header_timer.cancel()
+        super().connection_lost(exc)
+
+
 def run_server(state: ServerState, listen: ListenConfig, app) -> None:
+    protocol = type("ServerProtocol", (HeaderTimeoutProtocol,),
+                    {"header_timeout_s": state.settings.request_header_timeout_s})
     config = uvicorn.Config(
         app,
+        http=protocol,
         host=listen.host,
         port=listen.port,
         log_level=listen.log_level,
@@ -104,6 +144,15 @@ def serve_main(args, engine_kwargs: dict) -> int:
         raise ValueError(f"--max-waiting-requests must be non-negative, got {args.max_waiting_requests}.")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be non-negative, got {args.drain_timeout}.")
+    for flag in ("max_n", "max_stop_strings", "max_stop_string_length", "max_logprobs"):
+        if getattr(args, flag) < (0 if flag == "max_logprobs" else 1):
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}.")
+    for flag in ("max_request_tokens", "max_input_chars"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be non-negative (0: derived), got {getattr(args, flag)}.")
+    for flag in ("request_header_timeout", "request_body_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}.")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser.")
     if args.tool_call_parser:
@@ -123,6 +172,14 @@ def serve_main(args, engine_kwargs: dict) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         drain_timeout_s=args.drain_timeout,
         max_logprobs=args.max_logprobs,
+        max_n=args.max_n,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_length=args.max_stop_string_length,
+        max_request_tokens=args.max_request_tokens,
+        max_input_chars=args.max_input_chars,
+        protect_metrics=args.protect_metrics,
+        request_header_timeout_s=args.request_header_timeout,
+        request_body_timeout_s=args.request_body_timeout,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,

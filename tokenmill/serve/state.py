@@ -26,6 +26,15 @@ class ServerSettings:
     max_request_body_bytes: int = 4 * MiB
     drain_timeout_s: float = 30.0
     max_logprobs: int = 20
+    # Per-request limits (serve/sampling.py Limits; 0: derived from max_model_len).
+    max_n: int = 16
+    max_stop_strings: int = 16
+    max_stop_string_length: int = 256
+    max_request_tokens: int = 0
+    max_input_chars: int = 0
+    protect_metrics: bool = False  # /metrics needs the API key too
+    request_header_timeout_s: float = 10.0
+    request_body_timeout_s: float = 30.0
     retry_after_s: int = 1
     # Tool calling and reasoning output (vLLM's flags): parser names from serve/tool_parsers.py, reasoning.py.
     tool_call_parser: str | None = None
@@ -48,7 +57,9 @@ class ServerState:
 
     @property
     def limits(self) -> Limits:
-        return Limits(self.engine.max_model_len, self.engine.vocab_size, self.settings.max_logprobs)
+        s = self.settings
+        return Limits(self.engine.max_model_len, self.engine.vocab_size, s.max_logprobs, s.max_n, s.max_stop_strings,
+                      s.max_stop_string_length, s.max_request_tokens, s.max_input_chars)
 
     def check_model(self, requested: str | None) -> str:
         if requested is None or requested in self.settings.served_model_names:

@@ -216,7 +216,7 @@ class StructuredOutputManager:
             if not m.consume_token(new_tokens[i]):
                 # Only a token outside the mask gets here (a bug, or a row sampled before the mask applied).
                 g.error = m.get_error() or "a token outside the grammar was sampled."
-                log.warning("request %s left its grammar: %s", req.request_id, g.error)
+                log.warning("request %s left its grammar: %.500s", req.request_id, g.error)
                 return new_tokens[:i], True
         if m.is_stopped() and new_tokens[-1] not in self._eos_set:
             return new_tokens, True  # complete; an EOS token (if sampled) finishes the request by itself
