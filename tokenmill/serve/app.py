@@ -36,6 +36,15 @@ def _reject_constant(name: str):
 async def parse_body(raw: Request, model: type[T]) -> T:
     """JSON that does not parse is a 400; JSON of the wrong shape is a 422 naming the field."""
     body = await raw.body()
+    if len(body) > LARGE_BODY:  # parsed in the slow lane, so the event loop keeps streaming others' tokens
+        return await raw.app.state.tokenmill.run_blocking(_parse, body, model, size=len(body))
+    return _parse(body, model)
+
+
+LARGE_BODY = 1 << 16
+
+
+def _parse(body: bytes, model: type[T]) -> T:
     try:
         data = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
@@ -72,7 +81,7 @@ def build_app(state: ServerState) -> FastAPI:
         state.engine.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, state.engine.shutdown)
-        state.executor.shutdown(wait=False)
+        state.shutdown()
 
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
     app.state.tokenmill = state
@@ -207,7 +216,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                 raise bad_request(f"prompt could not be tokenized: {e}", "prompt") from None
         strs = None
         if req.return_token_strs:
-            strs = await state.run_blocking(state.engine.tokenizer.convert_ids_to_tokens, ids)
+            strs = await state.run_blocking(state.engine.tokenizer.convert_ids_to_tokens, ids, size=len(ids) * 4)
         return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids,
                                 token_strs=strs)
 

@@ -41,15 +41,16 @@ async def chat_prompt(state: ServerState, req, add_generation_prompt: bool = Tru
                       continue_final_message: bool = False) -> tuple[str, list[int]]:
     """The rendered conversation and its token ids (400 when the template rejects the messages)."""
     tok = state.engine.tokenizer
-    check_input_chars(message_chars(req), state.limits, "messages")
+    size = message_chars(req)
+    check_input_chars(size, state.limits, "messages")
     try:
         text = await state.run_blocking(
             render_chat, tok, req.messages, state.settings.chat_template, add_generation_prompt,
-            continue_final_message, getattr(req, "tools", None), getattr(req, "chat_template_kwargs", None))
+            continue_final_message, getattr(req, "tools", None), getattr(req, "chat_template_kwargs", None), size=size)
     except ValueError as e:
         raise bad_request(" ".join(str(e).split()), "messages") from None
     try:
-        ids = await state.run_blocking(encode_chat, tok, text)
+        ids = await state.run_blocking(encode_chat, tok, text, size=len(text))
     except (ValueError, TypeError) as e:  # the tokenizer refuses lone surrogates with a TypeError
         raise bad_request(f"messages could not be tokenized (text that is not valid Unicode?): {e}", "messages") \
             from None

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -42,14 +44,32 @@ class ServerSettings:
     reasoning_parser: str | None = None
 
 
+# Inputs longer than this (characters, or token ids to decode) are (de)tokenized in the slow lane.
+LARGE_INPUT = 16_384
+SLOW_LANE_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Runs in the slow lane's thread: Linux gives each thread its own nice value, so a large tokenization
+    yields the CPU to the engine core and to everyone else's small requests."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SLOW_LANE_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
 @dataclass
 class ServerState:
     engine: AsyncLLMEngine
     settings: ServerSettings
     metrics: ServerMetrics
-    # Tokenizing and chat templates run here, one at a time, so a long prompt never stalls the event loop.
+    # Tokenizing and chat templates run off the event loop in two lanes, one thread each: small inputs (every
+    # ordinary request) never queue behind a large one, and large ones run at a lower CPU priority.
     executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-tokenize"))
+    slow_executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-tokenize-large",
+                                                   initializer=_lower_priority))
 
     @property
     def model_name(self) -> str:
@@ -79,13 +99,20 @@ class ServerState:
             raise APIError(503, f"The server is overloaded: {self.engine.num_waiting} requests are already waiting "
                                 f"(limit {limit}). Please retry later.", None, "overloaded", headers=retry)
 
-    async def run_blocking(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+    async def run_blocking(self, fn: Callable[..., Any], *args, size: int = 0, **kwargs) -> Any:
+        """fn(*args, **kwargs) in a worker thread; `size` (characters or ids of input) picks the lane."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        pool = self.slow_executor if size > LARGE_INPUT else self.executor
+        return await loop.run_in_executor(pool, functools.partial(fn, *args, **kwargs))
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         tok = self.engine.tokenizer
-        return await self.run_blocking(lambda: tok(text, add_special_tokens=add_special_tokens).input_ids)
+        return await self.run_blocking(lambda: tok(text, add_special_tokens=add_special_tokens).input_ids,
+                                       size=len(text))
 
     async def detokenize(self, ids: list[int]) -> str:
-        return await self.run_blocking(self.engine.tokenizer.decode, ids)
+        return await self.run_blocking(self.engine.tokenizer.decode, ids, size=len(ids) * 4)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False)
+        self.slow_executor.shutdown(wait=False)
