@@ -74,6 +74,6 @@ async def check_constraint(state, so: StructuredOutputsParams, param: str) -> No
     from tokenmill.structured_output.grammar import validate
 
     try:
-        await state.run_blocking(validate, so)
+        await state.run_blocking(validate, so, size=len(so.spec()[1]))  # a large grammar checks in the slow lane
     except ValueError as e:
         raise bad_request(" ".join(str(e).split()), param) from None
