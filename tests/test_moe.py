@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from gguf_tiny import LAYER_NAMES, add_common_header, permute
 from test_parity import NEW_TOKENS, check_against_oracle, hf_greedy, prompts_for
 from tiny import make_tiny_model
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, SamplingParams, native
 from tokenmill.layers.moe import FusedMoE, Int4MoEMethod, Int8MoEMethod, expert_target, route
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -108,6 +108,29 @@ def test_fused_moe_matches_per_token_loop_and_merged_loading():
     assert torch.allclose(_layer(experts, merged=True)(x, w, ids), ref, atol=1e-5)
     one = _layer(experts)(x[:1], w[:1], ids[:1])  # decode: a single token
     assert torch.allclose(one, ref[:1], atol=1e-5)
+
+
+@pytest.mark.parametrize("grouped", ["1", "0"])
+def test_grouped_and_per_expert_gemm_paths_agree(monkeypatch, grouped):
+    """Few tokens per expert take the native grouped kernel; many (a prefill) the per-expert SGEMMs."""
+    monkeypatch.setenv("TOKENMILL_MOE_GROUPED", grouped)
+    experts = _experts()
+    for T in (9, 80):  # 80 x 2 over 6 experts: more than GROUPED_MAX_ROWS tokens per expert
+        x, w, ids = _inputs(T)
+        assert torch.allclose(_layer(experts)(x, w, ids), _reference(x, w, ids, experts), atol=1e-5)
+
+
+@pytest.mark.skipif(not native.has_op("grouped_linear"), reason="native kernels not built")
+@pytest.mark.parametrize("K, N, counts", [(512, 96, [8, 7, 9, 0, 8, 8, 10, 6]), (67, 37, [1, 2, 3, 0, 5]),
+                                          (64, 128, [0, 0, 1]), (16, 5, [0, 0])])
+def test_grouped_linear_equals_one_linear_per_expert(K, N, counts):
+    g = torch.Generator().manual_seed(K)
+    x, w = torch.randn(sum(counts), K, generator=g), torch.randn(len(counts), N, K, generator=g)
+    y = torch.ops.tokenmill.grouped_linear(x, w, torch.tensor(counts))
+    ref = torch.cat([F.linear(xs, w[e]) for e, xs in enumerate(torch.split(x, counts))])
+    assert y.shape == (sum(counts), N) and torch.allclose(y, ref, atol=1e-4)
+    with pytest.raises(RuntimeError, match="sum"):
+        torch.ops.tokenmill.grouped_linear(x, w, torch.tensor([c + 1 for c in counts]))
 
 
 def test_tensor_parallel_shards_sum_to_the_full_output():

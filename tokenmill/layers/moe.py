@@ -7,7 +7,9 @@ down columns), cut when loading; the partial outputs are all-reduced once (`redu
 
 Compute is grouped: the T*k (token, expert) pairs are sorted by expert, each *active* expert runs one
 gate_up GEMM and one down GEMM over its contiguous slice, the rows are scaled by their routing weights
-and scattered back with one index_add_. The Python loop runs over experts, never over tokens.
+and scattered back with one index_add_. The Python loop runs over experts, never over tokens; with few
+tokens per expert (decode batches) float experts run in two native calls over all experts instead
+(csrc/grouped_linear.cpp).
 
 Loading: `weight_loader(param, tensor, shard_id)` with shard_id (expert or None, "w1"|"w3"|"w2"):
 per-expert checkpoint tensors (experts.{e}.gate_proj/up_proj/down_proj, Mixtral's w1/w3/w2) or merged
@@ -17,12 +19,14 @@ loading with the same packing and native kernels as the linear layers.
 """
 from __future__ import annotations
 
+import os
 import re
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import native
 from tokenmill.layers import collectives
 from tokenmill.layers.activation import act_fn, gated
 from tokenmill.layers.linear import check_shape
@@ -44,6 +48,19 @@ def expert_target(name: str) -> tuple[str, tuple[int | None, str]] | None:
     prefix, e, proj = m.groups()
     kind = EXPERT_PROJ[proj]
     return f"{prefix}.{'w2' if kind == 'w2' else 'w13'}_weight", (None if e is None else int(e), kind)
+
+
+# Up to this many tokens per expert, float experts run through tokenmill.grouped_linear (weight-stationary
+# register tiles) instead of one SGEMM per expert, which spends as long packing W as multiplying at few rows.
+# TOKENMILL_MOE_GROUPED=0 turns it off.
+GROUPED_MAX_ROWS = 24  # measured crossover with per-expert SGEMM: 24-32 rows (2 threads, 1024x512 experts)
+
+
+def _grouped(layer: nn.Module, xs: torch.Tensor, counts: list[int] | None = None) -> bool:
+    return (type(layer.quant_method) is UnquantizedMoEMethod and xs.dtype == torch.float32
+            and layer.w13_weight.dtype == torch.float32
+            and (counts is None or max(counts, default=0) <= GROUPED_MAX_ROWS)
+            and os.environ.get("TOKENMILL_MOE_GROUPED") != "0" and native.has_op("grouped_linear"))
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +208,7 @@ class FusedMoE(nn.Module):
         """topk_ids are global expert ids; under expert parallelism only this rank's experts run (the
         partial outputs are summed by the caller's all-reduce)."""
         T, k = topk_ids.shape
-        if T == 1:  # batch-1 decode: the k experts in turn, no sort or scatter
+        if T == 1 and not _grouped(self, x):  # batch-1 decode: the k experts in turn, no sort or scatter
             out = None
             for e, w in zip(topk_ids[0].tolist(), topk_weights[0].to(x.dtype)):
                 e -= self.first
@@ -211,8 +228,15 @@ class FusedMoE(nn.Module):
         tokens = order // k
         xs = x.index_select(0, tokens)
         ws = topk_weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
+        method = self.quant_method
+        if _grouped(self, xs, counts):
+            # Few tokens per expert (decode batches): all experts in two native calls, weights read once.
+            c = torch.tensor(counts, dtype=torch.int64)
+            h = gated(torch.ops.tokenmill.grouped_linear(xs, self.w13_weight, c), self.act, self.act_name)
+            ys = torch.ops.tokenmill.grouped_linear(h, self.w2_weight, c).mul_(ws)
+            return self._reduce(torch.zeros_like(x).index_add_(0, tokens, ys))
         ys = torch.empty_like(xs)
-        method, start = self.quant_method, 0
+        start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
