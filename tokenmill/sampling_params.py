@@ -161,8 +161,6 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
             bad("stop_token_ids", "must be integers.")
         if self.logit_bias:
-            for tok, value in self.logit_bias.items():
-                if isinstance(tok, bool) or not isinstance(tok, int):
-                    bad("logit_bias", f"keys must be token ids (integers), got {tok!r}.")
+            for tok, value in self.logit_bias.items():  # keys: ints since __post_init__
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                     bad("logit_bias", f"values must be finite numbers, got {value!r} for token {tok}.")

@@ -136,7 +136,7 @@ class Scheduler:
             self.waiting.remove(req)
         if req.block_ids:
             self.kv.free(req)
-        self._unsend(req)
+        self.unsend(req)
         if req.grammar is not None:
             self.structured.free(req)
         if self.kv.connector is not None:
@@ -160,18 +160,15 @@ class Scheduler:
     def _victim_key(self, req: Request) -> tuple:
         return self.waiting.key(req)
 
-    def _unsend(self, req: Request) -> None:
+    def unsend(self, req: Request) -> None:
         if req.sent is not None:
             self._forget.append(req.request_id)
             req.sent = None
 
     def preempt(self, req: Request) -> None:
-        self._preempt(req)
-
-    def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
-        self._unsend(req)
+        self.unsend(req)
         req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -194,7 +191,7 @@ class Scheduler:
             self.kv.unname_from(req, first_bad)
             self.running.remove(req)
             self.kv.free(req)
-            self._unsend(req)
+            self.unsend(req)
             out.spec.pop(req.request_id, None)
             if req in out.recorded:
                 out.recorded.remove(req)
@@ -223,7 +220,7 @@ class Scheduler:
             while not self.kv.allocate_slots(req, n, num_lookahead_tokens=self.num_lookahead_tokens):
                 candidates = [r for r in self.running if id(r) not in scheduled]
                 victim = max(candidates, key=self._victim_key)
-                self._preempt(victim)
+                self.preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break

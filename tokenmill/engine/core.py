@@ -146,7 +146,7 @@ class EngineCore:
         ran; their results come back merged, as one step's would."""
         sched, bs = self.scheduler, self.kv.block_size
         for req, _ in out.scheduled:
-            sched._unsend(req)
+            sched.unsend(req)
         merged = ModelRunnerOutput()
         ran, failed, tainted = [], [], set()
         for req, n in out.scheduled:
@@ -167,7 +167,6 @@ class EngineCore:
                 first = req.num_computed_tokens // bs
                 tainted.update(req.block_ids[first:])
                 self.kv.unname_from(req, first)
-                sched._unsend(req)
                 sched.finish_request(req, RequestStatus.FINISHED_ABORTED)
                 message = f"the request failed in the engine: {type(e).__name__}: {e}"
                 failed.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=message,

@@ -33,15 +33,15 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+LARGE_BODY = 1 << 16  # bytes: larger bodies are parsed in the slow lane
+
+
 async def parse_body(raw: Request, model: type[T]) -> T:
     """JSON that does not parse is a 400; JSON of the wrong shape is a 422 naming the field."""
     body = await raw.body()
     if len(body) > LARGE_BODY:  # parsed in the slow lane, so the event loop keeps streaming others' tokens
         return await raw.app.state.tokenmill.run_blocking(_parse, body, model, size=len(body))
     return _parse(body, model)
-
-
-LARGE_BODY = 1 << 16
 
 
 def _parse(body: bytes, model: type[T]) -> T:

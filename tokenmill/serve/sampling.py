@@ -9,7 +9,6 @@ from tokenmill.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_LOGIT_BIAS = 100.0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
-SEED_LIMIT = 2**63
 
 
 @dataclass
@@ -38,9 +37,14 @@ def check_input_chars(num_chars: int, limits: Limits, param: str) -> None:
                           f"{limits.max_input_chars} characters per request (--max-input-chars).", param)
 
 
+def request_tokens(num_prompt: int, n: int, max_tokens: int | None, limits: Limits) -> int:
+    """One prompt's share of a request's work: the prompt once plus n x max_tokens (None: the room left)."""
+    return num_prompt + n * (max_tokens or limits.max_model_len - num_prompt)
+
+
 def check_request_budget(prompt_lens: list[int], params: list[SamplingParams], limits: Limits) -> None:
     """One request's total work: every prompt once plus n x max_tokens generated tokens for each."""
-    total = sum(n + p.n * (p.max_tokens or limits.max_model_len - n) for n, p in zip(prompt_lens, params))
+    total = sum(request_tokens(n, p.n, p.max_tokens, limits) for n, p in zip(prompt_lens, params))
     if total > limits.max_request_tokens:
         what = "prompt tokens + n x max_tokens" + (" over all prompts" if len(params) > 1 else "")
         raise bad_request(f"this request asks for {total} tokens ({what}); this server allows at most "
@@ -103,14 +107,11 @@ def build_sampling_params(req: CompletionRequest | ChatCompletionRequest, num_pr
     if req.n > limits.max_n:
         raise bad_request(f"n must be at most {limits.max_n} on this server (--max-n), got {req.n}.", "n")
     _check_stops(req.stop, limits)
-    if max_tokens is None and req.n * (limits.max_model_len - num_prompt_tokens) + num_prompt_tokens \
-            > limits.max_request_tokens:
+    if max_tokens is None and request_tokens(num_prompt_tokens, req.n, None, limits) > limits.max_request_tokens:
         # No max_tokens given (chat: up to the context): each sequence gets its share of the request budget.
         max_tokens = max(1, (limits.max_request_tokens - num_prompt_tokens) // req.n)
     if logprobs is not None and not 0 <= logprobs <= limits.max_logprobs:
         raise bad_request(f"{lp_param} must be in [0, {limits.max_logprobs}], got {logprobs}.", lp_param)
-    if req.seed is not None and not -SEED_LIMIT <= req.seed < SEED_LIMIT:
-        raise bad_request(f"seed must fit in a signed 64-bit integer, got {req.seed}.", "seed")
     if req.stop_token_ids:
         _check_ids(req.stop_token_ids, limits.vocab_size, "stop_token_ids")
     check_context(num_prompt_tokens, max_tokens, limits, chat)
@@ -126,8 +127,7 @@ def build_sampling_params(req: CompletionRequest | ChatCompletionRequest, num_pr
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            # Negative seeds are valid for OpenAI; torch wants non-negative ones.
-            seed=None if req.seed is None else req.seed % SEED_LIMIT,
+            seed=req.seed,  # int64; the processor takes it modulo 2**63 (negative seeds are valid for OpenAI)
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=req.stop,
