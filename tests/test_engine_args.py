@@ -21,6 +21,7 @@ ROUND_TRIP = {
     "seed": (["--seed", "7"], 7, "model.seed"),
     "quantization": (["--quantization", "int4"], "int4", "model.quantization"),
     "quantization_group_size": (["--quantization-group-size", "64"], 64, "model.quantization_group_size"),
+    "activation_quantization": (["--activation-quantization", "int8"], "int8", "model.activation_quantization"),
     "device": (["--device", "cuda"], "cuda", "device"),
     "attention_backend": (["--attention-backend", "torch_sdpa"], "torch_sdpa", "attention_backend"),
     "block_size": (["--block-size", "32"], 32, "cache.block_size"),

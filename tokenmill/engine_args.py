@@ -15,6 +15,7 @@ from dataclasses import Field, dataclass, field, fields
 from typing import Any, Callable, Sequence, get_type_hints
 
 from tokenmill.config import (
+    ACTIVATION_QUANTIZATIONS,
     DTYPES,
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
@@ -71,6 +72,12 @@ class EngineArgs:
     quantization_group_size: int = _arg(ModelConfig.quantization_group_size,
                                         "int4: input columns per scale and zero point: 32, 64 or 128 "
                                         "(default: %(default)s).")
+    activation_quantization: str = _arg(
+        ModelConfig.activation_quantization, "int8: at batch 1 the kernels of packed weights (GGUF Q4_0/Q4_1/Q8_0, "
+        "int4, int8) quantize each row of activations to int8 per 32 columns and take integer dot products, as "
+        "llama.cpp does: faster where the kernels are compute-bound, results differ from float activations by "
+        "that rounding (~0.5 %% of each block's largest value). none keeps float32 activations (default: "
+        "%(default)s).", choices=ACTIVATION_QUANTIZATIONS)
     device: str = _arg(EngineConfig.device, "Torch device, e.g. cpu or cuda (default: %(default)s).")
     attention_backend: str | None = _arg(
         EngineConfig.attention_backend, "Attention backend by registry name, e.g. torch_sdpa (default: the "
@@ -193,7 +200,8 @@ class EngineArgs:
         config = EngineConfig(
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                               max_model_len=self.max_model_len, seed=self.seed, quantization=self.quantization,
-                              quantization_group_size=self.quantization_group_size),
+                              quantization_group_size=self.quantization_group_size,
+                              activation_quantization=self.activation_quantization),
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_dtype=self.kv_cache_dtype,

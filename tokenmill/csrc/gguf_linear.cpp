@@ -10,6 +10,7 @@
 //   verified), each weight row is instead dequantized once into an L1 buffer and multiplied with every row.
 // - More rows: panels of weight rows dequantized into a per-thread L2-sized buffer, each multiplied by SGEMM.
 #include "vec.h"
+#include "int8_dot.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -524,6 +525,64 @@ void decode_dequant_rows(int64_t qt, const Format& f, const uint8_t* wp, int64_t
   });
 }
 
+// ---- int8 activations (--activation-quantization int8, int8_dot.h) ------------------------------------------
+// Batch 1 only: from 2 rows of x the float paths above already share each widened weight among the rows.
+// The min / offset term of Q4_0 / Q4_1 still multiplies the exact float sums of x.
+
+#ifdef TOKENMILL_INT8_DOT
+// One weight row of Q4_0, Q4_1 or Q8_0 blocks against quantized x (xq, its scales xd and exact float sums xs
+// per 32 columns). Even and odd blocks accumulate separately.
+float row_dot_x8(int64_t qt, const Format& f, const uint8_t* row, int64_t nb, const int8_t* xq, const float* xd,
+                 const float* xs) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  float off[2] = {0.f, 0.f};
+  const bool has_min = qt == Q4_1;
+  const auto step = [&](int64_t b, int p) {
+    const uint8_t* blk = row + b * f.bytes;
+    const float dw = f16(blk);
+    const __m256i x = x8::load32(xq + b * 32);
+    const __m256 dot = qt == Q8_0 ? x8::dot_s8s8(x8::load32(blk + 2), x) : x8::dot_u8s8(x8::nibbles(blk + (has_min ? 4 : 2)), x);
+    acc[p] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * xd[b]), acc[p]);
+    if (qt != Q8_0) off[p] += (has_min ? f16(blk + 2) : -8.f * dw) * xs[b];
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    step(b, 0);
+    step(b + 1, 1);
+  }
+  if (b < nb) step(b, 0);
+  return x8::hsum(_mm256_add_ps(acc[0], acc[1])) + (off[0] + off[1]);
+}
+#endif
+
+bool has_x8_kernel(int64_t qt) {
+#ifdef TOKENMILL_INT8_DOT
+  return qt == Q4_0 || qt == Q4_1 || qt == Q8_0;
+#else
+  (void)qt;
+  return false;
+#endif
+}
+
+// y[1, N] = x W^T with x quantized to int8, parallel over weight rows as decode().
+void decode_x8(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K, const float* xp, float* yp) {
+#ifdef TOKENMILL_INT8_DOT
+  const int64_t G = K / 32;
+  std::vector<int8_t> xq(K);
+  std::vector<float> xd(G);
+  x8::quantize(xp, 1, K, xq.data(), xd.data());
+  const std::vector<float> xs = group_sums(xp, 1, K);
+  const int64_t row_bytes = (K / f.block) * f.bytes;
+  const int64_t grain = std::max<int64_t>(16, PARALLEL_MIN_BYTES / row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) yp[n] = row_dot_x8(qt, f, wp + n * row_bytes, G, xq.data(), xd.data(), xs.data());
+  });
+#else
+  (void)qt, (void)f, (void)wp, (void)N, (void)K, (void)xp, (void)yp;
+  TORCH_CHECK(false, "gguf: int8 activations need AVX2");
+#endif
+}
+
 // TOKENMILL_GGUF_DEQUANT_ROWS=0: 2-7 rows of x take the fused path below (its widening repeated per 4 rows).
 bool use_dequant_rows() {
   static const bool on = [] {
@@ -594,8 +653,11 @@ void dequant_rows(int64_t qt, const Format& f, const uint8_t* wp, int64_t n0, in
 }  // namespace
 
 // x [M, K] float (other float dtypes are converted), blocks uint8 [N, row_bytes] of ggml type `qtype`.
+// int8_activations: at one row of x, Q4_0 / Q4_1 / Q8_0 quantize it to int8 (decode_x8; other types, more
+// rows and builds without AVX2 ignore it).
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
-                       const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias, bool int8_activations) {
+  (void)int8_activations;  // used by the AVX2 build only
   const Format f = format_of(qtype);
   check_blocks(w, qtype, K, f);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "gguf_linear: x must be [M, ", K, "], got ", x_in.sizes());
@@ -606,7 +668,9 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtyp
     const uint8_t* wp = w.data_ptr<uint8_t>();
     if (M < GEMM_MIN_ROWS) {
 #ifdef TOKENMILL_GGUF_AVX2
-      if (M >= 2 && use_dequant_rows()) {
+      if (int8_activations && M == 1 && has_x8_kernel(qtype)) {
+        decode_x8(qtype, f, wp, N, K, x.data_ptr<float>(), y.data_ptr<float>());
+      } else if (M >= 2 && use_dequant_rows()) {
         decode_dequant_rows(qtype, f, wp, N, K, x.data_ptr<float>(), M, y.data_ptr<float>());
       } else
 #endif
@@ -651,7 +715,7 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("gguf_linear(Tensor x, Tensor blocks, int qtype, int K, Tensor? bias) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor blocks, int qtype, int K, Tensor? bias, bool int8_activations=False) -> Tensor");
   m.impl("gguf_linear", c10::DispatchKey::CPU, &tokenmill::gguf_linear);
   m.def("gguf_dequantize(Tensor blocks, int qtype, int K) -> Tensor");
   m.impl("gguf_dequantize", c10::DispatchKey::CPU, &tokenmill::gguf_dequantize);

@@ -6,6 +6,7 @@
 //   by a register-blocked broadcast micro-kernel;
 // - 8 rows and more: panels of weight rows dequantized into L2 and multiplied by ATen's SGEMM.
 #include "vec.h"
+#include "int8_dot.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -255,11 +256,64 @@ void int4_gemv_avx2(const float* xe, const float* xo, const float* xsum, int64_t
 }
 #endif
 
+#ifdef TOKENMILL_INT8_DOT
+// ---- int8 activations (--activation-quantization int8, int8_dot.h): one row of x, K a multiple of 32 ------
+// int8 rows: per 32 weights one signed maddubs against x's int8 block, scaled by x's block scale; the row's
+// scale multiplies the sum.
+void int8_gemv_x8(const int8_t* xq, const float* xd, int64_t K, const int8_t* w, const float* scale, float* y,
+                  int64_t n0, int64_t nb) {
+  const int64_t G = K / 32;
+  for (int64_t r = 0; r < nb; ++r) {
+    const int8_t* wr = w + (n0 + r) * K;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+      a0 = _mm256_fmadd_ps(x8::dot_s8s8(x8::load32(wr + 32 * g), x8::load32(xq + 32 * g)), _mm256_set1_ps(xd[g]), a0);
+      a1 = _mm256_fmadd_ps(x8::dot_s8s8(x8::load32(wr + 32 * g + 32), x8::load32(xq + 32 * g + 32)),
+                           _mm256_set1_ps(xd[g + 1]), a1);
+    }
+    if (g < G) a0 = _mm256_fmadd_ps(x8::dot_s8s8(x8::load32(wr + 32 * g), x8::load32(xq + 32 * g)), _mm256_set1_ps(xd[g]), a0);
+    y[n0 + r] = x8::hsum(_mm256_add_ps(a0, a1)) * scale[n0 + r];
+  }
+}
+
+// int4 groups (a multiple of 32 columns): byte i of a 32-column block holds columns 2i (low nibble) and 2i + 1
+// (high), so x is quantized with each block's even columns first, then its odd ones (xq), matching the
+// nibbles' order. Per block s * d_x * dot; the zero point's share s * z * sum(x) per group, as int4_gemv_avx2.
+void int4_gemv_x8(const int8_t* xq, const float* xd, const float* xsum, int64_t K, int64_t group, const uint8_t* w,
+                  const float* scale, const float* zero, float* y, int64_t n0, int64_t nb) {
+  const int64_t G = K / group, B = K / 32;
+  const int shift = group == 32 ? 0 : group == 64 ? 1 : group == 128 ? 2 : -1;  // blocks per group, as a shift
+  for (int64_t r = 0; r < nb; ++r) {
+    const uint8_t* wr = w + (n0 + r) * (K / 2);
+    const float* sr = scale + (n0 + r) * G;
+    const float* zr = zero + (n0 + r) * G;
+    const auto sc = [&](int64_t b) { return sr[shift >= 0 ? b >> shift : b * 32 / group]; };
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= B; b += 2) {
+      a0 = _mm256_fmadd_ps(x8::dot_u8s8(x8::nibbles(wr + 16 * b), x8::load32(xq + 32 * b)),
+                           _mm256_set1_ps(sc(b) * xd[b]), a0);
+      a1 = _mm256_fmadd_ps(x8::dot_u8s8(x8::nibbles(wr + 16 * b + 16), x8::load32(xq + 32 * b + 32)),
+                           _mm256_set1_ps(sc(b + 1) * xd[b + 1]), a1);
+    }
+    if (b < B)
+      a0 = _mm256_fmadd_ps(x8::dot_u8s8(x8::nibbles(wr + 16 * b), x8::load32(xq + 32 * b)),
+                           _mm256_set1_ps(sc(b) * xd[b]), a0);
+    float off = 0.f;
+    for (int64_t g = 0; g < G; ++g) off += sr[g] * zr[g] * xsum[g];
+    y[n0 + r] = x8::hsum(_mm256_add_ps(a0, a1)) - off;
+  }
+}
+#endif
+
 }  // namespace
 
 // x [M, K] float, w [N, K] int8, scale [N] float (per output row, symmetric).
+// int8_activations: one row of x (K a multiple of 32) is quantized to int8 and multiplied with integer dot
+// products (int8_gemv_x8); otherwise ignored.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias, bool int8_activations) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K]");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(scale.numel() == N && scale.scalar_type() == at::kFloat, "scale must be float [", N, "]");
@@ -275,6 +329,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(src[k]) * sc;
     }
   };
+#ifdef TOKENMILL_INT8_DOT
+  if (int8_activations && x.dim() == 2 && x.size(0) == 1 && K % 32 == 0) {
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    TORCH_CHECK(xf.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
+    std::vector<int8_t> xq(K);
+    std::vector<float> xd(K / 32);
+    x8::quantize(xf.data_ptr<float>(), 1, K, xq.data(), xd.data());
+    at::Tensor y = at::empty({1, N}, xf.options());
+    float* yp = y.data_ptr<float>();
+    over_rows(N, [&](int64_t n0, int64_t nb) { int8_gemv_x8(xq.data(), xd.data(), K, wp, sp, yp, n0, nb); });
+    if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+    return y;
+  }
+#else
+  (void)int8_activations;
+#endif
   return packed_linear(x, N, K, bias, dequant, [&](const float* xm, float* ym) {
     over_rows(N, [&](int64_t n0, int64_t nb) {
 #ifdef TOKENMILL_AVX2_INTRINSICS
@@ -287,8 +357,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 // x [M, K] float; w [N, K / 2] uint8, two 4-bit values per byte (low nibble first, k even); per group of
 // `group` columns a float scale and zero point ([N, K / group] each): value = (q - zero) * scale.
+// int8_activations: one row of x with groups of a multiple of 32 columns takes int4_gemv_x8; otherwise ignored.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& zero,
-                       int64_t group, const c10::optional<at::Tensor>& bias) {
+                       int64_t group, const c10::optional<at::Tensor>& bias, bool int8_activations) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be contiguous uint8 [N, K/2]");
   const int64_t N = w.size(0), K = w.size(1) * 2;
   TORCH_CHECK(group > 0 && group % 2 == 0 && K % group == 0, "group ", group, " must be even and divide K=", K);
@@ -319,6 +390,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     }
   };
   std::vector<float> xe(K / 2), xo(K / 2), xsum(G);
+#ifdef TOKENMILL_INT8_DOT
+  const bool x8 = int8_activations && x.dim() == 2 && x.size(0) == 1 && group % 32 == 0;
+#else
+  (void)int8_activations;
+  const bool x8 = false;
+#endif
+  std::vector<float> xperm(x8 ? K : 0), xd(x8 ? K / 32 : 0);
+  std::vector<int8_t> xq(x8 ? K : 0);
   return packed_linear(x, N, K, bias, dequant, [&](const float* xm, float* ym) {
     for (int64_t i = 0; i < K / 2; ++i) {
       xe[i] = xm[2 * i];
@@ -329,6 +408,20 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       for (int64_t k = g * group; k < (g + 1) * group; ++k) t += xm[k];
       xsum[g] = t;
     }
+#ifdef TOKENMILL_INT8_DOT
+    if (x8) {
+      for (int64_t b = 0; b < K / 32; ++b)
+        for (int64_t i = 0; i < 16; ++i) {
+          xperm[32 * b + i] = xe[16 * b + i];
+          xperm[32 * b + 16 + i] = xo[16 * b + i];
+        }
+      x8::quantize(xperm.data(), 1, K, xq.data(), xd.data());
+      over_rows(N, [&](int64_t n0, int64_t nb) {
+        int4_gemv_x8(xq.data(), xd.data(), xsum.data(), K, group, wp, sp, zp, ym, n0, nb);
+      });
+      return;
+    }
+#endif
     over_rows(N, [&](int64_t n0, int64_t nb) {
 #ifdef TOKENMILL_AVX2_INTRINSICS
       if (group % 32 == 0)
@@ -342,8 +435,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scale, Tensor? bias, bool int8_activations=False) -> Tensor");
   m.impl("int8_linear", c10::DispatchKey::CPU, &tokenmill::int8_linear);
-  m.def("int4_linear(Tensor x, Tensor w, Tensor scale, Tensor zero, int group, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor w, Tensor scale, Tensor zero, int group, Tensor? bias, "
+        "bool int8_activations=False) -> Tensor");
   m.impl("int4_linear", c10::DispatchKey::CPU, &tokenmill::int4_linear);
 }

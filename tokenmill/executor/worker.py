@@ -110,7 +110,8 @@ class Worker:
         self.init_device()
         mc, cache = self.config.model, self.config.cache
         quant = get_quantization_config(getattr(mc, "quantization", None), getattr(mc, "quantization_group_size", 32),
-                                        model=mc.model, device=str(self.device))
+                                        model=mc.model, device=str(self.device),
+                                        activations=getattr(mc, "activation_quantization", "none"))
         tp = self.config.parallel.tensor_parallel_size
         model, self.hf_config, self.max_model_len = load_model(mc.model, mc.dtype, mc.max_model_len, str(self.device),
                                                                quant_config=quant, tp_rank=self.rank % tp, tp_size=tp,

@@ -73,7 +73,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
         return self
 
-    def quantize_int8(self, tied: VocabParallelEmbedding | None = None) -> None:
+    def quantize_int8(self, tied: VocabParallelEmbedding | None = None, int8_activations: bool = False) -> None:
         """Keep the head as int8 rows with a scale each (`--quantization`): at batch 1 the head is the largest
         matrix read per token (SmolLM2: 113 of 513 MB in float32). A tied embedding looks its rows up in the
         same int8 table, so the float table is freed."""
@@ -88,16 +88,19 @@ class ParallelLMHead(VocabParallelEmbedding):
             module.register_parameter("scale", nn.Parameter(scale, requires_grad=False))
         if tied is not None:
             tied.qweight, tied.scale = self.qweight, self.scale  # one table, not two copies
+        self.int8_activations = int8_activations  # --activation-quantization int8, for the logits
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if getattr(self, "gguf_qtype", None) is not None:
             from tokenmill.layers.quantization.gguf import gguf_matmul
 
-            return gguf_matmul(hidden, self.weight, self.gguf_qtype, self.embedding_dim).float()
+            return gguf_matmul(hidden, self.weight, self.gguf_qtype, self.embedding_dim,
+                               int8_activations=getattr(self, "gguf_int8_activations", False)).float()
         if getattr(self, "qweight", None) is not None:
             from tokenmill.layers.quantization.weight_only import int8_matmul
 
-            return int8_matmul(hidden, self.qweight, self.scale).float()
+            return int8_matmul(hidden, self.qweight, self.scale,
+                               int8_activations=getattr(self, "int8_activations", False)).float()
         w = self.weight
         # Same numerics as a dense head: the GEMM in the hidden states' dtype, then float32.
         logits = F.linear(hidden, w if w.dtype == hidden.dtype else w.to(hidden.dtype))

@@ -119,7 +119,8 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
         load_weights(model, iter_safetensors(path, None if prequantized else storage))
     if quant_config is not None and getattr(quant_config, "quantize_lm_head", False) and model.lm_head is not None:
         lm_head = model.lm_head
-        lm_head.quantize_int8(model.embed_tokens if getattr(model, "tie_word_embeddings", False) else None)
+        lm_head.quantize_int8(model.embed_tokens if getattr(model, "tie_word_embeddings", False) else None,
+                              int8_activations=getattr(quant_config, "int8_activations", False))
     model.eval()
     return model, cfg, max_model_len
 

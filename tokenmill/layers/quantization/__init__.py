@@ -7,11 +7,16 @@ QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 
 
 def get_quantization_config(name: str | None, group_size: int = 32, symmetric: bool = False, *,
-                            model: str | None = None, device: str = "cpu") -> QuantizationConfig | None:
+                            model: str | None = None, device: str = "cpu",
+                            activations: str = "none") -> QuantizationConfig | None:
     """The config for `--quantization NAME` (None: unquantized); ValueError naming the known methods.
     A .gguf `model` with no method named gets "gguf" (its blocks kept) where the block kernels run (the CPU
     with tokenmill's native kernels built); elsewhere, and with "none", it is dequantized at load: the
-    kernel-less path of "gguf" dequantizes the weights at every call, the reference, not a default."""
+    kernel-less path of "gguf" dequantizes the weights at every call, the reference, not a default.
+    `activations` "int8" asks the packed-weight kernels for int8 activations at batch 1 (GGUF, int8, int4);
+    other methods ignore it."""
+    if activations not in ("none", "int8"):
+        raise ValueError(f"unknown activation quantization {activations!r}; known: none, int8.")
     if name is None and model is not None and str(model).endswith(".gguf") and _gguf_kernels(device):
         name = "gguf"
     if name is None or name in ("", "none"):
@@ -24,10 +29,10 @@ def get_quantization_config(name: str | None, group_size: int = 32, symmetric: b
     if name == "gguf":
         from tokenmill.layers.quantization.gguf import GGUFConfig
 
-        return GGUFConfig()
+        return GGUFConfig(int8_activations=activations == "int8")
     from tokenmill.layers.quantization.weight_only import WeightOnlyConfig
 
-    return WeightOnlyConfig(name, group_size, symmetric)
+    return WeightOnlyConfig(name, group_size, symmetric, int8_activations=activations == "int8")
 
 
 def _gguf_kernels(device: str) -> bool:

@@ -87,11 +87,12 @@ def dequantize(blocks: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
 
 
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, K: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias) for W as block rows; returns x's dtype."""
+                bias: torch.Tensor | None = None, int8_activations: bool = False) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) for W as block rows; returns x's dtype. int8_activations: a single row of x
+    is quantized to int8 per 32 columns for Q4_0 / Q4_1 / Q8_0 (llama.cpp's numerics; the kernel's only)."""
     x2 = x.reshape(-1, K)
     if _native_ok(x2):
-        y = torch.ops.tokenmill.gguf_linear(x2, blocks, qtype, K, bias)
+        y = torch.ops.tokenmill.gguf_linear(x2, blocks, qtype, K, bias, int8_activations)
     else:
         y = F.linear(x2.float(), reference_dequantize(blocks, qtype, K), None if bias is None else bias.float())
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
@@ -120,10 +121,11 @@ def _block_loader(layer: nn.Module, qtype: int, inner: Callable | None) -> Calla
 class GGUFLinearMethod(QuantizeMethodBase):
     """One ggml block type for the whole (possibly merged, possibly sharded) layer."""
 
-    def __init__(self, qtype: int) -> None:
+    def __init__(self, qtype: int, int8_activations: bool = False) -> None:
         if qtype not in KERNEL_TYPES:
             raise ValueError(f"no GGUF block kernel for {type_name(qtype)}; kernels: {', '.join(KERNEL_TYPES.values())}")
         self.qtype = qtype
+        self.int8_activations = int8_activations
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
@@ -141,10 +143,11 @@ class GGUFLinearMethod(QuantizeMethodBase):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return gguf_matmul(x, layer.weight, self.qtype, layer.input_size_per_partition, bias)
+        return gguf_matmul(x, layer.weight, self.qtype, layer.input_size_per_partition, bias, self.int8_activations)
 
 
-def keep_embedding_blocks(module: nn.Module, qtype: int, shared: nn.Parameter | None = None) -> nn.Parameter:
+def keep_embedding_blocks(module: nn.Module, qtype: int, shared: nn.Parameter | None = None,
+                          int8_activations: bool = False) -> nn.Parameter:
     """Swap a VocabParallelEmbedding / ParallelLMHead's float table for block rows [vocab, row_bytes]
     (or for `shared`, a tied embedding's); the module then looks up / multiplies through the blocks."""
     from tokenmill.layers.linear import assign, check_shape
@@ -163,6 +166,7 @@ def keep_embedding_blocks(module: nn.Module, qtype: int, shared: nn.Parameter | 
     del module.weight
     module.register_parameter("weight", shared)
     module.gguf_qtype = qtype
+    module.gguf_int8_activations = int8_activations  # for an LM head's logits
     return shared
 
 
@@ -178,7 +182,8 @@ class GGUFConfig(QuantizationConfig):
     name = "gguf"
     quantize_lm_head = False  # the head keeps the file's own format
 
-    def __init__(self) -> None:
+    def __init__(self, int8_activations: bool = False) -> None:
+        self.int8_activations = int8_activations  # --activation-quantization int8
         self.types: dict[str, int] = {}  # parameter name (layers.0.self_attn.q_proj.weight) -> ggml type
         self.kept: set[str] = set()  # parameter names loaded as blocks
         self.packed: dict[str, list[str]] = {}
@@ -216,7 +221,7 @@ class GGUFConfig(QuantizationConfig):
         if qtype not in KERNEL_TYPES:
             return None
         self.kept.update(names)
-        return GGUFLinearMethod(qtype)
+        return GGUFLinearMethod(qtype, self.int8_activations)
 
     def prepare_model(self, model: nn.Module) -> None:
         """Token embedding and LM head as blocks (unsharded tables only: vocabulary-parallel ones stay float)."""
@@ -225,13 +230,13 @@ class GGUFConfig(QuantizationConfig):
         shared = None
         qtype = self.types.get("embed_tokens.weight")
         if embed is not None and embed.tp_size == 1 and qtype in KERNEL_TYPES:
-            shared = keep_embedding_blocks(embed, qtype)
+            shared = keep_embedding_blocks(embed, qtype)  # a lookup: no activations
             self.kept.add("embed_tokens.weight")
             if tied and head is not None:
-                keep_embedding_blocks(head, qtype, shared)
+                keep_embedding_blocks(head, qtype, shared, self.int8_activations)
         qtype = self.types.get("lm_head.weight")
         if head is not None and not tied and head.tp_size == 1 and qtype in KERNEL_TYPES:
-            keep_embedding_blocks(head, qtype)
+            keep_embedding_blocks(head, qtype, int8_activations=self.int8_activations)
             self.kept.add("lm_head.weight")
 
     def keeps_blocks(self, checkpoint_name: str) -> bool:

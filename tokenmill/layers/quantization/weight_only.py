@@ -100,8 +100,9 @@ def packed_matmul(x: torch.Tensor, native, dequantize, bias: torch.Tensor | None
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return packed_matmul(x, lambda x2, b: torch.ops.tokenmill.int8_linear(x2, q, scale, b),
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                int8_activations: bool = False) -> torch.Tensor:
+    return packed_matmul(x, lambda x2, b: torch.ops.tokenmill.int8_linear(x2, q, scale, b, int8_activations),
                          lambda: dequantize_int8(q, scale), bias)
 
 
@@ -120,14 +121,18 @@ class Int8LinearMethod(_WeightOnlyMethod):
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return dequantize_int8(layer.qweight, layer.scale)
 
+    def __init__(self, int8_activations: bool = False) -> None:
+        self.int8_activations = int8_activations
+
     def _native(self, layer, x, bias):
-        return torch.ops.tokenmill.int8_linear(x, layer.qweight, layer.scale, bias)
+        return torch.ops.tokenmill.int8_linear(x, layer.qweight, layer.scale, bias, self.int8_activations)
 
 
 class Int4LinearMethod(_WeightOnlyMethod):
-    def __init__(self, group_size: int, symmetric: bool) -> None:
+    def __init__(self, group_size: int, symmetric: bool, int8_activations: bool = False) -> None:
         self.group_size = group_size
         self.symmetric = symmetric
+        self.int8_activations = int8_activations
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
@@ -145,13 +150,15 @@ class Int4LinearMethod(_WeightOnlyMethod):
         return dequantize_int4(layer.qweight, layer.scale, layer.zero, self.group_size)
 
     def _native(self, layer, x, bias):
-        return torch.ops.tokenmill.int4_linear(x, layer.qweight, layer.scale, layer.zero, self.group_size, bias)
+        return torch.ops.tokenmill.int4_linear(x, layer.qweight, layer.scale, layer.zero, self.group_size, bias,
+                                               self.int8_activations)
 
 
 class WeightOnlyConfig(QuantizationConfig):
     """Every linear layer of the decoder (not the embedding or LM head) quantized at load."""
 
-    def __init__(self, name: str, group_size: int = 32, symmetric: bool = False) -> None:
+    def __init__(self, name: str, group_size: int = 32, symmetric: bool = False,
+                 int8_activations: bool = False) -> None:
         if name not in ("int8", "int4"):
             raise ValueError(f"unknown weight-only quantization {name!r}")
         if name == "int4" and group_size not in INT4_GROUP_SIZES:
@@ -159,10 +166,11 @@ class WeightOnlyConfig(QuantizationConfig):
         self.name = name
         self.group_size = group_size
         self.symmetric = symmetric
+        self.int8_activations = int8_activations  # --activation-quantization int8
         # The LM head (and a tied embedding) as int8 rows: the largest matrix read per token at batch 1.
         self.quantize_lm_head = True
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if self.name == "int8":
-            return Int8LinearMethod()
-        return Int4LinearMethod(self.group_size, self.symmetric)
+            return Int8LinearMethod(self.int8_activations)
+        return Int4LinearMethod(self.group_size, self.symmetric, self.int8_activations)
