@@ -2,8 +2,8 @@
 quantize the row of x to int8 per 32 columns and take integer dot products, as llama.cpp does.
 
 - Each kernel equals, within float tolerance, the float product of the *quantized* x (round(x / d) * d with
-  d = max|x| / 127 per 32 columns) with the weights' integer part, plus the exact x with the weights' offset
-  part (Q4_0's -8 d, Q4_1's min, int4's zero point: those terms use the float sums of x).
+  d = max|x| / 127 per 32 columns) with the dequantized weights: offset terms (Q4_0's -8 d, Q4_1's min, int4's
+  zero point) too multiply the quantized x's sums.
 - It is a switch: off by default, and with it on every other shape or type (more rows of x, K-quants) is
   bit-for-bit the float-activation path.
 - A model with the switch stays close to the same model without it (logprobs along the common greedy prefix).
@@ -47,23 +47,6 @@ def _close(y: torch.Tensor, ref: torch.Tensor, K: int, label: str) -> None:
                                msg=lambda m: f"{label}: {m}")
 
 
-def _gguf_parts(blocks: np.ndarray, qtype, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(integer part, offset part) of dequantized GGUF rows: W = d * q + offset."""
-    N = blocks.shape[0]
-    w = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(N, K)).double()
-    if qtype == T.Q8_0:
-        return w, torch.zeros_like(w)
-    size = gguf.GGML_QUANT_SIZES[qtype][1]
-    raw = blocks.reshape(N, K // 32, size)
-    d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16).astype(np.float64))  # [N, K/32, 1]
-    if qtype == T.Q4_0:
-        off = -8.0 * d
-    else:
-        off = torch.from_numpy(raw[..., 2:4].copy().view(np.float16).astype(np.float64))
-    off = off.expand(N, K // 32, 32).reshape(N, K)
-    return w - off, off
-
-
 @needs_native
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
 def test_gguf_kernel_equals_quantized_x_reference(qtype):
@@ -75,17 +58,17 @@ def test_gguf_kernel_equals_quantized_x_reference(qtype):
         for N, K in ((37, 96), (300, 576), (2048, 64)):  # 2048 x 64: rows split over both threads
             blocks = gguf.quants.quantize(rng.standard_normal((N, K)).astype(np.float32), qtype)
             wt = torch.from_numpy(blocks)
-            w_int, w_off = _gguf_parts(blocks, qtype, K)
+            W = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(N, K)).double()
             bias = torch.randn(N, generator=g)
             for scale in (1.0, 1e-3, 50.0):
                 x = torch.randn(1, K, generator=g) * scale
                 x[0, :32] = 0.0  # an all-zero block: scale 0, no division by zero
                 for b in (None, bias):
                     y = torch.ops.tokenmill.gguf_linear(x, wt, int(qtype), K, b, True)
-                    ref = quantize_x(x).double() @ w_int.T + x.double() @ w_off.T
+                    ref = quantize_x(x).double() @ W.T
                     ref = ref if b is None else ref + b.double()
                     _close(y, ref, K, f"{qtype.name} N={N} K={K} scale={scale} bias={b is not None}")
-                    exact = x.double() @ (w_int + w_off).T + (0 if b is None else b.double())
+                    exact = x.double() @ W.T + (0 if b is None else b.double())
                     assert not torch.equal(y, exact.float())  # the switch is on: x was rounded
     finally:
         torch.set_num_threads(threads)
@@ -137,12 +120,11 @@ def test_int4_kernel_equals_quantized_x_reference(group, symmetric):
         w = torch.randn(N, K, generator=g) * torch.rand(N, 1, generator=g) * 3
         packed, s, z = quantize_int4(w, group, symmetric)
         W = dequantize_int4(packed, s, z, group).double()
-        off = (-(z * s)).double().repeat_interleave(group, dim=1)  # (q - z) s = q s - z s
         bias = torch.randn(N, generator=g)
         for b in (None, bias):
             x = torch.randn(1, K, generator=g)
             y = torch.ops.tokenmill.int4_linear(x, packed, s, z, group, b, True)
-            ref = quantize_x(x).double() @ (W - off).T + x.double() @ off.T + (0 if b is None else b.double())
+            ref = quantize_x(x).double() @ W.T + (0 if b is None else b.double())
             _close(y, ref, K, f"int4 g{group} sym={symmetric} N={N} K={K}")
             assert not torch.equal(y, torch.ops.tokenmill.int4_linear(x, packed, s, z, group, b))
         x = torch.randn(2, K, generator=g)
@@ -242,10 +224,10 @@ def test_smollm2_gguf_with_int8_activations(capsys):
     got = _decode(LLM(path, activation_quantization="int8", **kw), prompts)
     ref = _decode(LLM(path, **kw), prompts)
     # A real model's activations have outlier columns: rounding them per 32 moves logprobs more than in the
-    # random tiny models (measured: mean 0.05 nats, at most ~0.4 on unlikely tokens, spread over all layers,
-    # the LM head's share small; llama.cpp runs these numerics by default).
-    common, total, mean = _compare(got, ref, "smollm2", tol=1.0)
+    # random tiny models (measured: 72 of 72 tokens the same, mean 0.028 nats; llama.cpp runs these numerics
+    # by default).
+    common, total, mean = _compare(got, ref, "smollm2", tol=0.25)
     with capsys.disabled():
         print(f"\nSmolLM2 Q4_1, int8 activations: {common}/{total} greedy tokens before divergence, "
               f"mean |logprob difference| {mean:.4f}", end="")
-    assert common >= total // 2 and mean <= 0.1, (common, total, mean)
+    assert common >= total // 2 and mean <= 0.05, (common, total, mean)

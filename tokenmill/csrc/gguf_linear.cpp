@@ -527,11 +527,11 @@ void decode_dequant_rows(int64_t qt, const Format& f, const uint8_t* wp, int64_t
 
 // ---- int8 activations (--activation-quantization int8, int8_dot.h) ------------------------------------------
 // Batch 1 only: from 2 rows of x the float paths above already share each widened weight among the rows.
-// The min / offset term of Q4_0 / Q4_1 still multiplies the exact float sums of x.
+// The min / offset term of Q4_0 / Q4_1 multiplies the quantized x's block sums (llama.cpp's Q8_1 does too).
 
 #ifdef TOKENMILL_INT8_DOT
-// One weight row of Q4_0, Q4_1 or Q8_0 blocks against quantized x (xq, its scales xd and exact float sums xs
-// per 32 columns). Even and odd blocks accumulate separately.
+// One weight row of Q4_0, Q4_1 or Q8_0 blocks against quantized x (xq, its scales xd and block sums xs per 32
+// columns). Even and odd blocks accumulate separately.
 float row_dot_x8(int64_t qt, const Format& f, const uint8_t* row, int64_t nb, const int8_t* xq, const float* xd,
                  const float* xs) {
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -570,8 +570,8 @@ void decode_x8(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_
   const int64_t G = K / 32;
   std::vector<int8_t> xq(K);
   std::vector<float> xd(G);
-  x8::quantize(xp, 1, K, xq.data(), xd.data());
-  const std::vector<float> xs = group_sums(xp, 1, K);
+  std::vector<float> xs(G);
+  x8::quantize(xp, 1, K, xq.data(), xd.data(), xs.data());
   const int64_t row_bytes = (K / f.block) * f.bytes;
   const int64_t grain = std::max<int64_t>(16, PARALLEL_MIN_BYTES / row_bytes);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {

@@ -15,8 +15,11 @@
 namespace tokenmill {
 namespace x8 {
 
-// rows of x [M, K] (K a multiple of 32) -> int8 [M, K] and one scale per 32 columns [M, K / 32].
-inline void quantize(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
+// rows of x [M, K] (K a multiple of 32) -> int8 [M, K], one scale per 32 columns [M, K / 32] and, if `s` is
+// given, each block's sum as quantized (d * sum(q)). Offset terms (Q4_1's min, int4's zero point) multiply
+// these sums, not the exact ones: then the whole product is exactly x_quantized . W, and its error x's
+// rounding times W, not times W's larger unsigned integer part.
+inline void quantize(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s = nullptr) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t g = 0; g < M * (K / 32); ++g) {
@@ -38,6 +41,14 @@ inline void quantize(const float* x, int64_t M, int64_t K, int8_t* q, float* d) 
     // packs work within 128-bit lanes: the permute puts the 32 bytes back in column order.
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * 32), _mm256_permutevar8x32_epi32(p, perm));
+    if (s != nullptr) {
+      const __m256i w = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_permutevar8x32_epi32(p, perm)),
+                                          _mm256_set1_epi16(1));
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+      s[g] = d[g] * static_cast<float>(_mm_cvtsi128_si32(t));
+    }
   }
 }
 

@@ -279,7 +279,8 @@ void int8_gemv_x8(const int8_t* xq, const float* xd, int64_t K, const int8_t* w,
 
 // int4 groups (a multiple of 32 columns): byte i of a 32-column block holds columns 2i (low nibble) and 2i + 1
 // (high), so x is quantized with each block's even columns first, then its odd ones (xq), matching the
-// nibbles' order. Per block s * d_x * dot; the zero point's share s * z * sum(x) per group, as int4_gemv_avx2.
+// nibbles' order. Per block s * d_x * dot; the zero point's share s * z * sum(x) per group, as int4_gemv_avx2,
+// with the quantized x's sums (xsum), so that the result is exactly x_quantized . W.
 void int4_gemv_x8(const int8_t* xq, const float* xd, const float* xsum, int64_t K, int64_t group, const uint8_t* w,
                   const float* scale, const float* zero, float* y, int64_t n0, int64_t nb) {
   const int64_t G = K / group, B = K / 32;
@@ -396,7 +397,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   (void)int8_activations;
   const bool x8 = false;
 #endif
-  std::vector<float> xperm(x8 ? K : 0), xd(x8 ? K / 32 : 0);
+  std::vector<float> xperm(x8 ? K : 0), xd(x8 ? K / 32 : 0), xbs(x8 ? K / 32 : 0);
   std::vector<int8_t> xq(x8 ? K : 0);
   return packed_linear(x, N, K, bias, dequant, [&](const float* xm, float* ym) {
     for (int64_t i = 0; i < K / 2; ++i) {
@@ -415,7 +416,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
           xperm[32 * b + i] = xe[16 * b + i];
           xperm[32 * b + 16 + i] = xo[16 * b + i];
         }
-      x8::quantize(xperm.data(), 1, K, xq.data(), xd.data());
+      x8::quantize(xperm.data(), 1, K, xq.data(), xd.data(), xbs.data());
+      for (int64_t g = 0; g < G; ++g) {
+        float t = 0.f;
+        for (int64_t b = g * group / 32; b < (g + 1) * group / 32; ++b) t += xbs[b];
+        xsum[g] = t;
+      }
       over_rows(N, [&](int64_t n0, int64_t nb) {
         int4_gemv_x8(xq.data(), xd.data(), xsum.data(), K, group, wp, sp, zp, ym, n0, nb);
       });
