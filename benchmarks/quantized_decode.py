@@ -8,6 +8,8 @@
 
     python benchmarks/quantized_decode.py                       # float32, int8, int4-g32, gguf (Q4_1 blocks)
     python benchmarks/quantized_decode.py --configs float32,gguf --batch1-tokens 64 --skip-concurrency
+    python benchmarks/quantized_decode.py --configs float32,gguf,gguf-x8 --skip-concurrency   # int8 activations
+    python benchmarks/quantized_decode.py --kernel-bound       # is the batch-1 kernel compute- or memory-bound?
 
 Every model is loaded before any timed run and --rounds interleave them, so drift on a shared machine
 hits all alike; the best round counts. Each figure line carries the load average and thread count.
@@ -76,7 +78,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--skip-concurrency", action="store_true")
+    ap.add_argument("--kernel-bound", action="store_true",
+                    help="only the compute-or-bandwidth check of the batch-1 GGUF kernel (see kernel_bound)")
     args = ap.parse_args()
+    if args.kernel_bound:
+        kernel_bound()
+        return
     model = args.model or embedded_model()
     labels = [c for c in args.configs.split(",") if c]
     for c in labels:
@@ -116,6 +123,52 @@ def main() -> None:
     print(env_str())
     del llms
     gc.collect()
+
+
+def kernel_bound(N: int = 1536, K: int = 576, copies: int = 96, calls: int = 400) -> None:
+    """Is the batch-1 GGUF kernel bound by memory or by compute on this machine? One SmolLM2 MLP matrix
+    (1536 x 576) multiplied by one row of x: "hot" repeats one copy of the weight (it stays in L2/L3: no DRAM
+    traffic), "cold" cycles through `copies` distinct copies (more bytes than the last-level cache). Equal
+    bytes/s hot and cold mean the instructions, not the memory, set the speed: a bandwidth roofline is then out
+    of reach whatever the layout. Printed per thread count and activation type, with the bytes/s of a plain
+    streaming read for scale."""
+    import numpy as np
+    import torch
+
+    from tokenmill import native
+    from tokenmill.layers.quantization.gguf import row_bytes
+
+    if not native.has_op("gguf_linear"):
+        sys.exit("the native kernels are not built")
+    import gguf
+
+    rng = np.random.default_rng(0)
+    q4_1 = int(gguf.GGMLQuantizationType.Q4_1)
+    w = torch.from_numpy(gguf.quants.quantize(rng.standard_normal((N, K)).astype(np.float32),
+                                              gguf.GGMLQuantizationType.Q4_1))
+    assert w.shape == (N, row_bytes(q4_1, K))
+    pool = [w.clone() for _ in range(copies)]
+    x = torch.randn(1, K)
+    threads = torch.get_num_threads()
+    print(f"Q4_1 {N}x{K} ({w.numel() / 1024:.0f} KiB), x one row; cold = {copies} copies "
+          f"({copies * w.numel() / 2**20:.0f} MiB) in turn {env_str()}")
+    print("| threads | activations | hot GB/s | cold GB/s | cold / hot |\n|---|---|---|---|---|")
+    for t in (1, 2):
+        torch.set_num_threads(t)
+        for x8 in (False, True):
+            rate = {}
+            for label, mats in (("hot", [w]), ("cold", pool)):
+                best = float("inf")
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    for i in range(calls):
+                        torch.ops.tokenmill.gguf_linear(x, mats[i % len(mats)], q4_1, K, None, x8)
+                    best = min(best, time.perf_counter() - t0)
+                rate[label] = calls * w.numel() / best / 1e9
+            print(f"| {t} | {'int8' if x8 else 'float32'} | {rate['hot']:.1f} | {rate['cold']:.1f} | "
+                  f"{rate['cold'] / rate['hot']:.2f} |")
+    torch.set_num_threads(threads)
+    print(f"streaming read (torch sum of 1 GiB, {threads} threads): {measure_bandwidth() / 1e9:.1f} GB/s {env_str()}")
 
 
 if __name__ == "__main__":
