@@ -35,7 +35,7 @@ def server(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("hardening") / "llama", "llama", **SLOW)
     srv = start_server(path, path.parent / "server.log", "--served-model-name", MODEL,
                        "--kv-cache-memory-bytes", "32M", "--max-model-len", str(MAX_LEN),
-                       "--max-input-chars", str(MAX_INPUT_CHARS), "--request-body-timeout", "1",
+                       "--max-input-chars", str(MAX_INPUT_CHARS), "--request-body-timeout", "3",
                        "--request-header-timeout", "1", api_key=KEY)
     yield srv
     srv.stop()
@@ -233,3 +233,42 @@ def test_headers_trickled_in_are_cut_off(server):
         assert closed, "the connection was still open after 4 s of trickled headers"
         assert time.monotonic() - t0 < 4
     assert httpx.get(server.url("/health")).status_code == 200
+
+
+def _read_response(s: socket.socket) -> bytes:
+    """One HTTP/1.1 response with a Content-Length body, the connection left open."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += s.recv(65536)
+    return head
+
+
+def test_kept_alive_connection_idles_past_the_header_timeout_then_trickling_is_cut(server):
+    """The header deadline (1 s here) runs from a request's first byte: a pooled connection idle for longer
+    still serves its next request; trickling that connection's next headers is still cut off."""
+    get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with _connect(server) as s:
+        s.sendall(get)
+        assert _read_response(s).startswith(b"HTTP/1.1 200")
+        time.sleep(1.5)  # longer than --request-header-timeout, shorter than uvicorn's keep-alive (5 s)
+        s.sendall(get)
+        assert _read_response(s).startswith(b"HTTP/1.1 200")
+        t0 = time.monotonic()
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+        s.settimeout(0.1)
+        closed = False
+        while time.monotonic() - t0 < 4 and not closed:
+            try:
+                s.sendall(b"X")
+                closed = s.recv(1) == b""
+            except socket.timeout:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+        assert closed, "trickled headers on a kept-alive connection were not cut off"

@@ -70,7 +70,10 @@ class DrainingServer(uvicorn.Server):
 class HeaderTimeoutProtocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, plus a deadline for each request's line and headers: a connection that
     trickles them in (slowloris) is closed after header_timeout_s, however often bytes arrive. uvicorn's
-    keep-alive timer restarts on every byte, and nothing times a new connection's first request."""
+    keep-alive timer restarts on every byte, and nothing times a new connection's first request. The deadline
+    runs from a new connection's start, and on a kept-alive one from the next request's first byte: an idle
+    kept-alive connection is uvicorn's (--timeout-keep-alive), so a short header timeout never closes a pooled
+    connection just as its client reuses it."""
 
     header_timeout_s = 10.0
 
@@ -80,7 +83,13 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def _arm_header_timer(self) -> None:
         self._header_cycle = self.cycle
+        self._header_armed = True
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._header_armed and self.cycle is self._header_cycle:  # the first byte of the next request
+            self._arm_header_timer()
+        super().data_received(data)
 
     def _header_timeout(self) -> None:
         idle = self.cycle is None or self.cycle.response_complete
@@ -96,7 +105,7 @@ class HeaderTimeoutProtocol(H11Protocol):
         super().on_response_complete()  # may start a pipelined request at once
         if not self.transport.is_closing() and self.cycle.response_complete:
             self._header_timer.cancel()
-            self._arm_header_timer()  # the next request on this connection
+            self._header_cycle, self._header_armed = self.cycle, False  # armed by the next request's first byte
 
     def connection_lost(self, exc) -> None:
         self._header_timer.cancel()
