@@ -121,8 +121,12 @@ class Worker:
         quant = getattr(model, "quant_config", quant)  # a pre-quantized checkpoint's, found in its config.json
         from tokenmill.diagnostics import resident_weight_bytes
 
+        x8 = bool(getattr(quant, "int8_activations", False))
         log.info("weights: %.1f MiB resident%s", resident_weight_bytes(model) / 2**20,
-                 f" ({quant.name})" if quant else "")
+                 f" ({quant.name}{', int8 activations at batch 1' if x8 else ''})" if quant else "")
+        if getattr(mc, "activation_quantization", "none") == "int8" and not x8:
+            log.warning("--activation-quantization int8 acts on gguf, int8 and int4 weights; with %s weights "
+                        "activations stay float32", quant.name if quant else "float")
         backend_cls = get_attention_backend(getattr(self.config, "attention_backend", None), self.device)
         vocab = int(self.hf_config.vocab_size)
         from tokenmill.spec_decode.decoder import build_spec_decoder
