@@ -6,7 +6,7 @@
 - concurrency 64: 64 requests of ~256-token prompts decoding 64 tokens each, output tok/s over the whole
   run (prefill included) and its ratio to float32.
 
-    python benchmarks/quantized_decode.py                       # float32, int8, int4-g32, gguf (Q4_1 blocks)
+    python benchmarks/quantized_decode.py      # float32, int8, int4-g32, gguf (Q4_1 blocks), and the last two with -x8
     python benchmarks/quantized_decode.py --configs float32,gguf --batch1-tokens 64 --skip-concurrency
     python benchmarks/quantized_decode.py --configs float32,gguf,gguf-x8 --skip-concurrency   # int8 activations
     python benchmarks/quantized_decode.py --kernel-bound       # is the batch-1 kernel compute- or memory-bound?
@@ -70,7 +70,7 @@ def concurrent(llm, prompts: list[list[int]], tokens: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2 Q4_1 GGUF)")
-    ap.add_argument("--configs", default="float32,int8,int4-g32,gguf", help=f"comma list of {', '.join(CONFIGS)}")
+    ap.add_argument("--configs", default="float32,int8,int4-g32,gguf,int4-g32-x8,gguf-x8", help=f"comma list of {', '.join(CONFIGS)}")
     ap.add_argument("--batch1-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
