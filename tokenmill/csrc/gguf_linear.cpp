@@ -9,6 +9,8 @@
 //   under PARALLEL_MIN_BYTES run on one thread. From 2 rows of x (several decodes, or speculative drafts being
 //   verified), each weight row is instead dequantized once into an L1 buffer and multiplied with every row.
 // - More rows: panels of weight rows dequantized into a per-thread L2-sized buffer, each multiplied by SGEMM.
+// - Opt-in (--activation-quantization int8): one row of x against Q4_0 / Q4_1 / Q8_0 quantized to int8 and
+//   multiplied with integer dot products (decode_x8, int8_dot.h).
 #include "vec.h"
 #include "int8_dot.h"
 

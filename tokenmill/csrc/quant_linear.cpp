@@ -5,6 +5,7 @@
 // - 3-7 rows: tiles of TILE_ROWS weight rows dequantized into an L1-sized buffer, transposed, and multiplied
 //   by a register-blocked broadcast micro-kernel;
 // - 8 rows and more: panels of weight rows dequantized into L2 and multiplied by ATen's SGEMM.
+// Opt-in (--activation-quantization int8): one row of x quantized to int8, integer dot products (int8_dot.h).
 #include "vec.h"
 #include "int8_dot.h"
 
