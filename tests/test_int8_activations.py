@@ -182,7 +182,7 @@ def test_gguf_model_with_int8_activations(tmp_path, capsys):
     x8 = LLM(str(path), activation_quantization="int8", **kw)
     model = x8.engine.model
     assert model.layers[0].mlp.gate_up_proj.quant_method.int8_activations
-    assert model.lm_head.gguf_int8_activations and not model.embed_tokens.gguf_int8_activations
+    assert model.lm_head.int8_activations and not model.embed_tokens.int8_activations
     prompts = ["hello world", "the cat sat on", "1 2 3 4"]
     got = _decode(x8, prompts)
     ref = _decode(LLM(str(path), **kw), prompts)

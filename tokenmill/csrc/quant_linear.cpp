@@ -332,22 +332,21 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     }
   };
 #ifdef TOKENMILL_INT8_DOT
-  if (int8_activations && x.dim() == 2 && x.size(0) == 1 && K % 32 == 0) {
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
-    TORCH_CHECK(xf.size(1) == K, "x must be [M, ", K, "], got ", x.sizes());
-    std::vector<int8_t> xq(K);
-    std::vector<float> xd(K / 32);
-    x8::quantize(xf.data_ptr<float>(), 1, K, xq.data(), xd.data());
-    at::Tensor y = at::empty({1, N}, xf.options());
-    float* yp = y.data_ptr<float>();
-    over_rows(N, [&](int64_t n0, int64_t nb) { int8_gemv_x8(xq.data(), xd.data(), K, wp, sp, yp, n0, nb); });
-    if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-    return y;
-  }
+  const bool x8 = int8_activations && x.dim() == 2 && x.size(0) == 1 && K % 32 == 0;
 #else
   (void)int8_activations;
+  const bool x8 = false;
 #endif
+  std::vector<int8_t> xq(x8 ? K : 0);
+  std::vector<float> xd(x8 ? K / 32 : 0);
   return packed_linear(x, N, K, bias, dequant, [&](const float* xm, float* ym) {
+#ifdef TOKENMILL_INT8_DOT
+    if (x8) {
+      x8::quantize(xm, 1, K, xq.data(), xd.data());
+      over_rows(N, [&](int64_t n0, int64_t nb) { int8_gemv_x8(xq.data(), xd.data(), K, wp, sp, ym, n0, nb); });
+      return;
+    }
+#endif
     over_rows(N, [&](int64_t n0, int64_t nb) {
 #ifdef TOKENMILL_AVX2_INTRINSICS
       return int8_gemv_avx2(xm, K, wp, sp, ym, n0, nb);
@@ -405,11 +404,6 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       xe[i] = xm[2 * i];
       xo[i] = xm[2 * i + 1];
     }
-    for (int64_t g = 0; g < G; ++g) {
-      float t = 0.f;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) t += xm[k];
-      xsum[g] = t;
-    }
 #ifdef TOKENMILL_INT8_DOT
     if (x8) {
       for (int64_t b = 0; b < K / 32; ++b)
@@ -429,6 +423,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       return;
     }
 #endif
+    for (int64_t g = 0; g < G; ++g) {
+      float t = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) t += xm[k];
+      xsum[g] = t;
+    }
     over_rows(N, [&](int64_t n0, int64_t nb) {
 #ifdef TOKENMILL_AVX2_INTRINSICS
       if (group % 32 == 0)

@@ -65,6 +65,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> float32 logits over the whole vocabulary (every rank gets all of them)."""
 
+    int8_activations = False  # a packed head (GGUF blocks, int8 rows): --activation-quantization int8
+
     def tie_weights(self, embedding: VocabParallelEmbedding) -> "ParallelLMHead":
         """Share the embedding table (tie_word_embeddings): one parameter, loaded once."""
         if (embedding.num_embeddings, embedding.embedding_dim, embedding.tp_size) != \
@@ -88,19 +90,18 @@ class ParallelLMHead(VocabParallelEmbedding):
             module.register_parameter("scale", nn.Parameter(scale, requires_grad=False))
         if tied is not None:
             tied.qweight, tied.scale = self.qweight, self.scale  # one table, not two copies
-        self.int8_activations = int8_activations  # --activation-quantization int8, for the logits
+        self.int8_activations = int8_activations
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if getattr(self, "gguf_qtype", None) is not None:
             from tokenmill.layers.quantization.gguf import gguf_matmul
 
             return gguf_matmul(hidden, self.weight, self.gguf_qtype, self.embedding_dim,
-                               int8_activations=getattr(self, "gguf_int8_activations", False)).float()
+                               int8_activations=self.int8_activations).float()
         if getattr(self, "qweight", None) is not None:
             from tokenmill.layers.quantization.weight_only import int8_matmul
 
-            return int8_matmul(hidden, self.qweight, self.scale,
-                               int8_activations=getattr(self, "int8_activations", False)).float()
+            return int8_matmul(hidden, self.qweight, self.scale, int8_activations=self.int8_activations).float()
         w = self.weight
         # Same numerics as a dense head: the GEMM in the hidden states' dtype, then float32.
         logits = F.linear(hidden, w if w.dtype == hidden.dtype else w.to(hidden.dtype))

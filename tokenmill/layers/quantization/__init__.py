@@ -15,8 +15,10 @@ def get_quantization_config(name: str | None, group_size: int = 32, symmetric: b
     kernel-less path of "gguf" dequantizes the weights at every call, the reference, not a default.
     `activations` "int8" asks the packed-weight kernels for int8 activations at batch 1 (GGUF, int8, int4);
     other methods ignore it."""
-    if activations not in ("none", "int8"):
-        raise ValueError(f"unknown activation quantization {activations!r}; known: none, int8.")
+    from tokenmill.config import ACTIVATION_QUANTIZATIONS
+
+    if activations not in ACTIVATION_QUANTIZATIONS:
+        raise ValueError(f"unknown activation quantization {activations!r}; known: {', '.join(ACTIVATION_QUANTIZATIONS)}.")
     if name is None and model is not None and str(model).endswith(".gguf") and _gguf_kernels(device):
         name = "gguf"
     if name is None or name in ("", "none"):

@@ -166,7 +166,7 @@ def keep_embedding_blocks(module: nn.Module, qtype: int, shared: nn.Parameter | 
     del module.weight
     module.register_parameter("weight", shared)
     module.gguf_qtype = qtype
-    module.gguf_int8_activations = int8_activations  # for an LM head's logits
+    module.int8_activations = int8_activations  # an LM head's logits (a lookup has no activations)
     return shared
 
 

@@ -114,15 +114,15 @@ class _WeightOnlyMethod(UnquantizedLinearMethod):
 
 
 class Int8LinearMethod(_WeightOnlyMethod):
+    def __init__(self, int8_activations: bool = False) -> None:
+        self.int8_activations = int8_activations
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q, scale = quantize_int8(layer.weight.data)
         _swap(layer, qweight=q, scale=scale)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         return dequantize_int8(layer.qweight, layer.scale)
-
-    def __init__(self, int8_activations: bool = False) -> None:
-        self.int8_activations = int8_activations
 
     def _native(self, layer, x, bias):
         return torch.ops.tokenmill.int8_linear(x, layer.qweight, layer.scale, bias, self.int8_activations)
