@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -119,6 +121,10 @@ def test_random_accept_counts_keep_kv_and_blocks_consistent(seed, block_size, k,
             prompt = (shared[: rng.randint(0, 12)] + [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 10))])
             p = SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=rng.random() < 0.5)
             req = Request(f"r{len(reqs)}", prompt, p, min(p.max_tokens, max_len - len(prompt)), frozenset({EOS}))
+            if len(prompt) + k >= num_blocks * block_size:  # the whole pool cannot hold it: refused up front
+                with pytest.raises(ValueError, match="does not fit the KV cache"):
+                    sched.add_request(req)
+                continue
             reqs.append(req)
             sched.add_request(req)
         if reqs and rng.random() < 0.05:

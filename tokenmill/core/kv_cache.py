@@ -74,6 +74,10 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self.events = KVEventLog()  # blocks named and dropped, for a cache-aware router
         self.connector = connector  # core/kv_connector.py: prefill/decode hand-over of named blocks
+        # Blocks named this step whose KV the step's forward pass has not written yet. The engine confirms
+        # them once the forward ran (`names_written`) or drops their names on every failure path
+        # (`drop_unwritten_names`): a name in the cache always stands for KV that is there.
+        self.unwritten: set[int] = set()
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -213,7 +217,8 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, req: Request, num_tokens: int) -> None:
         """Name the blocks that will be full once this step has run. Their KV is written in the same
-        forward pass, before any attention reads it, so a request admitted in this step may share them."""
+        forward pass, before any attention reads it, so a request admitted in this step may share them.
+        Until the engine confirms the write (`names_written`) they are listed in `unwritten`."""
         num_tokens = min(num_tokens, req.num_tokens)
         self._update_hashes(req, num_tokens)
         for i in range(num_tokens // self.block_size):
@@ -225,9 +230,32 @@ class KVCacheManager:
                 continue  # same content already cached in another block; this copy stays private
             block.hash = h
             self.cached[h] = block.block_id
+            self.unwritten.add(block.block_id)
             self.events.stored(h)
             if self.connector is not None:
                 self.connector.export(block.block_id, h)
+
+    def names_written(self, block_ids: list[int] | None = None) -> None:
+        """The forward pass wrote these blocks (None: every block named this step)."""
+        if block_ids is None:
+            self.unwritten.clear()
+        else:
+            self.unwritten.difference_update(block_ids)
+
+    def drop_unwritten_names(self) -> None:
+        """A step failed before writing its blocks: forget the names given to them this step (and do not
+        hand them to decode instances)."""
+        if not self.unwritten:
+            return
+        for block_id in self.unwritten:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+                self.events.removed(block.hash)
+            block.hash = None
+        if self.connector is not None:
+            self.connector.unexport(self.unwritten)
+        self.unwritten.clear()
 
     def free(self, req: Request) -> None:
         """Release req's blocks. Tail blocks go to the LRU first so they are evicted before the

@@ -37,6 +37,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache on first admission (-1: not yet admitted)
     num_preemptions: int = 0
+    admission_skips: int = 0  # steps it was passed over in the queue because the pool could not hold it
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks, in order
     extra_keys: tuple = ()  # mixed into every block hash: reserved for adapters (LoRA) and multimodal inputs

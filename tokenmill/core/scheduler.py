@@ -19,6 +19,15 @@ from tokenmill.core.batch import CachedRequestData, ModelRunnerOutput, NewReques
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.testing import faults
+
+# A waiting request that does not fit the pool now is passed over so smaller ones behind it can run, for
+# at most this many steps; then nothing behind it is admitted until it fits (running requests finish and
+# free their blocks), so a large request is delayed, never starved. Preempted requests are never passed over.
+MAX_ADMISSION_SKIPS = 64
+# Waiting requests that did not fit, tried per step before admission stops: bounds a step's scheduling work
+# when the queue is long and the pool full.
+MAX_MISFITS_PER_STEP = 16
 
 
 @dataclass
@@ -120,9 +129,24 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.spec_stats = SpecDecodingStats(config.num_lookahead_tokens)
         self._forget: list[str] = []  # requests the worker holds and must drop at the next batch
+        self.current: Request | None = None  # the request schedule()/update_from_output() is handling (blame)
+        self._built: tuple = (None, [])  # the last batch built, and what the workers held of its requests before
 
     # ---- request lifecycle ---------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens one request can hold in the whole pool, its speculative lookahead slots included."""
+        return self.kv.num_blocks * self.kv.block_size - self.num_lookahead_tokens
+
     def add_request(self, req: Request) -> None:
+        """Queue a request. ValueError if even the whole pool could not hold its prompt (it could never run);
+        its max_tokens is cut to what the pool can hold, so it finishes with "length" instead of preempting
+        itself forever once it outgrows the pool."""
+        room = self.capacity_tokens - req.num_prompt_tokens
+        if room < 1:
+            raise ValueError(f"the prompt ({req.num_prompt_tokens} tokens) does not fit the KV cache "
+                             f"({self.capacity_tokens} tokens for one request).")
+        req.max_tokens = min(req.max_tokens, room)
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.add(req)
@@ -214,6 +238,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            self.current = req
+            faults.maybe_raise("schedule", [req.request_id])
             n = min(req.num_uncomputed_tokens, budget)
             spec = self._drafts(req, budget - n) if n == 1 else []
             n += len(spec)
@@ -232,13 +258,27 @@ class Scheduler:
                 budget -= n
 
         # Admit waiting requests, unless this step already had to preempt. A request whose grammar is still
-        # compiling, or whose handed-over KV is still being read (KV connector), stays in the queue without
-        # holding up the ones behind it.
-        compiling = []
+        # compiling, whose handed-over KV is still being read (KV connector), or that does not fit the pool now
+        # stays in the queue without holding up the ones behind it (a large one only for MAX_ADMISSION_SKIPS
+        # steps: then it holds the queue until it fits).
+        passed: list[Request] = []  # popped and put back below, also when an exception ends this loop
+        try:
+            self._admit(out, budget, passed)
+        finally:
+            for req in passed:
+                if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                    self.waiting.add(req)
+        self.current = None
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, passed: list[Request]) -> None:
+        misfits = 0
         while budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs and not out.preempted:
-            req = self.waiting.peek()
+            req = self.waiting.pop()
+            passed.append(req)  # until it runs
+            self.current = req
+            faults.maybe_raise("schedule", [req.request_id])
             if req.grammar is not None and req.grammar.matcher is None:
-                compiling.append(self.waiting.pop())
                 continue
             computed, offloaded, remote = [], [], []
             if req.num_computed_tokens == 0:
@@ -247,15 +287,26 @@ class Scheduler:
                 remote = self.kv.get_remote_chain(req, len(computed) + len(offloaded))
                 connector = self.kv.connector
                 if remote and not connector.admissible(req.request_id, remote):
-                    compiling.append(self.waiting.pop())  # its KV is being read: waits without holding others up
-                    continue
+                    continue  # its KV is being read: waits without holding others up
             # Cached tokens, shared on the device, loaded from a lower tier or from a prefill instance, cost
             # no budget.
             num_cached = (len(computed) + len(offloaded) + len(remote)) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, computed, offloaded, self.num_lookahead_tokens, remote):
-                break
-            self.waiting.pop()
+                # A preempted request keeps its place (it ran before, and recomputing it only gets dearer);
+                # one that never ran is passed over for a while.
+                req.admission_skips += 1
+                misfits += 1
+                if (req.num_preemptions or req.admission_skips > MAX_ADMISSION_SKIPS
+                        or misfits >= MAX_MISFITS_PER_STEP):
+                    break  # its turn (admit nobody behind it until it fits), or enough tried for one step
+                continue
+            passed.pop()  # it holds blocks now: running from here, so no exception below can lose it
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+            req.admission_skips = 0
             if self.kv.connector is not None:
                 self.kv.connector.admitted(req.request_id)
             if req.num_cached_tokens < 0:
@@ -264,13 +315,6 @@ class Scheduler:
                 out.recorded.append(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append((req, n))
-            budget -= n
-        for req in compiling:
-            self.waiting.add(req)
-        return out
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The drafts worth verifying: within the token budget, max_tokens and max_model_len."""
@@ -282,8 +326,8 @@ class Scheduler:
     # ---- the step contract ---------------------------------------------------------------
     def build_batch(self, out: SchedulerOutput) -> ScheduledBatch:
         """The picklable step for the workers: new requests in full, the others as diffs."""
-        b = ScheduledBatch(finished_req_ids=self._forget)
-        self._forget = []
+        b = ScheduledBatch(finished_req_ids=list(self._forget))
+        self._built = (b, [(req, req.sent) for req, _ in out.scheduled])
         for req, n in out.scheduled:
             rid = req.request_id
             start = req.num_computed_tokens
@@ -306,57 +350,88 @@ class Scheduler:
             req.sent = (len(req.token_ids), len(req.block_ids))
             if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 b.prompt_logprob_ranges[rid] = (start, min(n, req.num_prompt_tokens - 1 - start))
+        self._forget = []  # only once the batch is whole (a failed build keeps them for the next one)
         return b
+
+    def unbuild(self, batch: ScheduledBatch) -> None:
+        """The last batch built did not reach the workers: what they hold of its requests is what it was
+        before, and they may not have dropped its finished requests (tell them again: dropping one twice is
+        harmless)."""
+        built, sent = self._built
+        if built is batch:
+            for req, before in sent:
+                req.sent = before
+        self._forget = batch.finished_req_ids + self._forget
 
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance every scheduled request by what the step computed and accepted: any number of new
         tokens per request. KV slots of rejected drafts are rolled back (their blocks freed); stop
-        tokens, max_tokens and max_model_len finish requests and free their blocks."""
+        tokens, max_tokens and max_model_len finish requests and free their blocks. A request whose update
+        fails (a grammar matcher that raises, a bug) ends alone with an error; the others carry on."""
         sampled = dict(zip(result.req_ids, result.sampled_token_ids))
         outputs: list[EngineCoreOutput] = []
         now = time.monotonic()
         for req, n in out.scheduled:
             if req.status != RequestStatus.RUNNING:
                 continue  # finished while the step ran (an abort)
-            rid = req.request_id
-            spec = out.spec.get(rid, ())
-            new = sampled.get(rid, [])
-            rejected = len(spec) - max(len(new) - 1, 0) if spec else 0
-            if spec:
-                self.spec_stats.record(len(spec), len(spec) - rejected)
-            before = req.num_computed_tokens
-            req.num_computed_tokens = before + n - rejected
-            self.prompt_tokens += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - min(before, req.num_prompt_tokens))
-            req.spec_token_ids = []
-            prompt_lps = result.prompt_logprobs.get(rid)
-            if not new and prompt_lps is None:
-                continue
-            grammar_end = grammar_done = False  # grammar_done: it stopped the request, its last token is text
-            if req.grammar is not None:
-                new, grammar_end = self.structured.accept(req, new)
-            accepted, status = self._append(req, new)
-            if grammar_end and status is None:
-                if req.grammar.error is not None:  # a token outside the grammar: never pass it off as "stop"
-                    status, req.stop_reason = RequestStatus.FINISHED_ABORTED, f"grammar error: {req.grammar.error}"
-                else:  # the grammar is complete: only EOS could follow
-                    status, grammar_done = RequestStatus.FINISHED_STOPPED, True
-            if rejected:
-                self.kv.trim(req, req.num_tokens + self.num_lookahead_tokens)
-                if req.sent is not None:  # the worker must replace its table's tail, not just extend it
-                    req.sent = (req.sent[0], min(req.sent[1], len(req.block_ids)))
-            self.generation_tokens += len(accepted)
-            if accepted and req.first_token_time is None:
-                req.first_token_time = now
-            if status is not None:
-                self.finish_request(req, status)
-            else:
-                req.spec_token_ids = result.spec_token_ids.get(rid, [])
-            lps = result.logprobs.get(rid)
-            outputs.append(EngineCoreOutput(
-                rid, accepted, lps[: len(accepted)] if lps is not None else None, prompt_lps,
-                req.status.value if req.finished else None, req.stop_reason, max(req.num_cached_tokens, 0),
-                req.first_scheduled_time, req.first_token_time, req.finished_time, grammar_done))
+            self.current = req
+            try:
+                faults.maybe_raise("update", [req.request_id])
+                o = self._update_one(req, n, out.spec.get(req.request_id, ()), sampled.get(req.request_id, []),
+                                     result, now)
+            except Exception as e:
+                o = self.fail_request(req, f"the request failed in the engine: {type(e).__name__}: {e}")
+            if o is not None:
+                outputs.append(o)
+        self.current = None
         return outputs
+
+    def fail_request(self, req: Request, message: str, status: int = 500) -> EngineCoreOutput:
+        """End one request with an error (its caller gets `message`); its blocks are freed."""
+        if not req.finished:
+            self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        req.stop_reason = message
+        return EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=message, error=message,
+                                error_status=status, finished_time=req.finished_time)
+
+    def _update_one(self, req: Request, n: int, spec, new: list[int], result: ModelRunnerOutput,
+                    now: float) -> EngineCoreOutput | None:
+        rid = req.request_id
+        rejected = len(spec) - max(len(new) - 1, 0) if spec else 0
+        if spec:
+            self.spec_stats.record(len(spec), len(spec) - rejected)
+        before = req.num_computed_tokens
+        req.num_computed_tokens = before + n - rejected
+        self.prompt_tokens += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - min(before, req.num_prompt_tokens))
+        req.spec_token_ids = []
+        prompt_lps = result.prompt_logprobs.get(rid)
+        if not new and prompt_lps is None:
+            return None
+        grammar_end = grammar_done = False  # grammar_done: it stopped the request, its last token is text
+        if req.grammar is not None:
+            new, grammar_end = self.structured.accept(req, new)
+        accepted, status = self._append(req, new)
+        if grammar_end and status is None:
+            if req.grammar.error is not None:  # a token outside the grammar: never pass it off as "stop"
+                status, req.stop_reason = RequestStatus.FINISHED_ABORTED, f"grammar error: {req.grammar.error}"
+            else:  # the grammar is complete: only EOS could follow
+                status, grammar_done = RequestStatus.FINISHED_STOPPED, True
+        if rejected:
+            self.kv.trim(req, req.num_tokens + self.num_lookahead_tokens)
+            if req.sent is not None:  # the worker must replace its table's tail, not just extend it
+                req.sent = (req.sent[0], min(req.sent[1], len(req.block_ids)))
+        self.generation_tokens += len(accepted)
+        if accepted and req.first_token_time is None:
+            req.first_token_time = now
+        if status is not None:
+            self.finish_request(req, status)
+        else:
+            req.spec_token_ids = result.spec_token_ids.get(rid, [])
+        lps = result.logprobs.get(rid)
+        return EngineCoreOutput(
+            rid, accepted, lps[: len(accepted)] if lps is not None else None, prompt_lps,
+            req.status.value if req.finished else None, req.stop_reason, max(req.num_cached_tokens, 0),
+            req.first_scheduled_time, req.first_token_time, req.finished_time, grammar_done)
 
     def _append(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
         """Append tokens until one finishes the request. Stop strings are the output processor's job."""

@@ -10,11 +10,14 @@ from typing import Callable
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
-from tokenmill.core.batch import ModelRunnerOutput
+from tokenmill.core.batch import ModelRunnerOutput, ScheduledBatch
+from tokenmill.core.kv_connector import ImportOp
+from tokenmill.core.kv_offload import LoadOp, SaveOp, SpillOp
 from tokenmill.core.request import EngineCoreRequest, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.stats import EngineStats, StepStats
 from tokenmill.structured_output.manager import StructuredOutputManager
+from tokenmill.testing import faults
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ class EngineCore:
         self.structured = StructuredOutputManager(self._load_tokenizer, info.vocab_size, self._eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, self.kv, info.max_model_len, self.structured)
         self.stats = EngineStats()
+        self._refused: list[EngineCoreOutput] = []  # requests refused when added, answered by the next step
+        self._sent = False  # this step's batch reached the workers
 
     def _load_tokenizer(self):
         if self._tokenizer is None:
@@ -66,62 +71,95 @@ class EngineCore:
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use.")
         request = req.to_request()
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as e:  # it could never run here (a prompt the whole KV pool cannot hold): a 400
+            self._refused.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=str(e),
+                                                  error=str(e), error_status=400, finished_time=time.monotonic()))
+            return
         if request.params.structured_outputs is not None:
             self.structured.add(request)
-        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED,
                        stop_reason: int | str | None = None) -> None:
         self.scheduler.finish_requests(request_ids, status, stop_reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._refused)
 
     # ---- the step ------------------------------------------------------------------------
+    # Every stage of a step attributes a failure to the request(s) it concerns and ends only those, with an
+    # error in OpenAI's shape; queued requests are never touched, and a block is named in the prefix cache
+    # only once its KV is written (kv.unwritten). Fault injection (tokenmill/testing/faults.py) raises at
+    # each stage for a chosen request; tests/test_fault_injection.py runs them all under load.
     def step(self, on_scheduled: Callable[[SchedulerStats], None] | None = None) -> EngineCoreOutputs:
         """One step. `on_scheduled` hears the queue sizes as soon as the step is scheduled, before the
         forward pass (the server's admission control reads them)."""
+        try:
+            return self._step(on_scheduled)
+        except Exception as e:
+            if _fatal(e):
+                raise
+            # A bug in the isolation below: end the requests of this step, keep the queue.
+            log.exception("engine step failed outside its stages; ending the running requests")
+            self.kv.drop_unwritten_names()
+            message = f"internal engine error: {type(e).__name__}: {e}"
+            outputs = [self.scheduler.fail_request(r, message) for r in list(self.scheduler.running)]
+            return EngineCoreOutputs(outputs, None, self.scheduler_stats(), self.stats.idle_s)
+
+    def _step(self, on_scheduled: Callable[[SchedulerStats], None] | None) -> EngineCoreOutputs:
         st = StepStats()
         t0 = time.perf_counter()
-        refused = self._fail_bad_grammars()
+        refused, self._refused = self._refused, []
+        refused += self._fail_bad_grammars()
         connector = self.kv.connector
         if connector is not None and connector.pending:  # handed-over KV read in the background: done yet?
-            connector.mark_read(set(self.executor.collective_rpc("kv_prefetched", connector.pending_hashes())))
-        out = self.scheduler.schedule()
+            try:
+                connector.mark_read(set(self.executor.collective_rpc("kv_prefetched", connector.pending_hashes())))
+            except Exception as e:
+                if _fatal(e):
+                    raise
+                log.exception("checking handed-over KV reads failed; trying again next step")
+        out, failed = self._schedule()
+        refused += failed
         st.schedule_s = time.perf_counter() - t0
         if on_scheduled is not None:
             on_scheduled(self.scheduler_stats())
-        ops = self.kv.take_transfer_ops()
-        if ops:
-            # Saves, spills and loads of the lower KV tiers run before the forward reads or overwrites blocks.
-            failed, st.offload_s = self.executor.transfer_kv(ops)
-            if connector is not None:
-                connector.timed(ops, st.offload_s)
-            if failed:
-                self.scheduler.recompute_failed_loads(out, self.kv.loads_failed(failed))
+        self._transfer(out, st)
         if not out:
+            self.kv.drop_unwritten_names()  # (none: nothing was scheduled; kept for symmetry with failures)
             if not refused and self.structured.num_compiling:
                 self.structured.wait(COMPILE_WAIT_S)  # only grammars to wait for: do not spin
             elif not refused and connector is not None and connector.pending:
                 time.sleep(COMPILE_WAIT_S / 5)  # only handed-over KV being read: do not spin
             self.stats.add(st)
             return EngineCoreOutputs(refused, None, self.scheduler_stats(), self.stats.idle_s)
-        batch = self.scheduler.build_batch(out)
-        t1 = time.perf_counter()
-        self.structured.fill_bitmask(batch, [r for r, _ in out.scheduled])
-        st.grammar_s = time.perf_counter() - t1
+        batch = None
+        self._sent = False
         try:
-            result = self.executor.execute_model(batch)
+            batch = self._build(out)
+            t1 = time.perf_counter()
+            self._fill_bitmask(batch, [r for r, _ in out.scheduled])
+            st.grammar_s = time.perf_counter() - t1
+            result = self._execute(batch)
+            self.kv.names_written()
         except Exception as e:  # one request's failure must not fail the others: find it, run the rest
             if _fatal(e):
                 raise
             log.warning("step of %d request(s) failed (%s: %s); running them one at a time", len(out.scheduled),
                         type(e).__name__, e)
-            result, failed = self._run_one_by_one(out)
+            if batch is not None and not self._sent:
+                self.scheduler.unbuild(batch)
+            result, failed, batch = self._run_one_by_one(out, forget=self._sent)
             refused += failed
         exports = self.kv.take_export_ops()
         if exports:  # a KV producer: hand the blocks just computed to decode instances before replying
-            connector.stats.seconds += self.executor.collective_rpc("export_kv", exports)
+            try:
+                connector.stats.seconds += self.executor.collective_rpc("export_kv", exports)
+            except Exception as e:  # the decode side recomputes what it does not find
+                if _fatal(e):
+                    raise
+                log.exception("handing %d KV block(s) over failed", len(exports))
         t1 = time.perf_counter()
         outputs = refused + self.scheduler.update_from_output(out, result)
         t = result.timings
@@ -129,8 +167,8 @@ class EngineCore:
         st.prepare_s, st.forward_s, st.sample_s = t.prepare_s, t.forward_s, t.sample_s
         st.kv_tokens, st.attn_pairs = t.kv_tokens, t.attn_pairs
         st.attn_s, st.attn_bytes, st.collective_s = t.attn_s, t.attn_bytes, t.collective_s
-        st.num_tokens = batch.num_tokens
-        st.num_requests = len(batch)
+        st.num_tokens = batch.num_tokens if batch is not None else 0
+        st.num_requests = len(out.scheduled)
         st.num_sampled = sum(len(o.new_token_ids) for o in outputs)
         st.end_time = time.perf_counter()
         self.stats.prompt_tokens = self.scheduler.prompt_tokens
@@ -138,17 +176,80 @@ class EngineCore:
         self.stats.add(st)
         return EngineCoreOutputs(outputs, st, self.scheduler_stats(), self.stats.idle_s)
 
-    def _run_one_by_one(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, list[EngineCoreOutput]]:
-        """After a failed step: the workers forget the step's requests (their copies may be half-updated) and
-        run each again alone, in batch order (a request admitted this step may share blocks an earlier one
-        computes). Requests that fail alone finish with an error, their uncomputed blocks unnamed; requests
-        sharing those blocks go back to the queue to recompute them. `out.scheduled` keeps the requests that
-        ran; their results come back merged, as one step's would."""
+    # ---- the stages, each with its fault-injection point ------------------------------------
+    def _schedule(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+        """schedule(); if it raises, the request it was handling ends (with no one to blame: the running
+        ones) and this step runs nothing. Requests it admitted before the failure keep their blocks and run
+        next step; names it gave blocks are dropped (nothing was written)."""
+        try:
+            return self.scheduler.schedule(), []
+        except Exception as e:
+            if _fatal(e):
+                raise
+            culprit, self.scheduler.current = self.scheduler.current, None
+            self.kv.drop_unwritten_names()
+            message = f"the request failed in the engine: {type(e).__name__}: {e}"
+            if culprit is not None and not culprit.finished:
+                log.warning("scheduling request %s failed (%s); ending it", culprit.request_id, message)
+                return SchedulerOutput(), [self.scheduler.fail_request(culprit, message)]
+            log.exception("scheduling failed with no request to blame; ending the running requests")
+            return SchedulerOutput(), [self.scheduler.fail_request(r, message) for r in list(self.scheduler.running)]
+
+    def _transfer(self, out: SchedulerOutput, st: StepStats) -> None:
+        """Saves, spills and loads of the lower KV tiers (and handed-over KV) run before the forward reads
+        or overwrites blocks. If the transfer fails, every load counts as failed (those requests recompute
+        the blocks) and every save or spill as lost (those copies are forgotten)."""
+        ops = self.kv.take_transfer_ops()
+        if not ops:
+            return
+        connector = self.kv.connector
+        try:
+            loaded = {op.block_id for op in ops if isinstance(op, (LoadOp, ImportOp))}
+            faults.maybe_raise("transfer", [r.request_id for r, _ in out.scheduled if loaded & set(r.block_ids)])
+            failed, st.offload_s = self.executor.transfer_kv(ops)
+            if connector is not None:
+                connector.timed(ops, st.offload_s)
+        except Exception as e:
+            if _fatal(e):
+                raise
+            log.warning("KV transfer of %d op(s) failed (%s: %s); loads recompute, saves are dropped", len(ops),
+                        type(e).__name__, e)
+            failed = [op for op in ops if isinstance(op, (LoadOp, ImportOp))]
+            if self.kv.offload is not None:
+                for op in ops:
+                    for h in (op.hashes if isinstance(op, SpillOp) else [op.hash] if isinstance(op, SaveOp) else []):
+                        self.kv.offload.forget(h)
+        if failed:
+            self.scheduler.recompute_failed_loads(out, self.kv.loads_failed(failed))
+
+    def _build(self, out: SchedulerOutput) -> ScheduledBatch:
+        faults.maybe_raise("build_batch", [r.request_id for r, _ in out.scheduled])
+        return self.scheduler.build_batch(out)
+
+    def _fill_bitmask(self, batch: ScheduledBatch, reqs: list) -> None:
+        faults.maybe_raise("bitmask", [r.request_id for r in reqs])
+        self.structured.fill_bitmask(batch, reqs)
+
+    def _execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:
+        faults.maybe_raise("forward", batch.req_ids)
+        self._sent = True  # from here the workers' copies of the requests may change
+        return self.executor.execute_model(batch)
+
+    def _run_one_by_one(self, out: SchedulerOutput, forget: bool) -> tuple[
+            ModelRunnerOutput, list[EngineCoreOutput], ScheduledBatch | None]:
+        """After a failed step: the workers forget the step's requests if the batch reached them (`forget`:
+        their copies may be half-updated) and each runs again alone, in batch order (a request admitted this step may share blocks an earlier one
+        computes), through every stage from the batch build on. Requests that fail alone finish with an
+        error, their uncomputed blocks unnamed; requests sharing those blocks go back to the queue to
+        recompute them. `out.scheduled` keeps the requests that ran; their results come back merged, as one
+        step's would, with the last batch that ran (for the step's figures)."""
         sched, bs = self.scheduler, self.kv.block_size
-        for req, _ in out.scheduled:
-            sched.unsend(req)
+        if forget:
+            for req, _ in out.scheduled:
+                sched.unsend(req)
         merged = ModelRunnerOutput()
         ran, failed, tainted = [], [], set()
+        last = None
         for req, n in out.scheduled:
             if req.status != RequestStatus.RUNNING:
                 continue
@@ -156,26 +257,30 @@ class EngineCore:
                 sched.preempt(req)
                 continue
             one = SchedulerOutput([(req, n)], spec={k: v for k, v in out.spec.items() if k == req.request_id})
-            batch = sched.build_batch(one)
+            batch = None
             try:
-                self.structured.fill_bitmask(batch, [req])
-                result = self.executor.execute_model(batch)
+                batch = self._build(one)
+                self._fill_bitmask(batch, [req])
+                result = self._execute(batch)
             except Exception as e:
                 if _fatal(e):
                     raise
-                log.exception("request %s failed in the engine step", req.request_id)
+                log.warning("request %s failed in the engine step: %s: %s", req.request_id, type(e).__name__, e)
+                if batch is not None:
+                    sched.unbuild(batch)
+                sched.unsend(req)  # (finishing it below tells the workers to drop it)
                 first = req.num_computed_tokens // bs
                 tainted.update(req.block_ids[first:])
                 self.kv.unname_from(req, first)
-                sched.finish_request(req, RequestStatus.FINISHED_ABORTED)
-                message = f"the request failed in the engine: {type(e).__name__}: {e}"
-                failed.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=message,
-                                               error=message, error_status=500, finished_time=req.finished_time))
+                failed.append(sched.fail_request(req, f"the request failed in the engine: {type(e).__name__}: {e}"))
                 continue
+            self.kv.names_written(req.block_ids)
             ran.append((req, n))
             merged.merge(result)
+            last = batch
+        self.kv.drop_unwritten_names()  # blocks of requests that failed or went back to the queue
         out.scheduled = ran
-        return merged, failed
+        return merged, failed, last
 
     def _fail_bad_grammars(self) -> list[EngineCoreOutput]:
         """Requests whose grammar did not compile end here, with the reason as their stop_reason (the

@@ -1,0 +1,180 @@
+"""Fault injection at every stage of the engine step (tokenmill/testing/faults.py), under concurrent load.
+
+For each stage a chosen request (the victim) raises there while other requests run beside it, some of them
+sharing its prompt prefix. Asserted: only the victim fails (with an error naming the fault), every other
+request's output equals its solo run, no KV block leaks and no block keeps a name whose KV was never
+written, nothing hangs (every loop has a deadline), and a later request with the victim's prompt gets the
+same output as a solo run (the prefix cache was not poisoned).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tiny import make_tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.testing import faults
+
+MAX_LEN = 96
+DEADLINE_S = 60.0
+
+SHARED = list(range(3, 3 + 24))  # a 24-token prefix the victim shares with two neighbours
+PROMPTS = {
+    "n-shared-a": SHARED + [40, 41, 42],
+    "n-shared-b": SHARED + [50, 51],
+    "n-other-a": [60 + i for i in range(10)],
+    "n-other-b": [80 + i for i in range(30)],
+    "n-seeded": [90 + i for i in range(7)],
+    "victim": SHARED + [70, 71, 72, 73, 74, 75, 76, 77, 78],
+}
+
+
+def params_for(rid: str) -> SamplingParams:
+    if rid == "n-seeded":  # sampled, n > 1: its seed makes it independent of the batch
+        return SamplingParams(max_tokens=10, temperature=1.0, seed=7, n=2)
+    return SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("faults") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    # A small token budget, so prompts are chunked and the victim's prefill spans several steps.
+    return LLM(str(path), max_model_len=MAX_LEN, num_gpu_blocks_override=64, block_size=4,
+               max_num_batched_tokens=32, enable_prefix_caching=True)
+
+
+def run(llm: LLM, order: list[str], late: list[str] = (), rid_suffix: str = "") -> dict[str, list]:
+    """Add `order` at once, step twice, add `late`, step until done. Returns {id: [(tokens, finish, stop)]}."""
+    engine = llm.engine
+    outs: dict[str, list] = {}
+    for rid in order:
+        engine.add_request(rid + rid_suffix, None, params_for(rid), prompt_token_ids=PROMPTS[rid])
+    deadline = time.monotonic() + DEADLINE_S
+    steps = 0
+    while engine.has_unfinished_requests() or late:
+        assert time.monotonic() < deadline, "the engine did not finish in time"
+        if steps == 2:
+            for rid in late:
+                engine.add_request(rid + rid_suffix, None, params_for(rid), prompt_token_ids=PROMPTS[rid])
+            late = []
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id.removesuffix(rid_suffix)] = [
+                    (c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs]
+        steps += 1
+    return outs
+
+
+def assert_idle(llm: LLM) -> None:
+    engine = llm.engine
+    kv = engine.kv
+    assert not engine.has_unfinished_requests()
+    assert kv.num_free_blocks == kv.num_blocks, "KV blocks leaked"
+    assert not kv.unwritten, "blocks named for KV that was never written"
+    kv.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def solo(llm) -> dict[str, list]:
+    """Every prompt alone, on an empty prefix cache."""
+    out = {}
+    for rid in PROMPTS:
+        llm.engine.kv.reset_prefix_cache()
+        out.update(run(llm, [rid], rid_suffix="-solo"))
+    llm.engine.kv.reset_prefix_cache()
+    return out
+
+
+def test_the_hook_matches_requests_and_their_children(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "forward=abc,update=*")
+    with pytest.raises(faults.InjectedFault, match="forward for request abc-1"):
+        faults.maybe_raise("forward", ["x", "abc-1"])
+    faults.maybe_raise("forward", ["abcd", "abc-x", "ab"])  # neither the id nor one of its children
+    faults.maybe_raise("schedule", ["abc"])  # another stage
+    with pytest.raises(faults.InjectedFault):
+        faults.maybe_raise("update", ["anything"])
+    monkeypatch.setenv(faults.ENV, "nowhere=abc")
+    with pytest.raises(ValueError, match="unknown stage"):
+        faults.maybe_raise("forward", ["abc"])
+    monkeypatch.delenv(faults.ENV)
+    faults.maybe_raise("forward", ["abc"])
+
+
+@pytest.mark.parametrize("stage", ["schedule", "build_batch", "bitmask", "forward", "sample", "update"])
+def test_a_fault_at_one_stage_fails_only_its_request(llm, solo, monkeypatch, stage):
+    neighbours = [rid for rid in PROMPTS if rid != "victim"]
+    monkeypatch.setenv(faults.ENV, f"{stage}=victim")
+    outs = run(llm, neighbours, late=["victim"])
+    monkeypatch.delenv(faults.ENV)
+
+    (tokens, finish, stop), = outs["victim"]
+    assert finish == "abort" and f"injected fault at {stage}" in str(stop), outs["victim"]
+    for rid in neighbours:
+        assert outs[rid] == solo[rid], f"{rid} changed when {stage} failed for the victim"
+    assert_idle(llm)
+    # The victim's blocks were named when they were allocated: a later request with the same prompt must
+    # not read KV that was never written.
+    again = run(llm, ["victim", "n-shared-a"], rid_suffix="-again")
+    assert again["victim"] == solo["victim"] and again["n-shared-a"] == solo["n-shared-a"]
+    assert_idle(llm)
+
+
+def test_a_fault_in_every_request_fails_them_all_and_the_engine_runs_on(llm, solo, monkeypatch):
+    monkeypatch.setenv(faults.ENV, "forward=*")
+    outs = run(llm, list(PROMPTS))
+    monkeypatch.delenv(faults.ENV)
+    assert {rid: [c[1] for c in o] for rid, o in outs.items()} == {
+        rid: ["abort"] * params_for(rid).n for rid in PROMPTS}
+    assert_idle(llm)
+    assert run(llm, list(PROMPTS), rid_suffix="-after") == solo
+    assert_idle(llm)
+
+
+def test_random_faults_at_every_stage_never_leak_or_change_survivors(llm, solo, monkeypatch):
+    """The soak's mode: every stage fails now and then for any request. Each request either fails with an
+    injected fault or finishes with exactly its solo output."""
+    spec = ",".join(f"{s}=*@0.03" for s in ("schedule", "build_batch", "bitmask", "forward", "sample", "update"))
+    monkeypatch.setenv(faults.ENV, spec)
+    failed = 0
+    for round_ in range(4):
+        outs = run(llm, list(PROMPTS)[:3], late=list(PROMPTS)[3:], rid_suffix=f"-r{round_}")
+        for rid, seqs in outs.items():
+            if any(f == "abort" for _, f, _ in seqs):
+                failed += 1
+                assert any("injected fault" in str(s) for _, _, s in seqs), seqs
+            else:
+                assert seqs == solo[rid], rid
+    monkeypatch.delenv(faults.ENV)
+    assert_idle(llm)
+    assert run(llm, list(PROMPTS), rid_suffix="-calm") == solo
+
+
+def test_names_given_in_a_failed_schedule_are_dropped(llm, solo, monkeypatch):
+    """schedule() names the blocks of the requests it admits before it reaches the one that fails; those
+    blocks are not written this step. If such a request is then aborted, its freed blocks must not keep
+    names a later request would hit."""
+    engine = llm.engine
+    engine.add_request("victim-x", None, params_for("victim"), prompt_token_ids=PROMPTS["victim"][:20])
+    engine.add_request("poison", None, params_for("n-other-a"), prompt_token_ids=PROMPTS["n-other-a"])
+    monkeypatch.setenv(faults.ENV, "schedule=poison")
+    outs = engine.step()
+    monkeypatch.delenv(faults.ENV)
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("poison", "abort")]
+    engine.abort_request("victim-x")
+    assert_idle(llm)
+    assert run(llm, ["victim"], rid_suffix="-later")["victim"] == solo["victim"]
+    assert_idle(llm)
