@@ -178,3 +178,49 @@ def test_names_given_in_a_failed_schedule_are_dropped(llm, solo, monkeypatch):
     assert_idle(llm)
     assert run(llm, ["victim"], rid_suffix="-later")["victim"] == solo["victim"]
     assert_idle(llm)
+
+
+@pytest.fixture(scope="module")
+def offload_llm(path):
+    # 14 blocks of 8 tokens: a few prompts evict each other's prefixes to the host tier, and loading any
+    # chain is worth it (min_blocks=1).
+    return LLM(str(path), max_model_len=MAX_LEN, num_gpu_blocks_override=14, block_size=8,
+               kv_offload_bytes=1 << 20, kv_offload_min_blocks=1)
+
+
+def test_a_failed_kv_transfer_recomputes_instead_of_reading_bad_kv(offload_llm, monkeypatch):
+    """KV tier transfers fail for the requests that load blocks: every load counts as failed and those
+    requests recompute (their output is unchanged); saves of that step are forgotten, never loaded later."""
+    llm = offload_llm
+    long_prompt = list(range(3, 3 + 40))  # 5 blocks
+    fillers = [[100 + 7 * i + j for j in range(40)] for i in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def gen(prompt, rid):
+        llm.engine.add_request(rid, None, params, prompt_token_ids=prompt)
+        deadline = time.monotonic() + DEADLINE_S
+        while llm.engine.has_unfinished_requests():
+            assert time.monotonic() < deadline
+            for o in llm.engine.step():
+                if o.finished:
+                    return o.outputs[0].token_ids, o.outputs[0].finish_reason
+
+    solo = gen(long_prompt, "solo")
+    stats = llm.engine.kv.offload.stats
+    filled = [gen(f, f"fill-{i}") for i, f in enumerate(fillers)]  # push the prompt's blocks to the host tier
+    assert stats.saves > 0
+    loads_before = stats.host_loads
+    monkeypatch.setenv(faults.ENV, "transfer=victim")
+    assert gen(long_prompt, "victim") == solo  # recomputed: same output
+    monkeypatch.delenv(faults.ENV)
+    assert stats.host_loads > loads_before and stats.load_failures > 0
+    assert_idle(llm)
+    monkeypatch.setenv(faults.ENV, "transfer=*")  # every transfer fails, saves included
+    for i, f in enumerate(fillers):
+        gen(f, f"fill-again-{i}")
+    monkeypatch.delenv(faults.ENV)
+    for i, f in enumerate(fillers):  # whatever the tiers still hold is valid
+        assert gen(f, f"check-{i}") == filled[i]
+    assert gen(long_prompt, "after") == solo
+    assert_idle(llm)
+    llm.engine.kv.offload.check_invariants()

@@ -593,3 +593,56 @@ def test_random_workloads(w):
     assert kv.num_free_blocks == kv.num_blocks
     assert all(b.ref_count == 0 for b in kv.blocks)
     kv.check_invariants()
+
+
+# ---- admission when the pool is short ----------------------------------------------------------
+def test_a_request_that_does_not_fit_now_does_not_hold_up_smaller_ones():
+    """issue 24: with a small pool, a waiting request that cannot fit blocked everything behind it."""
+    sched, kv = make_sched(num_blocks=8, block_size=4, budget=64, max_seqs=8, caching=False, max_model_len=32)
+    long_running = make_req(list(range(1, 17)), max_tokens=8, arrival=0)  # 16 tokens: 4 blocks + growth
+    sched.add_request(long_running)
+    step(sched)
+    big = make_req(list(range(1, 21)), max_tokens=2, arrival=1)  # 20 tokens: 5 blocks, only 3-4 free
+    small = make_req([7, 8, 9], max_tokens=2, arrival=2)
+    sched.add_request(big)
+    sched.add_request(small)
+    out = step(sched)
+    assert small in [r for r, _ in out.scheduled] and big.status == RequestStatus.WAITING
+    run_to_completion(sched)
+    for r in (long_running, big, small):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_tokens)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_passed_over_request_gets_its_turn():
+    """Small requests keep arriving and keep the pool busy; the big one is passed over at most
+    MAX_ADMISSION_SKIPS steps, then the queue waits for it."""
+    sched, kv = make_sched(num_blocks=8, block_size=4, budget=64, max_seqs=8, caching=False, max_model_len=32)
+    for _ in range(3):
+        sched.add_request(make_req([9, 9, 9], max_tokens=3))
+    step(sched)
+    big = make_req(list(range(1, 29)), max_tokens=1)  # 7 of 8 blocks
+    sched.add_request(big)
+    steps = 0
+    while big.status == RequestStatus.WAITING:
+        sched.add_request(make_req([9, 9, 9], max_tokens=3))  # a steady stream of small requests
+        step(sched)
+        steps += 1
+        assert steps <= 250, "the big request starved"  # a literal: a few times the skip limit
+    assert steps > 10  # it was passed over for a while
+    run_to_completion(sched)
+    assert big.output_token_ids == expected_output(big.prompt_token_ids, 1)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_prompt_the_whole_pool_cannot_hold_is_refused_and_max_tokens_is_capped():
+    sched, kv = make_sched(num_blocks=4, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match="does not fit the KV cache"):
+        sched.add_request(make_req(list(range(1, 17)), max_tokens=4))  # 16 tokens: no room for one more
+    assert not sched.has_unfinished()
+    r = make_req(list(range(1, 11)), max_tokens=50)  # 10 + 50 > 16: finishes with "length" at 16
+    sched.add_request(r)
+    assert r.max_tokens == 6
+    run_to_completion(sched)
+    assert r.status == RequestStatus.FINISHED_LENGTH and r.num_tokens == 16
+    assert kv.num_free_blocks == kv.num_blocks

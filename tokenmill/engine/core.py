@@ -205,7 +205,8 @@ class EngineCore:
         connector = self.kv.connector
         try:
             loaded = {op.block_id for op in ops if isinstance(op, (LoadOp, ImportOp))}
-            faults.maybe_raise("transfer", [r.request_id for r, _ in out.scheduled if loaded & set(r.block_ids)])
+            concerned = [r.request_id for r, _ in out.scheduled if loaded & set(r.block_ids)]
+            faults.maybe_raise("transfer", concerned + (["kv-tier"] if len(loaded) < len(ops) else []))
             failed, st.offload_s = self.executor.transfer_kv(ops)
             if connector is not None:
                 connector.timed(ops, st.offload_s)

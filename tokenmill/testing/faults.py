@@ -11,7 +11,7 @@ token), so a test can set it with monkeypatch in-process, and a spawned engine-c
 Unset, the cost is one environment lookup.
 
 Stages, in step order: `schedule` (per request the scheduler considers), `transfer` (KV tier and connector
-transfers, with the requests that load blocks), `build_batch`, `bitmask` (grammar masks), `forward`,
+transfers, with the requests that load blocks, and `kv-tier` when the step also saves or spills), `build_batch`, `bitmask` (grammar masks), `forward`,
 `sample` (in the model runner), `update` (per request, applying the step's tokens), `output` (per request,
 the output processor: detokenizing, stop strings, logprobs).
 """
