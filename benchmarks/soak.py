@@ -1,7 +1,9 @@
 """Soak: N minutes at saturation with mixed streaming/non-streaming requests, aborts and hostile requests.
 
 `--concurrency` workers loop until the time is up, each request's kind drawn at random (weights in KINDS;
-every hostile kind is sent once first). Hostile requests should be rejected with a 4xx. A request is *lost*
+every hostile kind is sent once first). Hostile requests should be rejected with a 4xx. With `--faults`, our own
+server raises at random stages of the engine step (tokenmill/testing/faults.py); the requests that hit a fault
+must fail alone with a clean error (counted as `fault`), never take others down. A request is *lost*
 if it got no HTTP response (transport error, or no answer within --request-timeout), a 5xx, or a stream
 (not aborted by us) that did not end with `data: [DONE]`. Lost must be 0: the exit code is 1 otherwise.
 Printed every minute and at the end: requests, ok / 4xx / 5xx / dropped (no complete response) / lost
@@ -11,6 +13,7 @@ then errors and hostile requests by (kind, status, error code), RSS first vs las
 usage returns to 0 once the load stops (exit code 1 too if not).
 
     python benchmarks/soak.py --tiny --minutes 1 --concurrency 8     # tiny random llama, smoke run
+    python benchmarks/soak.py --minutes 10 --faults default          # with injected faults
     python benchmarks/soak.py --minutes 30                           # embedded SmolLM2-135M
     python benchmarks/soak.py --url http://host:8000 --api-key KEY --server-pid 1234
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import secrets
@@ -37,12 +41,18 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 HOSTILE = ["top-k-2^63", "10k-stop-strings", "n128-logprobs20", "tokenize-1MB-no-key", "malformed-json",
-           "negative-max-tokens", "unknown-model", "prompt-over-context"]
+           "negative-max-tokens", "unknown-model", "prompt-over-context",
+           # issue 24's campaign
+           "grammar-3000-rules", "logit-bias-vocab-n16", "stop-token-ids-560k", "echo-logprobs-n16",
+           "surrogate-model", "n-as-string", "prompt-list-150-bias"]
 KINDS = {"completion": 24, "stream-completion": 24, "stream-chat": 20, "chat": 14, "stream-abort": 8,
          **{k: 1 for k in HOSTILE}}  # weights
 WORDS = "the a model server token stream batch cache page block prompt answer fast slow river stone light".split()
 SERVE_ARGS = "--max-model-len 2048 --kv-cache-memory-bytes 1G"
 TINY_SERVE_ARGS = "--max-model-len 512 --kv-cache-memory-bytes 32M"
+# Each stage fails for about one request step in a few hundred (per request and step where the stage runs).
+DEFAULT_FAULTS = ",".join(f"{stage}=*@0.002" for stage in
+                          ("schedule", "transfer", "build_batch", "bitmask", "forward", "sample", "update", "output"))
 GAUGES = {"kv": "tokenmill:kv_cache_usage_perc", "running": "tokenmill:num_requests_running",
           "waiting": "tokenmill:num_requests_waiting", "gen": "tokenmill:generation_tokens_total"}
 
@@ -67,6 +77,8 @@ class Result:
 
     @property
     def outcome(self) -> str:
+        if self.code == INJECTED:
+            return "injected"
         if self.code.startswith("stream-error"):  # an error event inside a 200 stream
             return "5xx" if self.lost else "4xx"
         if self.status is None or (self.lost and self.status < 500):
@@ -101,6 +113,13 @@ def text(rng: random.Random, lo: int, hi: int) -> str:
 
 
 @cache
+def chained_grammar(n: int) -> str:
+    """issue 24: a Lark grammar of n chained rules (88.6 KB at 3,000) that crashed llguidance in-process."""
+    rules = ["start: r0"] + [f'r{i}: "x{i}" r{i + 1} | "y{i}"' for i in range(n - 1)] + [f'r{n - 1}: "z"']
+    return "\n".join(rules)
+
+
+@cache
 def big_stop_list() -> tuple[str, ...]:
     return tuple(f"{i:06d}" + "x" * 294 for i in range(10_000))
 
@@ -129,14 +148,32 @@ def build(kind: str, rng: random.Random, t: Target) -> Spec:
         case "prompt-over-context":
             ids = [rng.randrange(10, 300) for _ in range(t.max_model_len + 16)]
             return Spec("/v1/completions", dict(comp, prompt=ids))
+        case "grammar-3000-rules":
+            return Spec("/v1/completions", dict(comp, guided_grammar=chained_grammar(3000)))
+        case "logit-bias-vocab-n16":
+            return Spec("/v1/completions", dict(comp, n=16, logit_bias={str(i): 0.5 for i in range(49_152)}))
+        case "stop-token-ids-560k":
+            return Spec("/v1/completions", dict(comp, n=16, min_tokens=8, stop_token_ids=list(range(560_000))))
+        case "echo-logprobs-n16":
+            ids = [rng.randrange(10, 300) for _ in range(t.max_model_len - 8)]
+            return Spec("/v1/completions", dict(comp, prompt=ids, echo=True, logprobs=20, n=16, max_tokens=4))
+        case "surrogate-model":
+            return Spec("/v1/completions", content=b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 4}')
+        case "n-as-string": return Spec("/v1/completions", dict(comp, n="2"))
+        case "prompt-list-150-bias":
+            return Spec("/v1/completions", dict(comp, prompt=[text(rng, 4, 8) for _ in range(150)],
+                                                logit_bias={str(i): 0.5 for i in range(49_152)}))
     raise ValueError(kind)
+
+
+INJECTED = "injected-fault"  # an error caused by --faults (TOKENMILL_FAULTS): expected, not lost
 
 
 def error_code(r: httpx.Response) -> str:
     try:
         e = r.json()["error"]
         assert {"message", "type", "param", "code"} <= e.keys()
-        return str(e["code"] or e["type"])
+        return INJECTED if "injected fault" in str(e["message"]) else str(e["code"] or e["type"])
     except Exception:
         return "not-openai-error-shape"
 
@@ -148,7 +185,8 @@ async def send(client: httpx.AsyncClient, kind: str, spec: Spec, t: Target) -> R
     try:
         if r.status_code != 200:
             await r.aread()
-            return Result(kind, r.status_code, error_code(r), lost=r.status_code >= 500)
+            code = error_code(r)
+            return Result(kind, r.status_code, code, lost=r.status_code >= 500 and code != INJECTED)
         if not spec.stream:
             usage = r.json().get("usage") or {}
             return Result(kind, 200, "", usage.get("completion_tokens", 0))
@@ -165,6 +203,8 @@ async def read_stream(kind: str, spec: Spec, r: httpx.Response) -> Result:
             continue
         if line == "data: [DONE]":
             if error is not None:
+                if "injected fault" in str(error.get("message")):
+                    return Result(kind, 200, INJECTED)
                 return Result(kind, 200, f"stream-error:{error.get('code') or error.get('type')}",
                               lost=error.get("type") == "server_error")
             return Result(kind, 200, "", usage if usage is not None else chunks)
@@ -268,7 +308,8 @@ class Soak:
         o = m.outcomes
         lost = o["5xx"] + o["dropped"]
         kv = max(x["kv"] for x in samples) if samples else None
-        print(f"{label:>6} {sum(o.values()):6d} {o['ok']:5d} {o['4xx']:5d} {o['5xx']:5d} {o['dropped']:7d} {lost:5d} "
+        print(f"{label:>6} {sum(o.values()):6d} {o['ok']:5d} {o['4xx']:5d} {o['injected']:5d} {o['5xx']:5d} "
+              f"{o['dropped']:7d} {lost:5d} "
               f"{m.tokens / seconds:8.1f} {fmt(server_tps, '9.1f'):>9} {fmt(rss, '8.0f'):>8} {fmt(kv, '7.1%'):>7} "
               f"{fmt(mean('running'), '5.1f'):>5} {fmt(mean('waiting'), '5.1f'):>5}", flush=True)
 
@@ -285,7 +326,8 @@ class Soak:
         limits = httpx.Limits(max_connections=self.args.concurrency + 4)
         async with httpx.AsyncClient(timeout=self.args.request_timeout, limits=limits) as client:
             self.last_gen = (await gauges(client, self.t.url)).get("gen")
-            print(f"{'minute':>6} {'reqs':>6} {'ok':>5} {'4xx':>5} {'5xx':>5} {'dropped':>7} {'lost':>5} {'tok/s':>8} "
+            print(f"{'minute':>6} {'reqs':>6} {'ok':>5} {'4xx':>5} {'fault':>5} {'5xx':>5} {'dropped':>7} {'lost':>5} "
+                  f"{'tok/s':>8} "
                   f"{'srv tok/s':>9} {'RSS MiB':>8} {'KV max':>7} {'run':>5} {'wait':>5}", flush=True)
             start = self.mark = time.monotonic()
             reporter = asyncio.create_task(self.reporter(client))
@@ -309,7 +351,8 @@ class Soak:
     def summary(self, wall: float, kv: float | None, drained: float) -> int:
         o = self.total.outcomes
         lost = o["5xx"] + o["dropped"]
-        print(f"\ntotal: {sum(o.values())} requests in {wall:.0f} s, ok {o['ok']}, rejected 4xx {o['4xx']}, 5xx "
+        print(f"\ntotal: {sum(o.values())} requests in {wall:.0f} s, ok {o['ok']}, rejected 4xx {o['4xx']}, "
+              f"failed by an injected fault {o['injected']}, 5xx "
               f"{o['5xx']}, dropped (no complete response) {o['dropped']}; LOST {lost}; "
               f"{self.total.tokens / wall:.1f} tok/s")
         print("errors and hostile requests by (kind, status, code):")
@@ -353,6 +396,9 @@ def main() -> None:
     p.add_argument("--skip", action="append", default=[], choices=list(KINDS), metavar="KIND",
                    help=f"leave a kind of request out (repeatable): {', '.join(KINDS)}")
     p.add_argument("--server-log", type=Path, help="keep our own server's log here (default: a temp file)")
+    p.add_argument("--faults", default="",
+                   help="our own server: inject faults (TOKENMILL_FAULTS, tokenmill/testing/faults.py), e.g. "
+                        f"'{DEFAULT_FAULTS}'; 'default' for that. Requests they fail count as 'fault', not lost")
     args = p.parse_args()
     if args.url:
         t = asyncio.run(target_info(args.url.rstrip("/"), args.api_key, args.server_pid))
@@ -364,10 +410,13 @@ def main() -> None:
         model = make_tiny_model(Path(tmp) / "model", "llama") if args.tiny else args.model
         default = TINY_SERVE_ARGS if args.tiny else SERVE_ARGS
         key, log = secrets.token_hex(8), args.server_log or Path(tmp) / "server.log"
+        if args.faults:
+            os.environ["TOKENMILL_FAULTS"] = DEFAULT_FAULTS if args.faults == "default" else args.faults
         server = start_server(model, log, *shlex.split(args.serve_args or default), api_key=key, timeout=300)
         try:
             print(f"server {server.base_url} pid {server.proc.pid}: {model or 'embedded SmolLM2-135M'} "
-                  f"{args.serve_args or default}; {args.concurrency} workers for {args.minutes:g} min", flush=True)
+                  f"{args.serve_args or default}; {args.concurrency} workers for {args.minutes:g} min; "
+                  f"faults: {os.environ.get('TOKENMILL_FAULTS') or 'none'}", flush=True)
             t = asyncio.run(target_info(server.base_url, key, server.proc.pid))
             rc = asyncio.run(Soak(t, args).run())
             raised = Counter(ln for ln in server.log().splitlines() if re.match(r"\w+(Error|Exception): ", ln))
