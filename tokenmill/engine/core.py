@@ -78,7 +78,12 @@ class EngineCore:
                                                   error=str(e), error_status=400, finished_time=time.monotonic()))
             return
         if request.params.structured_outputs is not None:
-            self.structured.add(request)
+            try:
+                self.structured.add(request)
+            except Exception as e:  # never let it run unconstrained
+                log.exception("request %s: setting up its grammar failed", req.request_id)
+                self._refused.append(self.scheduler.fail_request(
+                    request, f"the structured output constraint could not be set up: {type(e).__name__}: {e}"))
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED,
                        stop_reason: int | str | None = None) -> None:
@@ -111,7 +116,10 @@ class EngineCore:
         st = StepStats()
         t0 = time.perf_counter()
         refused, self._refused = self._refused, []
-        refused += self._fail_bad_grammars()
+        try:
+            refused += self._fail_bad_grammars()
+        except Exception:
+            log.exception("polling grammar compiles failed; trying again next step")
         connector = self.kv.connector
         if connector is not None and connector.pending:  # handed-over KV read in the background: done yet?
             try:
