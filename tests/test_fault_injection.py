@@ -224,3 +224,82 @@ def test_a_failed_kv_transfer_recomputes_instead_of_reading_bad_kv(offload_llm, 
     assert gen(long_prompt, "after") == solo
     assert_idle(llm)
     llm.engine.kv.offload.check_invariants()
+
+
+# ---- through the server: the engine core in its own process ----------------------------------------
+def test_random_faults_behind_the_server_fail_requests_cleanly(path, tmp_path, monkeypatch):
+    """Faults at random stages in the engine-core process (and the output processing in the API
+    process): each request either succeeds with its solo output or gets a 500 in OpenAI's error shape
+    naming the fault; nothing hangs, /health stays 200 and the KV cache drains to 0."""
+    import asyncio
+
+    import httpx
+
+    from server_harness import start_server
+
+    prompts = [[5 + 3 * i + j for j in range(6 + i)] for i in range(12)]
+    body = dict(model="tiny", max_tokens=8, temperature=0.0, ignore_eos=True)
+    srv = start_server(path, tmp_path / "server.log", "--served-model-name", "tiny", "--max-model-len", "96")
+    try:
+        solo = [httpx.post(srv.url("/v1/completions"), json=dict(body, prompt=p), timeout=60).json()
+                ["choices"][0]["text"] for p in prompts]
+        srv.stop()
+        stages = ("schedule", "build_batch", "bitmask", "forward", "sample", "update", "output")
+        monkeypatch.setenv(faults.ENV, ",".join(f"{s}=*@0.02" for s in stages))
+        srv = start_server(path, tmp_path / "server2.log", "--served-model-name", "tiny", "--max-model-len", "96")
+
+        async def go():
+            async with httpx.AsyncClient(timeout=60) as client:
+                async def one(i):
+                    return i, await client.post(srv.url("/v1/completions"), json=dict(body, prompt=prompts[i]))
+                return await asyncio.gather(*(one(i % len(prompts)) for i in range(36)))
+
+        results = asyncio.run(go())
+        failed = 0
+        for i, r in results:
+            if r.status_code == 200:
+                assert r.json()["choices"][0]["text"] == solo[i]
+            else:
+                failed += 1
+                err = r.json()["error"]
+                assert r.status_code == 500 and {"message", "type", "param", "code"} <= err.keys(), r.text
+                assert "injected fault" in err["message"], err
+        assert httpx.get(srv.url("/health"), timeout=10).status_code == 200
+        assert srv.wait_metric("tokenmill:kv_cache_usage_perc", 0.0, timeout=10) == 0.0
+        assert srv.metric("tokenmill:num_requests_running") == 0
+    finally:
+        srv.stop()
+
+
+def test_requests_admitted_with_a_failed_schedule_do_not_read_unwritten_blocks(llm, solo, monkeypatch):
+    """Two requests with one prompt are admitted in one schedule() (the second shares the blocks the first
+    is to write), then the schedule fails on a third and the first is aborted: the second must not run
+    reading those blocks unwritten."""
+    engine = llm.engine
+    twin = [200 + i for i in range(14)]  # 3 full blocks and a bit: all three requests fit one step's budget
+    expected = None
+    for name in ("twin-solo", "twin-a", "twin-b"):
+        engine.add_request(name, None, params_for("victim"), prompt_token_ids=twin)
+        if name == "twin-solo":
+            deadline = time.monotonic() + DEADLINE_S
+            while engine.has_unfinished_requests():
+                assert time.monotonic() < deadline
+                expected = [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs]
+                            for o in engine.step() if o.finished] or expected
+            engine.kv.reset_prefix_cache()
+    engine.add_request("poison", None, params_for("n-other-a"), prompt_token_ids=PROMPTS["n-other-a"])
+    monkeypatch.setenv(faults.ENV, "schedule=poison")
+    outs = {o.request_id: o for o in engine.step()}
+    monkeypatch.delenv(faults.ENV)
+    assert outs["poison"].outputs[0].finish_reason == "abort"
+    assert all(r.status.name == "WAITING" and not r.block_ids for r in engine.scheduler.waiting)
+    engine.abort_request("twin-a")  # the one that was to write the shared blocks goes away
+    done = {}
+    deadline = time.monotonic() + DEADLINE_S
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = [(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs]
+    assert done == {"twin-b": expected[0]}
+    assert_idle(llm)

@@ -262,14 +262,32 @@ class Scheduler:
         # stays in the queue without holding up the ones behind it (a large one only for MAX_ADMISSION_SKIPS
         # steps: then it holds the queue until it fits).
         passed: list[Request] = []  # popped and put back below, also when an exception ends this loop
+        admitted = len(out.scheduled)
         try:
             self._admit(out, budget, passed)
+        except BaseException:
+            # Requests admitted by this call may read blocks another one admitted with them was to write in
+            # this step; that step will not run. Back to the queue, holding nothing.
+            self._unadmit(out, out.scheduled[admitted:])
+            raise
         finally:
             for req in passed:
                 if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                     self.waiting.add(req)
         self.current = None
         return out
+
+    def _unadmit(self, out: SchedulerOutput, admitted: list[tuple[Request, int]]) -> None:
+        for req, _ in admitted:
+            if req.status != RequestStatus.RUNNING:
+                continue
+            self.running.remove(req)
+            self.kv.free(req)
+            if req in out.recorded:
+                self.kv.unrecord_query(req.num_prompt_tokens, req.num_cached_tokens)
+                req.num_cached_tokens = -1
+            req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
+            self.waiting.add(req)
 
     def _admit(self, out: SchedulerOutput, budget: int, passed: list[Request]) -> None:
         misfits = 0
