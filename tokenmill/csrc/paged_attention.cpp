@@ -25,6 +25,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace tokenmill {
@@ -577,6 +578,60 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   });
 }
 
+// ---------------------------------------------------------------- index checks --------------------
+//
+// The kernels trust block tables and slot mappings to stay inside the pool; a bookkeeping bug upstream
+// would otherwise read or overwrite another request's KV (or memory past the cache) instead of failing.
+// These run once per call on the small index tensors, before any write or parallel work: plain min/max
+// loops the compiler vectorises, a few microseconds per layer next to the attention itself.
+
+template <typename I>
+inline std::pair<int64_t, int64_t> min_max(const I* p, int64_t n) {
+  I lo = p[0], hi = p[0];
+  for (int64_t i = 1; i < n; ++i) {
+    lo = std::min(lo, p[i]);
+    hi = std::max(hi, p[i]);
+  }
+  return {(int64_t)lo, (int64_t)hi};
+}
+
+// Every new token's slot lies in the cache's num_blocks * block_size slots.
+void check_slots(const at::Tensor& slot_mapping, int64_t num_slots) {
+  const int64_t n = slot_mapping.numel();
+  if (n == 0) return;
+  const auto [lo, hi] = min_max(slot_mapping.data_ptr<int64_t>(), n);
+  TORCH_CHECK_INDEX(lo >= 0 && hi < num_slots, "paged_attention: slot_mapping holds slot ", lo < 0 ? lo : hi,
+                    ", outside the cache's ", num_slots, " slots");
+}
+
+// Each request's rows lie in q, its context in its block-table row, and the block ids it reads (those of
+// its visible keys: a sliding window skips the blocks before it) in [0, num_blocks).
+void check_requests(const at::Tensor& q, const at::Tensor& block_table, const at::Tensor& query_start,
+                    const at::Tensor& query_len, const at::Tensor& kv_len, int64_t num_blocks, int64_t BS,
+                    int64_t window) {
+  const int64_t B = query_len.size(0), T = q.size(0);
+  TORCH_CHECK(query_start.size(0) == B && kv_len.size(0) == B && block_table.dim() == 2 && block_table.size(0) >= B,
+              "paged_attention: query_start, query_len, kv_len and block_table must describe the same requests");
+  const int64_t width = block_table.size(1);
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  const int32_t* ql = query_len.data_ptr<int32_t>();
+  const int32_t* kl = kv_len.data_ptr<int32_t>();
+  const int32_t* tables = block_table.data_ptr<int32_t>();
+  for (int64_t r = 0; r < B; ++r) {
+    const int64_t start = qs[r], n = ql[r], ctx = kl[r];
+    if (n == 0) continue;  // not attended
+    TORCH_CHECK_INDEX(n > 0 && start >= 0 && start + n <= T, "paged_attention: request ", r, " has query rows [",
+                      start, ", ", start + n, ") outside q's ", T, " rows");
+    TORCH_CHECK_INDEX(ctx >= n && ctx <= width * BS, "paged_attention: request ", r, " has ", ctx,
+                      " KV tokens for ", n, " query rows and a block table of ", width, " blocks of ", BS);
+    const int64_t first_key = window > 0 ? std::max<int64_t>(0, ctx - n - window + 1) : 0;
+    const int64_t b0 = first_key / BS, b1 = (ctx + BS - 1) / BS;
+    const auto [lo, hi] = min_max(tables + r * width + b0, b1 - b0);
+    TORCH_CHECK_INDEX(lo >= 0 && hi < num_blocks, "paged_attention: request ", r, "'s block table holds block ",
+                      lo < 0 ? lo : hi, ", outside the cache's ", num_blocks, " blocks");
+  }
+}
+
 // Checks shared by both ops; the step's geometry.
 Geometry check_geometry(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
@@ -587,15 +642,24 @@ Geometry check_geometry(const at::Tensor& out, const at::Tensor& q, const at::Te
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
               "paged_attention: q, out, k, v must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "paged_attention: cache layout");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == k.size(0), "slot_mapping");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == k.size(0),
+              "paged_attention: slot_mapping must be contiguous int64, one slot per new token");
   for (const at::Tensor* t : {&block_table, &query_start, &query_len, &kv_len})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "paged_attention: int32 metadata");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "paged_attention: out must have q's shape [T, H, D]");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "paged_attention: K and V caches differ in shape");
   Geometry g;
   g.H = q.size(1);
   g.D = q.size(2);
   g.BS = k_cache.size(1);
   g.Hk = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == g.D && g.H % g.Hk == 0, "paged_attention: head geometry");
+  // The new K/V rows are copied whole into cache slots: they must have the cache's row shape.
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == g.Hk && k.size(2) == g.D,
+              "paged_attention: new K/V must be [T, Hk, D] as the cache's rows");
+  check_slots(slot_mapping, k_cache.size(0) * g.BS);
+  check_requests(q, block_table, query_start, query_len, kv_len, k_cache.size(0), g.BS, sliding_window);
   g.G = g.H / g.Hk;
   g.tok_stride = g.Hk * g.D;
   g.table_stride = block_table.size(1);

@@ -24,6 +24,11 @@ class ConnectorWorker:
         # Overlapped loading: blocks read (and checked) in the background, waiting for their import.
         self.staged: OrderedDict[bytes, np.ndarray | None] = OrderedDict()  # None: the read failed
         self.max_staged = 1 << 14
+        # Rows dropped from `staged` to bound its memory before their import. They still count as read
+        # (`finished`), so their request is admitted and reads them from their files in the step instead
+        # of waiting for a row that is gone. Hashes only (32 bytes each), bounded too.
+        self.dropped: OrderedDict[bytes, None] = OrderedDict()
+        self.max_dropped = 1 << 16
         self.from_memory = 0  # imports served by a background read (overlapped) rather than read in the step
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-kv-prefetch")
@@ -45,14 +50,32 @@ class ConnectorWorker:
             for h in op.hashes:
                 row = self._read(h)
                 with self._lock:
-                    self.staged[h] = row
-                    while len(self.staged) > self.max_staged:
-                        self.staged.popitem(last=False)
+                    self._stage(h, row)
         self._pool.submit(run)
 
+    def _stage(self, h: bytes, row: np.ndarray | None) -> None:
+        self.staged[h] = row
+        self.staged.move_to_end(h)
+        self.dropped.pop(h, None)
+        while len(self.staged) > self.max_staged:
+            old, _ = self.staged.popitem(last=False)
+            self.dropped[old] = None
+            while len(self.dropped) > self.max_dropped:
+                self.dropped.popitem(last=False)
+
     def finished(self, hashes: list[bytes]) -> list[bytes]:
+        """Which of these hashes the background reads are done with: staged in memory, failed, or dropped
+        again to bound memory (then the import reads the file in its step)."""
         with self._lock:
-            return [h for h in hashes if h in self.staged]
+            return [h for h in hashes if h in self.staged or h in self.dropped]
+
+    def wait_prefetched(self, timeout: float) -> bool:
+        """Wait until the prefetches submitted so far have run, at most `timeout` seconds."""
+        try:
+            self._pool.submit(lambda: None).result(timeout)  # one thread, first in first out
+        except TimeoutError:
+            return False
+        return True
 
     def export(self, ops: list[ExportOp]) -> None:
         """Write each block to <path>/<hash>.kvb (one file per block, renamed into place when complete)."""
@@ -77,6 +100,7 @@ class ConnectorWorker:
         for k, op in enumerate(ops):
             with self._lock:
                 staged = self.staged.pop(op.hash, False)
+                self.dropped.pop(op.hash, None)
             row = self._read(op.hash) if staged is False else staged  # not prefetched: read it now
             self.from_memory += staged is not False
             if row is None:

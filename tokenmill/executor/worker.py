@@ -64,6 +64,14 @@ def kv_dtype_for(name: str, model: torch.nn.Module) -> torch.dtype:
     return storage if storage is not None else next(model.parameters()).dtype
 
 
+def min_blocks(max_model_len: int, num_lookahead_tokens: int, block_size: int) -> int:
+    """The smallest KV pool that runs one request to max_model_len. Every allocation reserves
+    num_lookahead_tokens slots past the request's tokens for speculative drafts (core/kv_cache.py
+    allocate_slots), so a full-length request with speculation needs that many more slots. Several
+    running requests need not all fit at once: the scheduler preempts to make room."""
+    return -(-(max_model_len + num_lookahead_tokens) // block_size)
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
                  distributed_init_method: str | None = None) -> None:
@@ -183,12 +191,14 @@ class Worker:
             n = torch.tensor([num_blocks], dtype=torch.long)
             dist.all_reduce(n, op=dist.ReduceOp.MIN)
             num_blocks = int(n)
-        need = -(-self.max_model_len // cache.block_size)
+        need = min_blocks(self.max_model_len, self.config.scheduler.num_lookahead_tokens, cache.block_size)
         if num_blocks < need:
+            lookahead = self.config.scheduler.num_lookahead_tokens
+            spec = f" plus {lookahead} speculative lookahead slots" if lookahead else ""
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens ({num_blocks * cache.block_size} "
-                f"tokens), fewer than one request of max_model_len={self.max_model_len} tokens needs ({need} blocks, "
-                f"{need * per_block} bytes). Raise {source} or lower max_model_len."
+                f"tokens), fewer than one request of max_model_len={self.max_model_len} tokens{spec} needs ({need} "
+                f"blocks, {need * per_block} bytes). Raise {source} or lower max_model_len."
             )
         return num_blocks
 
