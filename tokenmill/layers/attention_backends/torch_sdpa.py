@@ -101,7 +101,20 @@ class TorchSDPABackend(AttentionBackend):
         self.initialized[fresh] = True
         self.num_uninitialized -= fresh.numel()
 
+    def _check_bounds(self, layout: BatchLayout) -> None:
+        """Block ids and slots within the pool, checked before anything is indexed: a negative id would wrap
+        around silently, and on CUDA an out-of-range one is a device assert that kills the process. The
+        tables are built on the CPU, so this costs no device sync (a min/max over a few thousand ints)."""
+        num_blocks = self.initialized.numel()
+        for name, t, hi in (("block table", layout.block_table, num_blocks),
+                            ("slot mapping", layout.slot_mapping, num_blocks * self.block_size)):
+            if t.numel() and t.device.type == "cpu":
+                lo_v, hi_v = torch.aminmax(t)
+                if int(lo_v) < 0 or int(hi_v) >= hi:
+                    raise IndexError(f"{name} holds {int(lo_v)}..{int(hi_v)}, outside the KV pool [0, {hi}).")
+
     def build_metadata(self, layout: BatchLayout) -> SDPAMetadata:
+        self._check_bounds(layout)
         self._zero_new_blocks(layout.block_table)
         is_decode = layout.query_len == 1
         groups = []
