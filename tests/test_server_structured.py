@@ -295,6 +295,77 @@ def test_bad_tools_are_400(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
 
+def test_tool_choice_required_cut_by_max_tokens(client):
+    """Calls written until max_tokens: the complete ones come back as tool_calls, the cut one is dropped
+    (never message.content), finish_reason "length"; streamed, no content either."""
+    kw = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0)
+    for seed in range(20):
+        full = client.chat.completions.create(seed=seed, max_tokens=400, **kw)
+        if full.choices[0].finish_reason == "tool_calls" and len(full.choices[0].message.tool_calls) >= 2:
+            break
+    else:
+        pytest.fail("no seed made two calls")
+    want = [(c.function.name, json.loads(c.function.arguments)) for c in full.choices[0].message.tool_calls]
+    # The longest cut that loses a call: the last call is cut short, the others are complete.
+    for max_tokens in range(full.usage.completion_tokens - 1, 0, -1):
+        c = client.chat.completions.create(seed=seed, max_tokens=max_tokens, **kw).choices[0]
+        if len(c.message.tool_calls or []) < len(want):
+            break
+    assert c.finish_reason == "length" and c.message.content is None, c
+    assert [(x.function.name, json.loads(x.function.arguments)) for x in c.message.tool_calls] == want[:-1]
+    content = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        seed=seed, max_tokens=max_tokens, stream=True, **kw) if ch.choices)
+    assert content == ""
+
+
+# ---- grammars over the limits: a 400, and the server lives (issue 24 item 0) ----------------------------------
+def _chained(n: int) -> str:
+    return "\n".join(["start: r0"] + [f'r{i}: "x{i}" r{i + 1} | "y{i}"' for i in range(n)] + [f'r{n}: "z"'])
+
+
+def _nested(levels: int) -> dict:
+    s: dict = {"type": "integer", "minimum": 0, "maximum": 9}
+    for _ in range(levels):
+        s = {"type": "object", "properties": {"a": s}, "required": ["a"]}
+    return s
+
+
+def _ref_chain(n: int) -> dict:
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+    defs[f"d{n}"] = {"type": "boolean"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def test_grammars_over_the_limits_are_400_and_the_server_lives(server):
+    """The issue's grammar (3,000 chained rules, 88.6 KB) killed the API process with no response; now it and
+    deeper ones are a 400 naming the limit, and the same server answers the next request."""
+    deep_tool = {"type": "function", "function": {"name": "deep", "parameters": _nested(100)}}
+    cases = [
+        ("chat", {"guided_grammar": _chained(3000)}, "guided_grammar", "limit is 2000"),
+        ("chat", {"structured_outputs": {"grammar": _chained(400)}}, "structured_outputs", "limit is 300"),
+        ("completions", {"guided_grammar": _chained(3000)}, "guided_grammar", "limit is 2000"),
+        ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": _nested(100)}}},
+         "response_format", "limit is 128"),
+        ("chat", {"guided_json": _ref_chain(60)}, "guided_json", "limit is 1000"),
+        ("completions", {"structured_outputs": {"regex": "(a" * 100 + ")" * 100}}, "structured_outputs",
+         "limit is 64"),
+        ("chat", {"tools": [deep_tool], "tool_choice": "required"}, "tools", "limit is 128"),
+    ]
+    for route, body, param, message in cases:
+        prompt = {"messages": MESSAGES} if route == "chat" else {"prompt": "Answer:"}
+        r = httpx.post(server.url(f"/v1/{route.replace('chat', 'chat/completions')}"),
+                       json={"model": MODEL, "max_tokens": 5, **prompt, **body}, timeout=60)
+        assert r.status_code == 400, (param, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and message in err["message"], err
+    assert server.proc.poll() is None
+    r = httpx.post(server.url("/v1/chat/completions"), timeout=60, json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 20, "guided_grammar": _chained(5)})
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"]
+    assert text.startswith(("x0", "y0")), text
+
+
 # ---- reasoning ----------------------------------------------------------------------------------
 def _end_id(srv) -> int:
     ids = httpx.post(srv.url("/tokenize"), json={"prompt": "</think>", "add_special_tokens": False}).json()["tokens"]

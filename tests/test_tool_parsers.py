@@ -403,3 +403,69 @@ def test_constrained_required():
     assert got.content is None
     content, streamed = stream(ConstrainedToolStream("required"), list(text))
     assert content == "" and [(n, a) for _, n, a in streamed] == [("get_weather", '{"city": "Oslo"}'), ("ping", "{}")]
+
+
+# -- "required" cut short by max_tokens: the complete calls, never a partial call as content ----------
+
+TRUNCATED = ('[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "ping", "parameters": {}}, '
+             '{"name": "get_wea')
+
+
+def test_required_truncated_keeps_complete_calls_and_no_content():
+    got = ConstrainedToolStream("required").extract(TRUNCATED)
+    assert [(c.name, c.arguments) for c in got.tool_calls] == [("get_weather", '{"city":"Oslo"}'), ("ping", "{}")]
+    assert got.content is None
+    # Cut inside the arguments of the third call, or between calls: the same.
+    for cut_text in ('[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {"x": [1, 2',
+                     '[{"name": "a", "parameters": {}},', '[{"name": "a", "parameters": {}} '):
+        got = ConstrainedToolStream("required").extract(cut_text)
+        assert [c.name for c in got.tool_calls] == ["a"] and got.content is None, cut_text
+    # No call complete yet: no calls and still no content.
+    got = ConstrainedToolStream("required").extract('[{"name": "get_weather", "param')
+    assert not got.tools_called and got.content is None
+    # Streamed: no content either; the calls whose names went out are closed.
+    content, streamed = stream(ConstrainedToolStream("required"), list(TRUNCATED))
+    assert content == "" and [n for _, n, _ in streamed] == ["get_weather", "ping", "get_wea"][:len(streamed)]
+    assert [(n, json.loads(a)) for _, n, a in streamed[:2]] == [("get_weather", {"city": "Oslo"}), ("ping", {})]
+    # Text after a closed array, or an output that is no array at all, is content as before.
+    got = ConstrainedToolStream("required").extract('[{"name": "a", "parameters": {}}] done')
+    assert [c.name for c in got.tool_calls] == ["a"] and got.content == "done"
+    assert ConstrainedToolStream("required").extract("no array").content == "no array"
+
+
+def test_chat_splitter_drops_a_cut_call():
+    """The response path (ChoiceSplitter.whole): the cut call is not content, also with no call complete."""
+    from tokenmill.serve.chat_output import ChatPlan
+
+    plan = ChatPlan(tools=[tool("get_weather", WEATHER), tool("ping")], tool_choice="required")
+    reasoning, content, found = plan.splitter().whole(TRUNCATED)
+    assert content is None and [c.function.name for c in found] == ["get_weather", "ping"]
+    assert plan.splitter().whole('[{"name": "get_weather", "param')[1:] == (None, [])
+    assert plan.finish_reason("length", True) == "length"  # cut short: not "tool_calls"
+    splitter = plan.splitter()
+    parts = [splitter.feed(c) for c in TRUNCATED] + [splitter.flush()]
+    assert all(p.content is None for p in parts)
+
+
+@SETTINGS
+@given(made=calls("parameters"), lead=st.sampled_from(["", " ", "\n"]), data=st.data())
+def test_required_cut_anywhere(made, lead, data):
+    """Any prefix of a required output: extract has exactly the calls complete in it and no content; the
+    stream sends no content and its calls are those, maybe followed by the cut one."""
+    assume(made)
+    raws = [raw for _, _, raw in made]
+    out = lead + "[" + ",".join(raws) + "]"
+    at = data.draw(st.integers(0, len(out) - 1))
+    text = out[:at]
+    ends, pos = [], len(lead) + 1
+    for raw in raws:
+        ends.append(pos + len(raw))
+        pos += len(raw) + 1
+    complete = [(n, a) for (n, a, _), end in zip(made, ends) if end <= at]
+    got = ConstrainedToolStream("required").extract(text)
+    assert got.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == complete
+    content, streamed = stream(ConstrainedToolStream("required"), chunked(data, text))
+    assert content == ""
+    assert [(n, json.loads(a)) for _, n, a in streamed[:len(complete)]] == complete
+    assert len(streamed) <= len(complete) + 1

@@ -107,7 +107,7 @@ class ChoiceSplitter:
         calls: list[ToolCall] = []
         if self.tools is not None and content:
             got = self.tools.extract(content)
-            if got.tools_called:
+            if got.tools_called or self.tools.owns_output:
                 content = got.content
                 found = got.tool_calls if self.parallel else got.tool_calls[:1]
                 calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in found]

@@ -70,10 +70,12 @@ def request_constraint(req) -> tuple[StructuredOutputsParams | None, str | None]
 
 
 async def check_constraint(state, so: StructuredOutputsParams, param: str) -> None:
-    """Compile-check the grammar in a worker thread (with a timeout): a bad one is a 400 naming the problem."""
-    from tokenmill.structured_output.grammar import validate
+    """Check the grammar off the event loop: its limits, then llguidance's compile check in a worker process
+    (with a timeout). A bad one, or one over a limit, is a 400 naming the problem."""
+    from tokenmill.structured_output.grammar import spec, validate
 
     try:
-        await state.run_blocking(validate, so, size=len(so.spec()[1]))  # a large grammar checks in the slow lane
+        size = len(spec(so)[1])
+        await state.run_blocking(validate, so, size=size)  # a large grammar checks in the slow lane
     except ValueError as e:
         raise bad_request(" ".join(str(e).split()), param) from None

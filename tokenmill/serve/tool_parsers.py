@@ -122,6 +122,9 @@ class ToolParser(ABC):
     name: ClassVar[str] = ""
     # states after a call object: complete, not a call (its text is content), broken after its name went out
     after_call: ClassVar[tuple[str, str, str]] = ("comma", "text", "text")
+    # The output was generated for this parser (under a grammar): its content is what `extract` says even
+    # when it finds no call (a cut-short call is not content). Parsers of free text keep the text instead.
+    owns_output: ClassVar[bool] = False
 
     def __init__(self, tokenizer=None) -> None:
         self.tokenizer = tokenizer

@@ -90,9 +90,15 @@ class ConstrainedToolStream(ToolParser):
     """Reads output generated under tool_choice_schema. Named: the whole output is the function's
     arguments (sent as they arrive, after a first delta with the id and name); an output that is not
     JSON is passed on as it is. "required": the JSON array, one call per element, arguments = its
-    "parameters"; anything that is not part of a call is content."""
+    "parameters". The grammar lets nothing but calls into the array, so whatever in it is not a complete
+    call is a call cut short (by max_tokens): it is dropped, never passed off as content, and so is the
+    rest of the output. A stream may already have sent the cut call's name and the start of its
+    arguments (it sends them as they are generated); a whole response has only the complete calls.
+    Text after the closed array, or an output that is not an array at all, is content."""
 
     name = "constrained"
+    owns_output = True
+    after_call = ("comma", "text", "cut")
 
     def __init__(self, tool_choice, tokenizer=None) -> None:
         super().__init__(tokenizer)
@@ -100,6 +106,7 @@ class ConstrainedToolStream(ToolParser):
         if self.function is None and tool_choice != "required":
             raise ValueError(f"tool_choice {tool_choice!r} does not force a call")
         self._state = "named" if self.function else "open"
+        self._cut = False  # a cut-short call was dropped: the rest of the output goes with it
 
     def extract(self, text: str) -> ExtractedToolCalls:
         if self.function:
@@ -108,12 +115,23 @@ class ConstrainedToolStream(ToolParser):
             except ValueError:
                 arguments = text or "{}"
             return ExtractedToolCalls(True, [ToolCall(self.function, arguments, self.new_id())], None)
-        pieces: list[str] = []
-        calls: list[ToolCall] = []
         j = skip_ws(text, 0)
-        pos = self._extract_array(text, 0, j, pieces, calls) if text.startswith("[", j) else 0
-        pieces.append(text[pos:])
-        return ExtractedToolCalls(bool(calls), calls, "".join(pieces).strip() or None)
+        if not text.startswith("[", j):
+            return ExtractedToolCalls(False, [], text.strip() or None)
+        broken: list[str] = []  # text in the array that is not a call: a call cut short
+        calls: list[ToolCall] = []
+        pos = self._extract_array(text, 0, j, broken, calls)
+        content = None if broken else text[pos:].strip() or None
+        return ExtractedToolCalls(bool(calls), calls, content)
+
+    def _drop_call(self) -> None:
+        # Inside the array: not a call, so a cut one. Drop it and everything after (state "cut" or, where
+        # the caller moves on to "text", the _cut flag).
+        self._call, self._held, self._cut = None, "", True
+
+    def _st_cut(self, final: bool) -> bool:
+        self._buf = ""
+        return False
 
     def _st_named(self, final: bool) -> bool:
         if not self._announced:
@@ -137,6 +155,7 @@ class ConstrainedToolStream(ToolParser):
         return True
 
     def _st_text(self, final: bool) -> bool:
-        self._content(self._buf)
+        if not self._cut:
+            self._content(self._buf)
         self._buf = ""
         return False

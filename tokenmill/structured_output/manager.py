@@ -3,8 +3,12 @@ token bitmask per step for every constrained row of the batch, and advance each 
 the step accepted. Runs next to the scheduler; matchers never leave the core process.
 
 - Compiling runs in a thread pool (llguidance drops the GIL while it builds a matcher); a request waits in
-  the queue until its grammar is ready (`ready`), so a slow grammar never stalls anyone else's step.
-- Compiled grammars are cached by (kind, canonical text): a repeat costs one `deep_copy`.
+  the queue until its grammar is ready (`ready`), so a slow grammar never stalls anyone else's step. The
+  grammar text is made there too (`to_grammar`: GBNF is converted in Python, and the limits of checker.py
+  are checked, so nothing that could overflow the compile's stack reaches llguidance), and the threads have
+  a 64 MiB stack (checker.COMPILE_STACK_BYTES), 8x that of the caller's check.
+- Compiled grammars are cached by (kind, canonical text): a repeat costs one `deep_copy`. A compile whose
+  requests were all aborted still lands in the cache.
 - A matcher holds exactly the request's accepted output: preemption by recompute keeps the tokens, so it
   keeps the matcher; drafts are masked ahead and rolled back inside llguidance, never consumed.
 - EOS is in the mask only where the grammar accepts; once the grammar can take nothing but EOS the request
@@ -21,6 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tokenmill.structured_output.checker import COMPILE_STACK_BYTES, StackPool
 from tokenmill.structured_output.grammar import to_grammar
 
 log = logging.getLogger(__name__)
@@ -59,7 +64,7 @@ class StructuredOutputManager:
         self._lltok = None
         self._eos_set: frozenset[int] = frozenset()
         self._tok_lock = threading.Lock()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool: StackPool | None = None
         self._executor = None  # llguidance.LLExecutor: fills bitmask rows in parallel
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._compiling: dict[tuple[str, str], concurrent.futures.Future] = {}
@@ -78,6 +83,10 @@ class StructuredOutputManager:
                                                            eos_token=eos or None)
                 self._eos_set = frozenset(self._lltok.eos_tokens)
             return self._lltok
+
+    def _build(self, so) -> Any:
+        """The compile thread's work: the grammar text (limits checked), then the matcher."""
+        return self._compile(to_grammar(so))
 
     def _compile(self, grammar: str) -> Any:
         import time
@@ -103,23 +112,18 @@ class StructuredOutputManager:
             return
         future = self._compiling.get(g.key)
         if future is None:
-            try:
-                grammar = to_grammar(so)
-            except ValueError as e:
-                g.error = str(e)
-                self._pending.append(req)
-                return
             if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
-            future = self._compiling[g.key] = self._pool.submit(self._compile, grammar)
+                self._pool = StackPool(COMPILE_THREADS, COMPILE_STACK_BYTES, "grammar")
+            future = self._compiling[g.key] = self._pool.submit(self._build, so)
             self.stats.compiles += 1
         g.future = future
         self._pending.append(req)
 
     def poll(self) -> list:
         """Finish the compiles that are done; returns the requests whose grammar failed (the core ends them)."""
-        if not self._pending:
+        if not self._pending and not self._compiling:
             return []
+        self._finish_compiles()
         failed, still = [], []
         for req in self._pending:
             g = req.grammar
@@ -129,22 +133,31 @@ class StructuredOutputManager:
                 still.append(req)
                 continue
             if g.error is None:
-                self._compiling.pop(g.key, None)
                 try:
                     template = g.future.result()
                 except Exception as e:
                     g.error = f"the structured output constraint did not compile: {e}"
                 else:
-                    self._cache[g.key] = template
-                    self._cache.move_to_end(g.key)
-                    while len(self._cache) > CACHE_SIZE:
-                        self._cache.popitem(last=False)
                     g.matcher = template.deep_copy()
                 g.future = None
             if g.error is not None:
                 failed.append(req)
         self._pending = still
         return failed
+
+    def _finish_compiles(self) -> None:
+        """Take every finished compile out of `_compiling` and cache it, whether or not a request still waits
+        for it: a compile whose requests were all aborted would otherwise stay there (and uncached) forever."""
+        for key, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[key]
+            if future.cancelled() or future.exception() is not None:
+                continue
+            self._cache[key] = future.result()
+            self._cache.move_to_end(key)
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
 
     @property
     def num_compiling(self) -> int:
