@@ -271,8 +271,8 @@ def add_serve_parser(subparsers) -> None:
                    help="Require 'Authorization: Bearer KEY' on every route but /health, /version and /metrics "
                         "(default: $TOKENMILL_API_KEY, else none).")
     g.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                   help="Model name(s) clients use; the first one is reported back "
-                        "(default: the MODEL argument, or SmolLM2-135M-Instruct for the embedded model).")
+                   help="Model name(s) clients use; the first one is reported back (default: the MODEL's folder or "
+                        "file name without its path and .gguf, or SmolLM2-135M-Instruct for the embedded model).")
     g.add_argument("--chat-template", metavar="FILE_OR_TEXT",
                    help="Jinja chat template (a file or the text) to use instead of the model's.")
     g.add_argument("--max-waiting-requests", type=int, metavar="N",
@@ -294,6 +294,13 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--max-input-chars", type=int, default=0, metavar="N",
                    help="Most characters of text one request may ask to tokenize (prompt, messages, /tokenize); longer "
                         "text is refused before it is read (default: 32 x max_model_len).")
+    g.add_argument("--max-logit-bias", type=int, default=1024, metavar="N",
+                   help="Most logit_bias entries one request may give; the sampler reads them at every step of "
+                        "every sequence (default: %(default)s; OpenAI allows 300).")
+    g.add_argument("--max-stop-token-ids", type=int, default=1024, metavar="N",
+                   help="Most stop_token_ids one request may give (default: %(default)s).")
+    g.add_argument("--max-prompts", type=int, default=1024, metavar="N",
+                   help="Most prompts in one /v1/completions request (default: %(default)s).")
     g.add_argument("--protect-metrics", action="store_true",
                    help="Require the API key on /metrics too (default: open, like /health, as in vLLM).")
     g.add_argument("--request-header-timeout", type=float, default=10.0, metavar="SECONDS",

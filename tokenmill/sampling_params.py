@@ -101,8 +101,8 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k == -1:
             self.top_k = 0
-        if self.logit_bias:
-            try:  # JSON gives the ids as strings
+        if self.logit_bias and not all(type(k) is int for k in self.logit_bias):
+            try:  # JSON gives the ids as strings; int keys keep their dict, so replace() shares it, never copies
                 self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
                 raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)[:3]!r}.") from None

@@ -4,9 +4,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,7 +38,8 @@ LARGE_BODY = 1 << 16  # bytes: larger bodies are parsed in the slow lane
 
 
 async def parse_body(raw: Request, model: type[T]) -> T:
-    """JSON that does not parse is a 400; JSON of the wrong shape is a 422 naming the field."""
+    """JSON that does not parse, text that is not valid Unicode and JSON of the wrong shape are 400s, the
+    last two naming the field."""
     body = await raw.body()
     if len(body) > LARGE_BODY:  # parsed in the slow lane, so the event loop keeps streaming others' tokens
         return await raw.app.state.tokenmill.run_blocking(_parse, body, model, size=len(body))
@@ -51,13 +53,55 @@ def _parse(body: bytes, model: type[T]) -> T:
         raise APIError(400, f"We could not parse the JSON body of your request: {e}", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.", None, "invalid_json")
+    if _MAY_HOLD_SURROGATES.search(body):
+        check_unicode(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e.errors(include_url=False)) from None
 
 
+# JSON spells a lone surrogate as an escape (\ud800..\udfff), or as its UTF-8-style bytes, which json.loads decodes
+# with "surrogatepass". Bodies with neither (nearly all) skip the walk below.
+_MAY_HOLD_SURROGATES = re.compile(rb"\\[uU][dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def check_unicode(data: Any) -> None:
+    """Every string of parsed JSON (keys too) must be encodable as UTF-8: a lone surrogate would otherwise fail
+    later, in the tokenizer or while writing the answer (a 500 on `model`). One walk here covers every route
+    and field; iterative, as the nesting may be deep."""
+    stack: list[tuple[tuple, Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, path + (key,))
+                if isinstance(item, (str, dict, list)):
+                    stack.append((path + (key,), item))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, (str, dict, list)):
+                    stack.append((path + (i,), item))
+
+
+def _check_text(text: str, path: tuple) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        param = ".".join(str(p).encode("utf-8", "backslashreplace").decode() for p in path) or None
+        raise bad_request(f"{param or 'The request'} contains text that is not valid Unicode: a lone surrogate "
+                          f"U+{ord(text[e.start]):04X} at character {e.start}.", param) from None
+
+
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"}
+# What a pydantic type error expected, in OpenAI's words ("Invalid type for 'n': expected an integer, ...").
+_EXPECTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean", "string_type": "a string",
+             "list_type": "an array", "dict_type": "an object", "model_type": "an object",
+             "model_attributes_type": "an object"}
 
 
 def _field_path(loc) -> str:
@@ -66,13 +110,31 @@ def _field_path(loc) -> str:
     return ".".join(p for p in parts if p not in _TYPE_TAGS and "[" not in p)
 
 
+def _json_kind(value: Any) -> str:
+    for kind, name in ((bool, "a boolean"), (int, "an integer"), (float, "a decimal number"), (str, "a string"),
+                       (list, "an array"), (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+def _message(loc: str, errs: list[dict]) -> str:
+    expected = [_EXPECTED.get(e.get("type")) for e in errs]
+    if loc and all(expected):
+        wanted = " or ".join(dict.fromkeys(expected))
+        return f"Invalid type for '{loc}': expected {wanted}, but got {_json_kind(errs[0].get('input'))} instead"
+    msg = str(errs[0].get("msg"))
+    return f"{loc}: {msg}" if loc else msg
+
+
 def validation_error(errors) -> APIError:
-    seen: dict[str, str] = {}
+    """A 400 (as OpenAI and vLLM answer a wrong type) whose `param` is the first bad field's path."""
+    by_loc: dict[str, list[dict]] = {}
     for err in errors:
-        seen.setdefault(_field_path(err.get("loc", ())), str(err.get("msg")))
-    parts = [f"{loc}: {msg}" if loc else msg for loc, msg in list(seen.items())[:5]]
-    param = next(iter(seen), None) or None
-    return APIError(422, "; ".join(parts) or "invalid request", param, "invalid_type")
+        by_loc.setdefault(_field_path(err.get("loc", ())), []).append(err)
+    parts = [_message(loc, errs) for loc, errs in list(by_loc.items())[:5]]
+    param = next(iter(by_loc), None) or None
+    return APIError(400, "; ".join(parts) + "." if parts else "Invalid request.", param, "invalid_type")
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -142,7 +204,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return await create_chat_completion(state, await parse_body(raw, ChatCompletionRequest), raw, arrival)
 
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, created=created, root=state.settings.model_path,
+        # root is the served name too, never the model's filesystem path (which says where the server keeps its
+        # files); parent is null: no LoRA adapters here.
+        return ModelCard(id=name, created=created, root=state.model_name, parent=None,
                          max_model_len=state.engine.max_model_len)
 
     @app.get("/v1/models")
@@ -152,7 +216,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         state.check_model(model_id)
-        return card(model_id)
+        # An alias (the MODEL argument as given) is accepted but never echoed: the card names the served model.
+        return card(model_id if model_id in state.settings.served_model_names else state.model_name)
 
     @app.get("/health")
     async def health():

@@ -17,15 +17,21 @@ from tokenmill.serve.generation import (DONE, SSEResponse, Submission, error_eve
 from tokenmill.serve.logprobs import chat_logprobs
 from tokenmill.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                       ChatDelta, ChatResponseMessage, ChatStreamChoice)
-from tokenmill.serve.sampling import build_sampling_params, check_input_chars, check_request_budget
-from tokenmill.serve.state import ServerState
+from tokenmill.serve.sampling import build_sampling_params, check_input_chars, check_lists
+from tokenmill.serve.state import LARGE_INPUT, ServerState
 from tokenmill.serve.structured import check_constraint, request_constraint
+
+
+# Characters the chat template adds around each message (role markers): a list of many empty messages is still
+# work to render, so it counts towards the slow lane and --max-input-chars.
+MESSAGE_OVERHEAD = 16
 
 
 def message_chars(req) -> int:
     """The text a chat request asks us to render and tokenize: message contents, tool calls and tools."""
     total = 0
     for m in req.messages or ():
+        total += MESSAGE_OVERHEAD
         if isinstance(m.content, str):
             total += len(m.content)
         elif m.content:
@@ -70,6 +76,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             raise bad_request(f"{so_param} cannot be combined with tool_choice {req.tool_choice!r}: the tool call "
                               "is the output's format.", so_param)
         so, so_param = StructuredOutputsParams(json=plan.tool_schema()), "tools"
+    check_lists(req, state.limits)  # cheap refusals before the template renders
     text, ids = await chat_prompt(state, req, req.add_generation_prompt, req.continue_final_message)
     reasoning = plan.reasoning()
     if reasoning is not None:
@@ -79,15 +86,23 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
             so.start_after_token_ids = tuple(reasoning.end_token_ids())
     if so is not None:
         await check_constraint(state, so, so_param)
-    params = build_sampling_params(req, len(ids), state.limits, so)
-    check_request_budget([len(ids)], [params], state.limits)
+    params = build_sampling_params(req, [len(ids)], state.limits, so)
     state.check_capacity()
     sub = Submission(state.engine, [ids], [text], [params], req.priority, arrival_time)
-    sub.start()
+    await sub.start()
     if req.stream:
         return SSEResponse(_stream(state, req, sub, model, plan))
     await sub.run_to_end(raw)
-    return Response(_response(state, req, sub, model, plan).model_dump_json(), media_type="application/json")
+    # Many logprobs (n x max_tokens x top_logprobs) are built in the slow lane, off the event loop.
+    size = sum(len(c.token_ids) for c in sub.choices) * ((req.top_logprobs or 0) + 1) if req.logprobs else 0
+    return Response(await state.run_blocking(_response_json, state, req, sub, model, plan, size=size)
+                    if size > LARGE_INPUT else _response_json(state, req, sub, model, plan),
+                    media_type="application/json")
+
+
+def _response_json(state: ServerState, req: ChatCompletionRequest, sub: Submission, model: str,
+                   plan: ChatPlan) -> str:
+    return _response(state, req, sub, model, plan).model_dump_json()
 
 
 def _response(state: ServerState, req: ChatCompletionRequest, sub: Submission, model: str,

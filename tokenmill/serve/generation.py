@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -18,6 +18,7 @@ from tokenmill.serve.errors import APIError
 from tokenmill.serve.protocol import PromptTokensDetails, Usage
 
 DONE = "data: [DONE]\n\n"
+ADMIT_SLICE_S = 0.005  # Submission.start holds the event loop at most about this long at a time
 
 
 def random_id(prefix: str) -> str:
@@ -78,10 +79,21 @@ class Submission:
         # When the HTTP request arrived (time.monotonic()): the server's TTFT and E2E latency start here.
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
 
-    def start(self) -> None:
-        for p, (prompt, params) in enumerate(zip(self.prompts, self.params)):
-            self.engine.add_request(self.request_ids[p], prompt.token_ids, params, self.queue, tag=p,
-                                    priority=self.priority, arrival_time=self.arrival_time, prompt=prompt.text)
+    async def start(self) -> None:
+        """Add one engine request per prompt. Admitting a batch of many prompts (each checked, then sent to the
+        core once per sequence) yields to the event loop every few milliseconds, so /health and other requests'
+        streams never wait for all of it."""
+        last_yield = time.monotonic()
+        try:
+            for p, (prompt, params) in enumerate(zip(self.prompts, self.params)):
+                self.engine.add_request(self.request_ids[p], prompt.token_ids, params, self.queue, tag=p,
+                                        priority=self.priority, arrival_time=self.arrival_time, prompt=prompt.text)
+                if time.monotonic() - last_yield > ADMIT_SLICE_S:
+                    await asyncio.sleep(0)
+                    last_yield = time.monotonic()
+        except BaseException:  # cancelled half-way (the client left): nothing already added may run unread
+            self.abort()
+            raise
 
     @property
     def finished(self) -> bool:
@@ -162,9 +174,18 @@ class SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def token_decoder(tokenizer):
-    """Text of a single token id, for logprob entries that lack it."""
-    return lambda t: tokenizer.decode([t])
+def token_decoder(tokenizer) -> Callable[[int], str]:
+    """Text of a single token id, for logprob entries that lack it. Memoized for one response: logprobs repeat
+    the same ids (the top alternatives, n copies of an echoed prompt), at most a vocabulary's worth of calls."""
+    cache: dict[int, str] = {}
+
+    def decode(t: int) -> str:
+        text = cache.get(t)
+        if text is None:
+            text = cache[t] = tokenizer.decode([t])
+        return text
+
+    return decode
 
 
 def error_event(e: APIError) -> str:

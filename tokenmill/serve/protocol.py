@@ -1,15 +1,21 @@
 """OpenAI (and vLLM-extension) request and response schemas.
 
-Requests check types only; value ranges are checked where SamplingParams is built, so a bad type is a
-422 and a bad value is a 400 naming the parameter. Unknown fields are ignored, as OpenAI does.
+Requests check types only; value ranges are checked where SamplingParams is built. Either is a 400 naming
+the parameter, as OpenAI answers. Types are strict where OpenAI's are: an integer field takes no string, bool
+or float (`n: "2"`, `n: true`, `n: 1.0`), a bool no string or number, a float an int but no string or bool.
+Unknown fields are ignored, as OpenAI does.
 """
 from __future__ import annotations
 
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
+# Request field types: pydantic's lax mode would turn "2", true or 2.0 into an int and "true" or 1 into a bool.
+Int = StrictInt
+Float = StrictFloat  # an int is still a valid float, as for OpenAI
+Bool = StrictBool
 TokenIds = list[StrictInt]
 
 
@@ -22,14 +28,14 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class JsonSchemaFormat(_Request):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class ResponseFormat(_Request):
@@ -48,36 +54,36 @@ class StructuredOutputsField(_Request):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    json_object: bool | None = None
+    json_object: Bool | None = None
     structural_tag: dict[str, Any] | str | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: Bool = False
 
 
 class _SamplingFields(_Request):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    n: Int = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
+    seed: Int | None = None
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    priority: int = 0
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: Int = 0
+    ignore_eos: Bool = False
+    priority: Int = 0
     stop_token_ids: TokenIds | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: Bool = False
+    skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -90,10 +96,10 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    echo: bool = False
-    logprobs: int | None = None
+    echo: Bool = False
+    logprobs: Int | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
 
 class ContentPart(_Request):
@@ -112,15 +118,15 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: Bool = False
+    top_logprobs: Int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Bool = True
     # vLLM extensions
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -128,9 +134,9 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: Bool | None = None
+    add_generation_prompt: Bool = True
+    return_token_strs: Bool = False
 
 
 class DetokenizeRequest(_Request):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from dataclasses import dataclass
 
@@ -133,10 +134,21 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
 def served_names(args) -> list[str]:
+    """--served-model-name, else the model's name without its path (as vLLM names a hub model by its id, not by
+    the cache folder): a folder's name, a .gguf file's name without the suffix."""
     if args.served_model_name:
         return list(args.served_model_name)
     given = args.model or args.model_pos
-    return [given] if given else [DEFAULT_SERVED_NAME]
+    if not given:
+        return [DEFAULT_SERVED_NAME]
+    name = os.path.basename(os.path.normpath(given))
+    return [name.removesuffix(".gguf") or given]
+
+
+def model_aliases(args, names: list[str]) -> list[str]:
+    """The MODEL argument as given, still accepted as a request's `model` when it is not a served name."""
+    given = args.model or args.model_pos
+    return [given] if given and not args.served_model_name and given not in names else []
 
 
 def serve_main(args, engine_kwargs: dict) -> int:
@@ -153,9 +165,12 @@ def serve_main(args, engine_kwargs: dict) -> int:
         raise ValueError(f"--max-waiting-requests must be non-negative, got {args.max_waiting_requests}.")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be non-negative, got {args.drain_timeout}.")
-    for flag in ("max_n", "max_stop_strings", "max_stop_string_length", "max_logprobs"):
-        if getattr(args, flag) < (0 if flag == "max_logprobs" else 1):
+    for flag in ("max_n", "max_stop_strings", "max_stop_string_length", "max_prompts"):
+        if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}.")
+    for flag in ("max_logprobs", "max_logit_bias", "max_stop_token_ids"):  # 0: the field is refused
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be non-negative, got {getattr(args, flag)}.")
     for flag in ("max_request_tokens", "max_input_chars"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be non-negative (0: derived), got {getattr(args, flag)}.")
@@ -172,9 +187,11 @@ def serve_main(args, engine_kwargs: dict) -> int:
         from tokenmill.serve.reasoning import get_reasoning_parser
 
         get_reasoning_parser(args.reasoning_parser)
+    names = served_names(args)
     settings = ServerSettings(
-        served_model_names=served_names(args),
+        served_model_names=names,
         model_path=engine_kwargs["model"],
+        model_aliases=model_aliases(args, names),
         api_key=args.api_key or None,
         chat_template=load_chat_template(args.chat_template),
         max_waiting_requests=args.max_waiting_requests,
@@ -186,6 +203,9 @@ def serve_main(args, engine_kwargs: dict) -> int:
         max_stop_string_length=args.max_stop_string_length,
         max_request_tokens=args.max_request_tokens,
         max_input_chars=args.max_input_chars,
+        max_logit_bias=args.max_logit_bias,
+        max_stop_token_ids=args.max_stop_token_ids,
+        max_prompts=args.max_prompts,
         protect_metrics=args.protect_metrics,
         request_header_timeout_s=args.request_header_timeout,
         request_body_timeout_s=args.request_body_timeout,

@@ -20,7 +20,10 @@ MiB = 1 << 20
 @dataclass
 class ServerSettings:
     served_model_names: list[str]
-    model_path: str = ""
+    model_path: str = ""  # for the log only: /v1/models never shows it
+    # Other names a request's `model` may use, never listed: the MODEL argument as given (a path), which older
+    # clients send since it used to be the default served name.
+    model_aliases: list[str] = field(default_factory=list)
     kv_store: str | None = None  # a KV producer's block folder, served at POST /v1/kv_blocks
     api_key: str | None = None
     chat_template: str | None = None
@@ -34,6 +37,9 @@ class ServerSettings:
     max_stop_string_length: int = 256
     max_request_tokens: int = 0
     max_input_chars: int = 0
+    max_logit_bias: int = 1024
+    max_stop_token_ids: int = 1024
+    max_prompts: int = 1024
     protect_metrics: bool = False  # /metrics needs the API key too
     request_header_timeout_s: float = 10.0
     request_body_timeout_s: float = 30.0
@@ -79,10 +85,12 @@ class ServerState:
     def limits(self) -> Limits:
         s = self.settings
         return Limits(self.engine.max_model_len, self.engine.vocab_size, s.max_logprobs, s.max_n, s.max_stop_strings,
-                      s.max_stop_string_length, s.max_request_tokens, s.max_input_chars)
+                      s.max_stop_string_length, s.max_request_tokens, s.max_input_chars, s.max_logit_bias,
+                      s.max_stop_token_ids, s.max_prompts)
 
     def check_model(self, requested: str | None) -> str:
-        if requested is None or requested in self.settings.served_model_names:
+        if requested is None or requested in self.settings.served_model_names or \
+                requested in self.settings.model_aliases:
             return self.model_name
         raise APIError(404, f"The model `{requested}` does not exist.", "model", "model_not_found")
 
