@@ -179,7 +179,7 @@ def test_n_and_the_request_token_budget_bound_one_request(server, baseline):
                    json={**COMPLETION, "prompt": ["a b c"] * 16, "max_tokens": 300})
     assert_400(r, "max_tokens", "over all prompts")
     # Without max_tokens, chat gives each of the n sequences its share of the budget (bounded, not refused).
-    r = httpx.post(server.url("/v1/chat/completions"), headers=server.headers,
+    r = httpx.post(server.url("/v1/chat/completions"), headers=server.headers, timeout=120,  # 4k tokens of work
                    json={**CHAT, "max_tokens": None, "n": 16, "ignore_eos": True, "temperature": 0.5})
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]

@@ -53,6 +53,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
+        # Looked up for every new token: a set, built once (the list can hold up to --max-stop-token-ids ids).
+        self.stop_token_ids: frozenset[int] = frozenset(self.params.stop_token_ids or ())
         self.num_prompt_tokens = len(self.prompt_token_ids)
         # What the worker holds of this request (see core/batch.py): None until sent, and again after a
         # preemption; else (tokens, blocks) it has.

@@ -460,7 +460,7 @@ class Scheduler:
             if req.num_output_tokens >= p.min_tokens:
                 if not p.ignore_eos and tok in req.eos_token_ids:
                     status = RequestStatus.FINISHED_STOPPED
-                elif tok in p.stop_token_ids:
+                elif tok in req.stop_token_ids:
                     status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
             if status is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
                 status = RequestStatus.FINISHED_LENGTH
