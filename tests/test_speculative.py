@@ -128,6 +128,79 @@ def test_sampling_with_a_different_draft_runs_and_is_seeded(target, small_draft)
     assert st.num_draft_tokens > 0 and st.num_accepted_tokens < st.num_draft_tokens
 
 
+def _boundary_cases(llm: LLM, prompts: list[str]) -> tuple[list[str], list[SamplingParams], list[int]]:
+    """(prompt, params, stop token) per case: for each output position p (3..19) whose greedy token x is new
+    to the output, stop on x with min_tokens p or p - 2. Plain decoding then stops at p, so a speculative
+    step whose rows straddle min_tokens must ban x on its earlier rows only."""
+    free = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    cases = ([], [], [])
+    for prompt, o in zip(prompts, llm.generate(prompts, free, use_tqdm=False)):
+        out = o.outputs[0].token_ids
+        for p in range(3, 20):
+            if out[p] not in out[:p]:
+                for m in (p, p - 2):
+                    cases[0].append(prompt)
+                    cases[1].append(SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, min_tokens=m,
+                                                   stop_token_ids=[out[p]], logprobs=1))
+                    cases[2].append(out[p])
+    return cases
+
+
+@pytest.mark.parametrize("name", ["ngram", "self_draft"])
+def test_min_tokens_bans_stop_tokens_by_each_verification_rows_position(target, small_draft, name):
+    """Row j of a request verifying k drafts scores output token num_output_tokens + j: min_tokens bans
+    stop ids there only while that number is below min_tokens, so output equals plain decoding's."""
+    plain = LLM(target, **KV)
+    # The prompts again after their own output: n-gram lookups then propose the continuation.
+    prompts = PROMPTS + [p + o.outputs[0].text + " " + p for p, o in
+                         zip(PROMPTS, plain.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0),
+                                                     use_tqdm=False))]
+    prompts, params, _ = _boundary_cases(plain, prompts)
+    base = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm, out = run(target, methods(target, small_draft)[name], params, prompts)
+    assert_same_outputs(base, out, f"min_tokens/{name}")
+    assert [o.finish_reason for o in base] == [o.finish_reason for o in out]
+    assert llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+
+
+def test_min_tokens_bans_eos_by_each_verification_rows_position(target, tmp_path):
+    """The same with EOS: a copy of the target whose generation_config makes a token greedy decoding
+    produces an EOS, with min_tokens just before it."""
+    import json
+    import shutil
+
+    plain = LLM(target, **KV)
+    prompts, params, stops = _boundary_cases(plain, PROMPTS)
+    model = tmp_path / "eos_model"
+    shutil.copytree(target, model)
+    eos = sorted(set(stops))
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    params = [SamplingParams(max_tokens=32, temperature=0, min_tokens=p.min_tokens, logprobs=1) for p in params]
+    base = [o.outputs[0] for o in LLM(str(model), **KV).generate(prompts, params, use_tqdm=False)]
+    assert any(o.finish_reason == "stop" for o in base)
+    _, out = run(str(model), {"method": "draft_model", "model": str(model), "num_speculative_tokens": 4}, params,
+                 prompts)
+    assert_same_outputs(base, out, "min_tokens/eos")
+
+
+@pytest.mark.parametrize("mode", ["plain", "preempted"])
+def test_penalties_count_drafts_as_output_per_row(target, mode):
+    """Greedy with every penalty: row j's counts include the j drafts before it (incremental counts plus
+    the drafts), and a preempted request's counts are rebuilt from its tokens."""
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                            frequency_penalty=0.4, presence_penalty=0.3, logprobs=2)
+    kw = {} if mode == "plain" else dict(num_gpu_blocks_override=44, block_size=4, max_num_batched_tokens=32,
+                                         max_model_len=160)
+    base = [o.outputs[0] for o in LLM(target, **KV).generate(PROMPTS, params, use_tqdm=False)]
+    llm, out = run(target, {"method": "draft_model", "model": target, "num_speculative_tokens": 4}, params, **kw)
+    assert_same_outputs(base, out, f"penalties/{mode}")
+    st = llm.engine.core.scheduler.spec_stats
+    # The draft is the target without penalties: some drafts pass, so rows beyond the first are sampled.
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    if mode == "preempted":
+        assert llm.engine.core.scheduler.num_preemptions > 0
+
+
 def test_abort_mid_generation_frees_blocks(target):
     llm = LLM(target, speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 3,
                                           "adaptive": False}, **KV)

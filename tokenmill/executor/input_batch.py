@@ -13,6 +13,8 @@ import torch
 
 from tokenmill.core.batch import ScheduledBatch
 from tokenmill.layers.attention_backends.base import BatchLayout
+from tokenmill.sample.sampler import SamplingMetadata
+from tokenmill.sample.state import SamplingState
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -26,22 +28,11 @@ class CachedRequestState:
     params: SamplingParams
     generator: torch.Generator | None
     eos_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        self.prompt_token_ids = self.token_ids[: self.num_prompt_tokens]  # for penalties, without a copy per step
+    sampling_slot: int = -1  # the request's slot in InputBatch.sampling
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    def banned_tokens(self) -> list[int]:
-        """Stop tokens and EOS may not end the output before min_tokens."""
-        if self.num_output_tokens >= self.params.min_tokens:
-            return []
-        banned = list(self.params.stop_token_ids)
-        if not self.params.ignore_eos:
-            banned.extend(self.eos_token_ids)
-        return banned
 
 
 @dataclass
@@ -59,25 +50,53 @@ class StepInputs:
 
 
 class InputBatch:
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, vocab_size: int) -> None:
         self.block_size = block_size
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}
+        # Sampling parameters as tensors, converted once per request here and then updated in place with
+        # the accepted tokens, so a step's sampling costs no more for a large logit_bias, stop list or history.
+        self.sampling = SamplingState(vocab_size, device)
 
     def update(self, batch: ScheduledBatch) -> None:
         for rid in batch.finished_req_ids:
-            self.requests.pop(rid, None)
+            self._remove(rid)
         for new in batch.new_requests:
+            self._remove(new.req_id)  # resumed after a preemption: its state is rebuilt from its tokens
             gen = torch.Generator(self.device).manual_seed(new.seed) if new.seed is not None else None
-            self.requests[new.req_id] = CachedRequestState(
+            state = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
                 new.num_computed_tokens, new.params, gen, tuple(new.eos_token_ids))
+            state.sampling_slot = self.sampling.add(new.params, state.token_ids, new.num_prompt_tokens,
+                                                    state.eos_token_ids)
+            self.requests[new.req_id] = state
+        grown: list[tuple[CachedRequestState, list[int]]] = []
         for c in batch.cached_requests:
             state = self.requests[c.req_id]
             state.token_ids.extend(c.new_token_ids)
             del state.block_ids[c.block_table_len - len(c.new_block_ids):]
             state.block_ids.extend(c.new_block_ids)
             state.num_computed_tokens = c.num_computed_tokens
+            if c.new_token_ids:
+                grown.append((state, c.new_token_ids))
+        if grown:
+            self.sampling.append([s.sampling_slot for s, _ in grown], [t for _, t in grown],
+                                 [s.num_output_tokens for s, _ in grown])
+
+    def _remove(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self.sampling.remove(state.sampling_slot)
+
+    def sampling_metadata(self, inp: StepInputs) -> SamplingMetadata:
+        """The step's sampling tensors, gathered from the requests' slots (see sample/state.py)."""
+        reqs = inp.requests
+        B = len(reqs)
+        return self.sampling.metadata(
+            np.fromiter((r.sampling_slot for r in reqs), np.int64, B),
+            np.asarray(inp.rows_per_request, dtype=np.int64),
+            np.fromiter((r.num_output_tokens for r in reqs), np.int64, B),
+            inp.spec, [r.generator for r in reqs])
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Packed token ids and positions, the block table as one array, slots, and sampled rows. Built with

@@ -19,6 +19,7 @@ from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend
 from tokenmill.sample.rejection_sampler import rejection_sample
 from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, target_distribution
+from tokenmill.testing import faults
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class ModelRunner:
         self.device = device
         self.backend = backend
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        self.input_batch = InputBatch(block_size, device)
+        self.input_batch = InputBatch(block_size, device, vocab_size)
         self.sampler = Sampler()
         self.spec = spec  # spec_decode.decoder.SpecDecoder: proposes each request's next drafts
         self.num_blocks = 0
@@ -193,31 +194,28 @@ class ModelRunner:
         return result
 
     def _sampling_metadata(self, inp: StepInputs, batch: ScheduledBatch) -> SamplingMetadata:
-        """One row per sampled row: a draft row's penalties count the drafts before it as output."""
-        params, prompts, outputs, gens, banned = [], [], [], [], []
-        grammar_rows, bitmask_rows = [], []  # sampled rows under a grammar, and their rows of the bitmask
-        for r, rows, spec in zip(inp.requests, inp.rows_per_request, inp.spec):
-            out_ids = r.token_ids[r.num_prompt_tokens:]
-            ban = r.banned_tokens()
-            first = batch.structured_output_rows.get(r.req_id)
-            if first is not None and rows:
-                grammar_rows.extend(range(len(params), len(params) + rows))
-                bitmask_rows.extend(range(first, first + rows))
-            for j in range(rows):
-                params.append(r.params)
-                prompts.append(r.prompt_token_ids)
-                outputs.append(out_ids + spec[:j] if j else out_ids)
-                gens.append(r.generator)
-                banned.append(ban)
-        meta = SamplingMetadata.build(params, prompts, outputs, gens, banned, self.vocab_size, self.device)
-        if grammar_rows:
-            bitmask = torch.from_numpy(batch.grammar_bitmask)
-            meta.grammar_rows = torch.tensor(grammar_rows, dtype=torch.long, device=self.device)
-            meta.grammar_bitmask = bitmask[torch.tensor(bitmask_rows, dtype=torch.long)].to(self.device)
+        """One row per sampled row, gathered from the state the input batch converted at admission: a
+        draft row's penalties count the drafts before it as output, and min_tokens bans stop tokens and
+        EOS on each row by the output position that row scores."""
+        meta = self.input_batch.sampling_metadata(inp)
+        if batch.structured_output_rows:
+            grammar_rows, bitmask_rows = [], []  # sampled rows under a grammar, and their rows of the bitmask
+            row = 0
+            for r, rows in zip(inp.requests, inp.rows_per_request):
+                first = batch.structured_output_rows.get(r.req_id)
+                if first is not None and rows:
+                    grammar_rows.extend(range(row, row + rows))
+                    bitmask_rows.extend(range(first, first + rows))
+                row += rows
+            if grammar_rows:
+                bitmask = torch.from_numpy(batch.grammar_bitmask)
+                meta.grammar_rows = torch.tensor(grammar_rows, dtype=torch.long, device=self.device)
+                meta.grammar_bitmask = bitmask[torch.tensor(bitmask_rows, dtype=torch.long)].to(self.device)
         return meta
 
     def _sample(self, logits: torch.Tensor, inp: StepInputs, batch: ScheduledBatch) -> ModelRunnerOutput:
         """Sample every sampled row; a request with drafts has its rows verified against them."""
+        faults.maybe_raise("sample", [r.req_id for r, n in zip(inp.requests, inp.rows_per_request) if n])
         meta = self._sampling_metadata(inp, batch)
         if not batch.spec_token_ids:
             return self._result(inp, self.sampler(logits, meta), None)
