@@ -303,3 +303,32 @@ def test_requests_admitted_with_a_failed_schedule_do_not_read_unwritten_blocks(l
                 done[o.request_id] = [(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs]
     assert done == {"twin-b": expected[0]}
     assert_idle(llm)
+
+
+def test_a_seeded_request_resent_after_a_failed_step_continues_its_random_stream(llm, monkeypatch):
+    """A fault inside the worker (sampling) makes the engine re-send the step's requests to the worker; a
+    seeded sampled request then draws what it would have drawn running uninterrupted (its generator is a
+    function of seed and output position, not restarted from the seed)."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7)
+
+    def gen(victim_at: int | None) -> list[int]:
+        engine.add_request("seeded", None, params, prompt_token_ids=[90 + i for i in range(7)])
+        out, steps, deadline = None, 0, time.monotonic() + DEADLINE_S
+        while engine.has_unfinished_requests():
+            assert time.monotonic() < deadline
+            if steps == victim_at:
+                engine.add_request("victim", None, SamplingParams(max_tokens=3), prompt_token_ids=[5, 6, 7])
+            for o in engine.step():
+                if o.finished and o.request_id == "seeded":
+                    out = o.outputs[0].token_ids
+                elif o.finished:
+                    assert o.outputs[0].finish_reason == "abort"
+            steps += 1
+        return out
+
+    solo = gen(None)
+    monkeypatch.setenv(faults.ENV, "sample=victim")
+    assert gen(victim_at=4) == solo
+    monkeypatch.delenv(faults.ENV)
+    assert_idle(llm)

@@ -26,7 +26,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     params: SamplingParams
-    generator: torch.Generator | None
+    generator: torch.Generator | None  # seeded requests: reseeded by output position before each step's draws
     eos_token_ids: tuple[int, ...] = ()
     sampling_slot: int = -1  # the request's slot in InputBatch.sampling
 
@@ -67,6 +67,7 @@ class InputBatch:
             state = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
                 new.num_computed_tokens, new.params, gen, tuple(new.eos_token_ids))
+            state.seed = new.seed
             state.sampling_slot = self.sampling.add(new.params, state.token_ids, new.num_prompt_tokens,
                                                     state.eos_token_ids)
             self.requests[new.req_id] = state
