@@ -1,11 +1,14 @@
 """AsyncLLMEngine: the server's side of the engine core (which runs in its own process, or a thread).
 
 Callers on an event loop add and abort requests; the processor tokenizes and validates them here and
-the core client carries them to the core. One output thread takes the core's step outputs, runs the
-OutputProcessor (detokenizing, stop strings, logprobs) and hands each event loop its `RequestDelta`s
-with one `call_soon_threadsafe`. If the core dies, every open request ends with an error and
-`is_alive` turns False (the server's /health answers 503): nothing waits forever.
-No torch here.
+the core client carries them to the core. Nothing here blocks the event loop on the core: the client only
+queues messages (its threads move them, see core_client.py), and a full queue refuses the request with a
+503 rather than waiting. One output thread takes the core's step outputs, runs the OutputProcessor
+(detokenizing, stop strings, logprobs) one request at a time, so a failure there ends that request alone,
+and hands each event loop its `RequestDelta`s with one `call_soon_threadsafe`. The lock it shares with the
+event loop is held per request, never across a step (and not while building prompt logprobs). If the core
+dies, every open request ends with an error and `is_alive` turns False (the server's /health answers 503):
+nothing waits forever. No torch here.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 from tokenmill.core.outputs import EngineCoreOutputs, SchedulerStats
-from tokenmill.engine.core_client import CoreClient, CoreDeadError, ThreadCoreClient, make_core_client
+from tokenmill.engine.core_client import CoreBusyError, CoreClient, CoreDeadError, ThreadCoreClient, make_core_client
 from tokenmill.engine.output import (EngineError, FinishedRequest, OutputProcessor, RequestDelta,  # noqa: F401
                                      RequestState, SequenceDelta)
 from tokenmill.engine.processor import ModelFacts, Processor, child_ids
@@ -170,9 +173,15 @@ class AsyncLLMEngine:
             self.output.add_request(request_id, prompt, ids, params, reqs[0].arrival_time,
                                     child_ids(request_id, params.n), sink=(queue, loop, tag))
         try:
-            for r in reqs:
-                self.client.send(("add", r))
-                self._adds_sent += 1
+            self.client.send_requests(reqs)  # queued, never a wait on the core
+            self._adds_sent += len(reqs)
+        except CoreBusyError as e:  # back-pressure: refused now, the caller retries later (503 + Retry-After)
+            log.warning("refusing request %s: %s", request_id, e)
+            with self._lock:
+                self.output.remove(request_id)
+            self._in_flight.discard(request_id)
+            queue.put_nowait(RequestDelta(request_id, tag, [], True, len(ids), error=EngineError(
+                "the server is busy receiving other large requests; please retry shortly.", 503, "overloaded")))
         except CoreDeadError as e:
             self._on_dead(str(e))
 
@@ -182,7 +191,11 @@ class AsyncLLMEngine:
             state = self.output.abort(request_id)
             if state is None:
                 return
-            delta = self.output.make_delta(state, state.sink[2], [], error, force_final=True)
+            try:
+                delta = self.output.make_delta(state, state.sink[2], [], error, force_final=True)
+            except Exception as e:  # its detokenizer is broken: it ends with that error instead
+                self.output.fail(state, e)
+                delta = self.output.make_delta(state, state.sink[2], [], error)
             self.output.remove(request_id)
         self._deliver({state.sink[1]: [(state.sink[0], delta)]})
         self._record_finished([state])
@@ -214,7 +227,8 @@ class AsyncLLMEngine:
             try:
                 msgs = self.client.get(POLL_S)
             except CoreDeadError as e:
-                self._on_dead(str(e))
+                if not (self._stopped or self.client.closed):  # at shutdown the pipe closes on purpose
+                    self._on_dead(str(e))
                 return
             for kind, payload in msgs:
                 try:
@@ -251,21 +265,23 @@ class AsyncLLMEngine:
         batches: dict = defaultdict(list)
         itl: list[float] = []
         done: list[RequestState] = []
+        to_core: list[tuple] = []
         with self._lock:
-            touched, stops = self.output.process_outputs(out.outputs)
-            for state in touched:
-                queue, loop, tag = state.sink
-                delta = self.output.make_delta(state, tag, itl)
-                if delta.sequences or delta.finished or delta.prompt_logprobs:
-                    batches[loop].append((queue, delta))
-                if delta.finished:
-                    self.output.remove(state.request_id)
-                    done.append(state)
-        for child_id, stop in stops:
+            groups = self.output.group(out.outputs)
+        for state, pairs in groups:
+            delta = self._process_request(state, pairs, itl, to_core)
+            if delta is None:
+                continue
+            queue, loop, _ = state.sink
+            if delta.sequences or delta.finished or delta.prompt_logprobs:
+                batches[loop].append((queue, delta))
+            if delta.finished:
+                done.append(state)
+        for msg in to_core:  # stop strings and failures finish sequences in the core (queued, never a wait)
             try:
-                self.client.send(("abort", ([child_id], "stop", stop)))
+                self.client.send(msg)
             except CoreDeadError:
-                pass
+                break
         if out.stats is not None:
             self._stats = out.stats
             self._adds_seen = out.num_added
@@ -274,6 +290,33 @@ class AsyncLLMEngine:
         self._notify(out, itl)
         self._deliver(batches)
         self._record_finished(done)
+
+    def _process_request(self, state: RequestState, pairs: list, itl: list[float],
+                         to_core: list[tuple]) -> RequestDelta | None:
+        """One request's outputs of a step, isolated: if anything in it raises, this request alone ends with a
+        500 and its sequences are aborted in the core (their KV blocks freed); the step's others go on.
+        Returns its delta (None: the event loop aborted it meanwhile)."""
+        try:
+            rows, cause = self.output.prompt_rows(state, pairs), None  # the slow part, outside the lock
+        except Exception as e:
+            rows, cause = None, e
+        with self._lock:
+            if self.output.requests.get(state.request_id) is not state:
+                return None
+            try:
+                if cause is not None:
+                    raise cause
+                stops = self.output.process_request(state, pairs, rows)
+                delta = self.output.make_delta(state, state.sink[2], itl)
+                to_core += [("abort", ([child_id], "stop", stop)) for child_id, stop in stops]
+            except Exception as e:
+                self.output.fail(state, e)
+                self.num_engine_errors += 1
+                delta = self.output.make_delta(state, state.sink[2], itl)
+                to_core.append(("abort", (state.child_ids, "abort", state.error.message)))
+            if delta.finished:
+                self.output.remove(state.request_id)
+        return delta
 
     def _fail_children(self, child_set: set[str], error: EngineError) -> None:
         with self._lock:

@@ -1,35 +1,65 @@
 """Clients of the engine core for the server: the core in a thread of this process, or in its own process.
 
-Both speak the messages of core_proc.py; `get()` returns what the core sent, and raises CoreDeadError
-once the core is gone (a crashed process: the pipe closes), so no caller waits forever.
+Both speak the messages of core_proc.py and never block their caller: `send` and `send_requests` only queue
+(the event loop calls them), `get()` returns what the core sent, and raises CoreDeadError once the core is
+gone (a crashed process: the pipe closes), so no caller waits forever.
 
-IPC is `multiprocessing` pipes with pickle: no extra dependency, and the payloads are small (a step's
-new token ids and stats, a request's prompt ids once), so pickling costs microseconds next to a step of
-milliseconds. ZeroMQ + msgspec (vLLM's choice) pays off at thousands of requests per second per core,
-which a CPU step loop does not reach.
+IPC is `multiprocessing` pipes with pickle, no extra dependency. Payloads are not always small: a request's
+prompt ids (n copies of them for n > 1), a step's prompt logprobs (rows x top-k), a large grammar. So each
+side moves them on threads of its own (issue 24). Here a sender thread drains a queue bounded by bytes into
+the pipe, pickling everything waiting as one frame (the n copies of a prompt are written once), and a
+receiver thread reads frames as they come into a queue that `get()` drains. In the core an input thread and
+an output thread do the same (core_proc.py). A full send queue refuses new requests (CoreBusyError: the
+server answers 503 with Retry-After) rather than waiting; aborts, utility calls and shutdown are always
+taken. Pickling a 7,000-id prompt costs ~0.2 ms; ZeroMQ + msgspec (vLLM's choice) pays off at thousands of
+requests per second per core, which a CPU step loop does not reach.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import threading
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_proc import QueueInbox, core_process_main, run_core_loop
+from tokenmill.engine.core_proc import (JOIN_TIMEOUT_S, QueueInbox, core_process_main, dump_frame, load_frame,
+                                        message_size, run_core_loop)
 
 log = logging.getLogger(__name__)
 
 CORE_START_TIMEOUT_S = 900.0
+# Adds queued for the core, not yet taken by it (or by the sender thread), before new requests are refused.
+SEND_QUEUE_BYTES = 64 << 20
+# A frame to the core holds about this much at most: pickling holds the GIL, the event loop's too.
+FRAME_BYTES = 4 << 20
+# Messages read from the core ahead of the output thread before the receiver stops reading (then the core's
+# own output queue fills, and it holds its steps).
+RECV_QUEUE_BYTES = 256 << 20
 
 
 class CoreDeadError(RuntimeError):
     pass
 
 
+class CoreBusyError(RuntimeError):
+    """The queue to the core is full: the request is refused now (503), it may be retried shortly."""
+
+
+def requests_size(reqs: list) -> int:
+    """The bytes a request's n copies cost on the way to the core: they share one list of prompt ids."""
+    return message_size(("add", reqs[0])) + 512 * (len(reqs) - 1)
+
+
 class CoreClient:
     info = None  # executor.worker.WorkerInfo, once ready
+    closed = False  # shutdown() has begun: the core going away is expected
 
     def send(self, msg: tuple) -> None:
+        """Queue a message for the core (never blocks, never refused); CoreDeadError once it is gone."""
+        raise NotImplementedError
+
+    def send_requests(self, reqs: list) -> None:
+        """Queue ("add", r) for each of a request's copies, all or none; CoreBusyError when the queue is full."""
         raise NotImplementedError
 
     def get(self, timeout: float | None = None) -> list[tuple]:
@@ -57,7 +87,7 @@ class ThreadCoreClient(CoreClient):
         self._owns_core = not isinstance(core, EngineCore)
         self.core = EngineCore(core) if self._owns_core else core
         self.info = self.core.info
-        self.inbox = QueueInbox()
+        self.inbox = QueueInbox(SEND_QUEUE_BYTES)
         self.outbox = QueueInbox()
         self._thread: threading.Thread | None = None
         self._dead: str | None = None
@@ -78,7 +108,13 @@ class ThreadCoreClient(CoreClient):
     def send(self, msg: tuple) -> None:
         if self._dead is not None:
             raise CoreDeadError(self._dead)
-        self.inbox.put(msg)
+        self.inbox.put(msg, message_size(msg))
+
+    def send_requests(self, reqs: list) -> None:
+        if self._dead is not None:
+            raise CoreDeadError(self._dead)
+        if not self.inbox.put_all([("add", r) for r in reqs], requests_size(reqs)):
+            raise CoreBusyError(f"{self.inbox.nbytes} bytes of requests are waiting for the engine core.")
 
     def get(self, timeout: float | None = None) -> list[tuple]:
         return self.outbox.get(timeout)
@@ -88,6 +124,7 @@ class ThreadCoreClient(CoreClient):
         return self._thread is not None and self._thread.is_alive()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        self.closed = True
         if self._thread is not None and self._thread.is_alive():
             self.inbox.put(("shutdown", None))
             self._thread.join(timeout)
@@ -104,9 +141,8 @@ class ProcessCoreClient(CoreClient):
         self.proc = ctx.Process(target=core_process_main, args=(config, child), name="tokenmill-engine-core")
         self.proc.start()
         child.close()
-        self._send_lock = threading.Lock()
-        msgs = self._wait_ready()
-        kind, payload = msgs
+        self._dead: str | None = None
+        kind, payload = self._wait_ready()
         if kind != "ready":
             self.proc.join(5.0)
             message, tb = payload
@@ -115,6 +151,18 @@ class ProcessCoreClient(CoreClient):
             raise {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}.get(name, RuntimeError)(
                 text if name in ("ValueError", "FileNotFoundError") else message)
         self.info = payload
+        self._outgoing = QueueInbox(SEND_QUEUE_BYTES)
+        self._incoming = QueueInbox(RECV_QUEUE_BYTES)
+        self._sender = threading.Thread(target=self._send_loop, name="tokenmill-core-sender", daemon=True)
+        self._receiver = threading.Thread(target=self._receive_loop, name="tokenmill-core-receiver", daemon=True)
+        self._sender.start()
+        self._receiver.start()
+        # A caller that exits without shutdown(): multiprocessing's exit handler would wait forever for the core,
+        # which waits for this end of the pipe to close. Registered after multiprocessing's, so it runs first.
+        atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        self.shutdown(JOIN_TIMEOUT_S)
 
     def _wait_ready(self) -> tuple:
         waited = 0.0
@@ -125,27 +173,63 @@ class ProcessCoreClient(CoreClient):
             if waited > CORE_START_TIMEOUT_S:
                 self.proc.kill()
                 raise RuntimeError(f"the engine core process did not start in {CORE_START_TIMEOUT_S:.0f} s.")
-        return self.conn.recv()
-
-    def send(self, msg: tuple) -> None:
         try:
-            with self._send_lock:
-                self.conn.send(msg)
-        except (BrokenPipeError, OSError, EOFError):
-            raise CoreDeadError(self._death()) from None
+            return load_frame(self.conn.recv_bytes())[0]
+        except EOFError:  # it died before a word (e.g. it could not import this program's main module)
+            self.proc.join(5.0)
+            raise RuntimeError(f"the engine core process died while starting (exit code {self.proc.exitcode}).") \
+                from None
+
+    # ---- the two threads that touch the pipe ---------------------------------------------
+    def _send_loop(self) -> None:
+        """What is queued goes as one frame, up to FRAME_BYTES (pickle writes objects shared by its messages,
+        such as the prompt ids of n copies, once)."""
+        try:
+            while True:
+                self.conn.send_bytes(dump_frame(self._outgoing.get(None, FRAME_BYTES)))
+        except EOFError:  # shut down, and everything queued was sent
+            pass
+        except OSError:
+            self._dead = self._dead or self._death()
+            self._outgoing.close()
+
+    def _receive_loop(self) -> None:
+        try:
+            while True:
+                data = self.conn.recv_bytes()
+                msgs = load_frame(data)
+                while not self._incoming.wait_room(1.0):  # the output thread is far behind: the core holds steps
+                    pass
+                self._incoming.put_all(msgs, len(data), force=True)
+        except (EOFError, OSError):
+            pass
+        except Exception:  # an unreadable frame: a bug; the output thread must still hear the core is lost
+            log.exception("reading from the engine core failed")
+        finally:
+            self._incoming.close()
+
+    # ---- what callers use ------------------------------------------------------------------
+    def send(self, msg: tuple) -> None:
+        if self._dead is not None:
+            raise CoreDeadError(self._dead)
+        self._outgoing.put(msg, message_size(msg))
+
+    def send_requests(self, reqs: list) -> None:
+        if self._dead is not None:
+            raise CoreDeadError(self._dead)
+        if not self._outgoing.put_all([("add", r) for r in reqs], requests_size(reqs)):
+            raise CoreBusyError(f"{self._outgoing.nbytes} bytes of requests are waiting to reach the engine core.")
 
     def get(self, timeout: float | None = None) -> list[tuple]:
         try:
-            if not self.conn.poll(timeout):
-                if not self.proc.is_alive():
-                    raise CoreDeadError(self._death())
-                return []
-            msgs = [self.conn.recv()]
-            while self.conn.poll(0):
-                msgs.append(self.conn.recv())
-            return msgs
-        except (EOFError, OSError):
+            msgs = self._incoming.get(timeout)
+        except EOFError:  # the pipe closed and everything the core sent has been read
             raise CoreDeadError(self._death()) from None
+        if not msgs and not self.proc.is_alive():
+            self._receiver.join(0.5)  # it reads what the core said last, then sees the pipe close
+            if self._receiver.is_alive():  # something else holds the pipe open: the core is gone all the same
+                raise CoreDeadError(self._death())
+        return msgs
 
     def _death(self) -> str:
         self.proc.join(0.5)
@@ -153,9 +237,14 @@ class ProcessCoreClient(CoreClient):
 
     @property
     def is_alive(self) -> bool:
-        return self.proc.is_alive()
+        return self.proc.is_alive() and self._dead is None
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        atexit.unregister(self._at_exit)
+        self.closed = True
+        # Keep reading whatever the core still writes (nobody may be calling get() now), so its output thread
+        # never blocks on its way out.
+        self._incoming.close()
         if self.proc.is_alive():
             try:
                 self.send(("shutdown", None))
@@ -165,6 +254,9 @@ class ProcessCoreClient(CoreClient):
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(2.0)
+        self._outgoing.close()
+        self._sender.join(JOIN_TIMEOUT_S)
+        self._receiver.join(JOIN_TIMEOUT_S)
         self.conn.close()
 
 

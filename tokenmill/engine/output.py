@@ -4,9 +4,14 @@ It owns each request's detokenizers, logprobs, stop strings, `RequestOutput`s an
 offline engine, the async engine (server) and the CLI consume only what it returns. Stop strings are
 found here, on the caller's side; the request is then finished in the core with an abort that carries
 the stop reason (tokens the core made meanwhile are dropped). No torch.
+
+A step's outputs are processed one request at a time, each isolated from the others: an exception while
+processing one request (detokenizing, logprobs, stop strings, its delta) ends that request with an
+EngineError (500) and leaves every other request of the step untouched (issue 24).
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -18,6 +23,20 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
+try:  # test-only fault injection; absent from builds without tokenmill.testing
+    from tokenmill.testing import faults as _faults
+except ImportError:
+    _faults = None
+
+log = logging.getLogger(__name__)
+
+
+def output_fault(request_id: str) -> None:
+    """Test hook: raise where tokenmill.testing.faults says the `output` stage of this request fails
+    (TOKENMILL_FAULTS=output=<request id>). Unset, a lookup in os.environ."""
+    if _faults is not None:
+        _faults.maybe_raise("output", [request_id])
+
 
 class EngineError(Exception):
     """A request failed in the engine; `status` is the HTTP status it maps to."""
@@ -27,6 +46,11 @@ class EngineError(Exception):
         self.message = message
         self.status = status
         self.code = code
+
+    def openai(self) -> dict:
+        """The error in OpenAI's shape, as the server sends it (serve/errors.py), for offline callers."""
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"message": self.message, "type": kind, "param": None, "code": self.code}
 
 
 @dataclass
@@ -102,6 +126,7 @@ class RequestState:
     num_cached_tokens: int = 0
     sink: Any = None  # the async engine's delivery target (queue, loop, tag)
     prompt_logprobs_sent: bool = False
+    error: EngineError | None = None  # processing its output failed: it ended with this error
 
     @property
     def finished(self) -> bool:
@@ -110,6 +135,10 @@ class RequestState:
     @property
     def child_ids(self) -> list[str]:
         return [s.child_id for s in self.seqs]
+
+
+# One request's outputs of a step, each with the sequence it belongs to.
+Pairs = list[tuple[SequenceState, EngineCoreOutput]]
 
 
 class OutputProcessor:
@@ -150,31 +179,80 @@ class OutputProcessor:
 
     # ---- one step's outputs --------------------------------------------------------------
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestState], list[tuple[str, str]]]:
-        """Apply the core's outputs. Returns the requests that changed (in order) and the sequences a
-        stop string finished, as (child id, stop string), for the caller to finish in the core."""
-        touched: dict[str, RequestState] = {}
+        """Apply the core's outputs. Returns the requests that changed (in order) and the sequences to finish in
+        the core, as (child id, reason): those a stop string finished, and those of a request whose output
+        failed to process (then finished here with "abort" and `state.error` set; the reason is the error), so
+        that every caller frees their KV blocks the same way."""
+        touched: list[RequestState] = []
         stops: list[tuple[str, str]] = []
+        for state, pairs in self.group(outputs):
+            touched.append(state)
+            try:
+                stops += self.process_request(state, pairs)
+            except Exception as e:
+                error = self.fail(state, e)
+                stops += [(cid, error.message) for cid in state.child_ids]
+        return touched, stops
+
+    def group(self, outputs: list[EngineCoreOutput]) -> list[tuple[RequestState, Pairs]]:
+        """A step's outputs by request, in order of first appearance. Outputs of requests no longer here
+        (aborted) and of sequences a stop string finished (the core had not heard yet) are dropped."""
+        groups: dict[str, tuple[RequestState, list]] = {}
         for o in outputs:
             entry = self._children.get(o.request_id)
-            if entry is None:
+            if entry is None or entry[1].finished:
                 continue
             state, seq = entry
+            groups.setdefault(state.request_id, (state, []))[1].append((seq, o))
+        return list(groups.values())
+
+    def prompt_rows(self, state: RequestState, pairs: Pairs) -> dict[int, list]:
+        """The prompt logprobs among one request's outputs as entries, by id(output). They read no request
+        state, so the async engine builds them outside its lock: this is the slow part of a long echo."""
+        if state.prompt_logprobs is None:
+            return {}
+        return {id(o): self.prompt_logprob_entries(o.prompt_logprobs) for seq, o in pairs
+                if o.prompt_logprobs is not None and seq.index == 0}
+
+    def process_request(self, state: RequestState, pairs: Pairs,
+                        rows: dict[int, list] | None = None) -> list[tuple[str, str]]:
+        """Apply one request's outputs of a step (from `group`); `rows`: its `prompt_rows`, if already built.
+        Returns the (child id, stop string) of sequences a stop string finished. Raises whatever goes wrong:
+        the caller then fails this request alone (`fail`)."""
+        output_fault(state.request_id)
+        stops = []
+        for seq, o in pairs:
             if seq.finished:
-                continue  # a stop string finished it; the core had not heard yet
-            touched[state.request_id] = state
+                continue
             if seq.index == 0:
                 state.num_cached_tokens = o.num_cached_tokens
             seq.first_scheduled_time = o.first_scheduled_time
             seq.first_token_time = o.first_token_time
             if o.prompt_logprobs is not None and seq.index == 0 and state.prompt_logprobs is not None:
-                self._record_prompt_logprobs(state, o.prompt_logprobs)
+                entries = rows.get(id(o)) if rows is not None else None
+                self._record_prompt_logprobs(state, o.prompt_logprobs, entries)
             stop = self._append(state, seq, o)
             if stop is not None:
                 seq.finish_reason, seq.stop_reason, seq.finished_time = "stop", stop, time.monotonic()
                 stops.append((seq.child_id, stop))
             elif o.finished:
                 seq.finish_reason, seq.stop_reason, seq.finished_time = o.finish_reason, o.stop_reason, o.finished_time
-        return list(touched.values()), stops
+        return stops
+
+    def fail(self, state: RequestState, cause: BaseException) -> EngineError:
+        """End a request whose output could not be processed: every unfinished sequence finishes with "abort"
+        and the error is kept for its final delta (or output). The caller aborts all its children in the
+        core (finishing one there twice is harmless)."""
+        log.error("processing the output of request %s failed; ending it", state.request_id,
+                  exc_info=(type(cause), cause, cause.__traceback__))
+        error = EngineError(f"the request failed while its output was processed: {type(cause).__name__}: {cause}",
+                            500, "engine_error")
+        state.error = error
+        now = time.monotonic()
+        for s in state.seqs:
+            if not s.finished:
+                s.finish_reason, s.stop_reason, s.finished_time = "abort", error.message, now
+        return error
 
     def _append(self, state: RequestState, seq: SequenceState, o: EngineCoreOutput) -> str | None:
         p = state.params
@@ -200,16 +278,23 @@ class OutputProcessor:
         seq.logprobs.append(entry)
         seq.cumulative_logprob += logprob
 
-    def _record_prompt_logprobs(self, state: RequestState, p: PromptLogprobs) -> None:
-        done = len(state.prompt_logprobs)  # entries recorded so far (position 0 has none)
+    def prompt_logprob_entries(self, p: PromptLogprobs) -> list[PositionLogprobs]:
+        entries = []
         for r, tok in enumerate(p.token_ids):
-            if p.first_pos + 1 + r < done:
-                continue  # recomputed after a preemption
             entry = {tok: Logprob(p.logprobs[r], p.ranks[r], self.decode_token(tok))}
             for j, (tid, tlp) in enumerate(zip(p.top_ids[r], p.top_logprobs[r])):
                 if tid not in entry:
                     entry[tid] = Logprob(tlp, j + 1, self.decode_token(tid))
-            state.prompt_logprobs.append(entry)
+            entries.append(entry)
+        return entries
+
+    def _record_prompt_logprobs(self, state: RequestState, p: PromptLogprobs,
+                                entries: list[PositionLogprobs] | None = None) -> None:
+        if entries is None:
+            entries = self.prompt_logprob_entries(p)
+        done = len(state.prompt_logprobs)  # entries recorded so far (position 0 has none)
+        skip = max(0, done - (p.first_pos + 1))  # recomputed after a preemption
+        state.prompt_logprobs.extend(entries[skip:])
 
     # ---- what callers see ----------------------------------------------------------------
     def make_output(self, state: RequestState) -> RequestOutput:
@@ -236,11 +321,16 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             metrics=RequestMetrics(state.arrival_time, first.first_scheduled_time, first.first_token_time,
                                    first.finished_time),
+            extra={"error": state.error.openai()} if state.error is not None else {},
         )
 
     def make_delta(self, state: RequestState, tag: int, itl: list[float], error: EngineError | None = None,
                    force_final: bool = False) -> RequestDelta:
-        """What changed since the last delta; with force_final every sequence ends (an abort)."""
+        """What changed since the last delta; with force_final every sequence ends (an abort). A request that
+        failed (`state.error`) gets its final delta with that error, and nothing of its detokenizers (they
+        may be what failed)."""
+        if state.error is not None:
+            return self._error_delta(state, tag, error or state.error)
         now = time.monotonic()
         seqs: list[SequenceDelta] = []
         for s in state.seqs:
@@ -266,6 +356,16 @@ class OutputProcessor:
             state.prompt_logprobs_sent = True
         return RequestDelta(state.request_id, tag, seqs, all(s.done for s in state.seqs), len(state.prompt_token_ids),
                             state.num_cached_tokens, prompt_lps, error)
+
+    @staticmethod
+    def _error_delta(state: RequestState, tag: int, error: EngineError) -> RequestDelta:
+        seqs = []
+        for s in state.seqs:
+            if not s.done:
+                seqs.append(SequenceDelta(s.index, "", [], None, s.finish_reason or "abort", s.stop_reason))
+                s.sent, s.done = len(s.token_ids), True
+        return RequestDelta(state.request_id, tag, seqs, True, len(state.prompt_token_ids), state.num_cached_tokens,
+                            None, error)
 
     @staticmethod
     def finished_record(state: RequestState, now: float) -> FinishedRequest:
