@@ -111,8 +111,10 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         touched, stops = self.output_processor.process_outputs(result.outputs)
-        for child_id, stop in stops:
-            self.core.abort_requests([child_id], RequestStatus.FINISHED_STOPPED, stop)
+        for child_id, stop in stops:  # finished by a stop string, or failed in output processing
+            failed = self.output_processor.failed(child_id)
+            status = RequestStatus.FINISHED_ABORTED if failed else RequestStatus.FINISHED_STOPPED
+            self.core.abort_requests([child_id], status, stop)
         outputs = []
         for state in touched:
             outputs.append(self.output_processor.make_output(state))

@@ -160,6 +160,11 @@ class OutputProcessor:
             self._children[s.child_id] = (state, s)
         return state
 
+    def failed(self, child_id: str) -> bool:
+        """Whether the request of this sequence failed in output processing (`state.error`)."""
+        entry = self._children.get(child_id)
+        return entry is not None and entry[0].error is not None
+
     def remove(self, request_id: str) -> RequestState | None:
         state = self.requests.pop(request_id, None)
         if state is not None:
