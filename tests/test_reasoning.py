@@ -131,3 +131,42 @@ def test_deepseek_ground_truth(reasoning, content, opened, closed):
     text = ("<think>" if opened else "") + reasoning + ("</think>" + content if closed else "")
     want = (reasoning or None, (content.lstrip("\n") or None) if closed else None)
     assert DeepSeekR1ReasoningParser().extract(text) == want
+
+
+# Qwen3-style: the generation prompt opens nothing unless thinking is off (then an empty think block).
+QWEN3_LIKE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}")
+
+
+@pytest.mark.parametrize("cls", [DeepSeekR1ReasoningParser, Qwen3ReasoningParser])
+def test_think_blocks_of_earlier_turns_do_not_end_this_turns_reasoning(cls, tiny_tokenizer):
+    """issue 25: a multi-turn reasoning conversation (earlier assistant turns hold think blocks) turned the
+    parsers off; only what the template appends to open this turn counts."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tokenmill.serve.chat import render_chat
+    from tokenmill.serve.chat_completions import generation_prompt
+    from tokenmill.serve.protocol import ChatCompletionRequest
+
+    async def run_blocking(fn, *args, size=0):
+        return fn(*args)
+
+    state = SimpleNamespace(run_blocking=run_blocking, engine=SimpleNamespace(tokenizer=tiny_tokenizer),
+                            settings=SimpleNamespace(chat_template=QWEN3_LIKE))
+    messages = [{"role": "user", "content": "What is 5 plus 5?"},
+                {"role": "assistant", "content": "<think>5 plus 5 equals 10.</think>The answer is 10."},
+                {"role": "user", "content": "And 6 plus 6?"}]
+
+    def ended(**kw) -> bool:
+        req = ChatCompletionRequest(model="m", messages=messages, **kw)
+        text = render_chat(tiny_tokenizer, req.messages, QWEN3_LIKE, True, False, None,
+                           req.chat_template_kwargs)
+        assert cls().ended_in_prompt(text) == ("</think>" in text)  # the whole prompt: the old, wrong answer
+        return cls().ended_in_prompt(asyncio.run(generation_prompt(state, req, text)))
+
+    assert not ended()
+    assert ended(chat_template_kwargs={"enable_thinking": False})

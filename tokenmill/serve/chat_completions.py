@@ -65,6 +65,21 @@ async def chat_prompt(state: ServerState, req, add_generation_prompt: bool = Tru
     return text, ids
 
 
+async def generation_prompt(state: ServerState, req, text: str) -> str:
+    """What the template appended after the conversation to open the assistant's turn (e.g. Qwen3's empty
+    think block when thinking is off): only there can the prompt have closed this turn's reasoning. Think
+    blocks of earlier assistant turns are history and say nothing about this one (issue 25)."""
+    if not req.add_generation_prompt or req.continue_final_message:
+        return text
+    try:
+        history = await state.run_blocking(
+            render_chat, state.engine.tokenizer, req.messages, state.settings.chat_template, False, False,
+            getattr(req, "tools", None), getattr(req, "chat_template_kwargs", None), size=len(text))
+    except ValueError:
+        return text
+    return text[len(history):] if text.startswith(history) else text
+
+
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request,
                                  arrival_time: float | None = None):
     model = state.check_model(req.model)
@@ -80,7 +95,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     text, ids = await chat_prompt(state, req, req.add_generation_prompt, req.continue_final_message)
     reasoning = plan.reasoning()
     if reasoning is not None:
-        plan.reasoning_ended = reasoning.ended_in_prompt(text)
+        plan.reasoning_ended = reasoning.ended_in_prompt(await generation_prompt(state, req, text))
         if so is not None and not plan.reasoning_ended:
             # The constraint starts where the reasoning ends.
             so.start_after_token_ids = tuple(reasoning.end_token_ids())
