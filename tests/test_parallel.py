@@ -266,3 +266,24 @@ def test_ray_pp2_and_ep2(tmp_path, ray_local):
     for kw in (dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)):
         out, _ = generate(path, distributed_executor_backend="ray", **kw)
         assert_same_outputs(ref, out, f"ray {kw}", atol=1e-4)
+
+
+@pytest.mark.parametrize("how", ["plain", "with"])
+def test_a_script_with_worker_processes_exits_on_its_own(tmp_path, how):
+    """issue 25: a script using `mp` pipeline parallelism printed its answer and then hung in
+    multiprocessing's exit hook (the workers waited on a pipe nobody closed)."""
+    import subprocess
+    import sys
+
+    path = make_tiny_model(tmp_path / "llama", "llama")
+    make = f"LLM({str(path)!r}, pipeline_parallel_size=2, kv_cache_memory_bytes=8 << 20, max_model_len=256)"
+    body = (f"llm = {make}\nprint(llm.generate(['hello'], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids)"
+            if how == "plain" else
+            f"with {make} as llm:\n    print(llm.generate(['hello'], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids)")
+    script = "from tokenmill import LLM, SamplingParams\n" + body + "\n"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().startswith("["), proc.stdout
+    assert time.monotonic() - t0 < 120

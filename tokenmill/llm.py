@@ -63,6 +63,26 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    # ---- lifecycle: worker processes (tensor/pipeline parallel) end with the LLM ---------------------
+    def close(self) -> None:
+        """Stop the engine and its worker processes (also on `with LLM(...)` exit, on garbage collection and
+        at interpreter exit); the LLM cannot generate afterwards."""
+        engine = self.__dict__.pop("engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: modules may be half gone; the executor's finalizer remains
+            pass
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import socket
 import time
 import traceback
+import weakref
 from typing import Any
 
 from tokenmill.config import EngineConfig
@@ -97,6 +98,10 @@ class MultiprocExecutor(Executor):
             child.close()
             self.conns.append(parent)
             self.procs.append(p)
+        # Workers wait on their pipe; multiprocessing's exit hook joins them. Shut them down first when this
+        # executor is collected or the interpreter exits (a finalizer's exit hook runs before
+        # multiprocessing's), so a script that never calls shutdown() still exits (issue 25).
+        self._finalizer = weakref.finalize(self, _shutdown_workers, self.conns, self.procs)
         try:
             infos = [self._recv(c, p, WORKER_START_TIMEOUT_S) for c, p in zip(self.conns, self.procs)]
         except BaseException:
@@ -151,19 +156,23 @@ class MultiprocExecutor(Executor):
         super().check_health()
 
     def shutdown(self) -> None:
-        for c, p in zip(self.conns, self.procs):
-            if p.is_alive():
-                try:
-                    c.send(("shutdown", ()))
-                except (BrokenPipeError, OSError):
-                    pass
-        for p in self.procs:
-            p.join(5.0)
-            if p.is_alive():
-                p.kill()
-                p.join(1.0)
-        for c in self.conns:
-            c.close()
+        self._finalizer()  # runs _shutdown_workers once, whoever calls first
+
+
+def _shutdown_workers(conns: list, procs: list) -> None:
+    for c, p in zip(conns, procs):
+        if p.is_alive():
+            try:
+                c.send(("shutdown", ()))
+            except (BrokenPipeError, OSError):
+                pass
+    for p in procs:
+        p.join(5.0)
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+    for c in conns:
+        c.close()
 
 
 def reply_rank(config: EngineConfig) -> int:
