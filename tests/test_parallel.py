@@ -287,3 +287,17 @@ def test_a_script_with_worker_processes_exits_on_its_own(tmp_path, how):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().startswith("["), proc.stdout
     assert time.monotonic() - t0 < 120
+
+
+def test_workers_stop_when_the_llm_is_collected(tmp_path):
+    import gc
+
+    llm = LLM(str(make_tiny_model(tmp_path / "llama", "llama")), pipeline_parallel_size=2, **KW)
+    procs = list(llm.engine.core.executor.procs)
+    assert all(p.is_alive() for p in procs)
+    del llm
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while any(p.is_alive() for p in procs):
+        assert time.monotonic() < deadline, "worker processes outlived their LLM"
+        time.sleep(0.05)

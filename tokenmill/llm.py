@@ -65,8 +65,9 @@ class LLM:
 
     # ---- lifecycle: worker processes (tensor/pipeline parallel) end with the LLM ---------------------
     def close(self) -> None:
-        """Stop the engine and its worker processes (also on `with LLM(...)` exit, on garbage collection and
-        at interpreter exit); the LLM cannot generate afterwards."""
+        """Stop the engine and its worker processes (also on `with LLM(...)` exit); the LLM cannot generate
+        afterwards. Without it, the workers stop when the engine is garbage-collected or the interpreter exits
+        (the executor's finalizer): an engine taken out of an LLM (`LLM(...).engine`) keeps them."""
         engine = self.__dict__.pop("engine", None)
         if engine is not None:
             engine.shutdown()
@@ -76,12 +77,6 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: modules may be half gone; the executor's finalizer remains
-            pass
 
     def generate(
         self,
