@@ -243,19 +243,8 @@ class KVCacheManager:
             self.unwritten.difference_update(block_ids)
 
     def drop_unwritten_names(self) -> None:
-        """A step failed before writing its blocks: forget the names given to them this step (and do not
-        hand them to decode instances)."""
-        if not self.unwritten:
-            return
-        for block_id in self.unwritten:
-            block = self.blocks[block_id]
-            if block.hash is not None and self.cached.get(block.hash) == block_id:
-                del self.cached[block.hash]
-                self.events.removed(block.hash)
-            block.hash = None
-        if self.connector is not None:
-            self.connector.unexport(self.unwritten)
-        self.unwritten.clear()
+        """A step failed before writing its blocks: forget the names given to them this step."""
+        self._unname(set(self.unwritten))
 
     def free(self, req: Request) -> None:
         """Release req's blocks. Tail blocks go to the LRU first so they are evicted before the
@@ -326,12 +315,20 @@ class KVCacheManager:
 
     def unname_from(self, req: Request, index: int) -> None:
         """Drop the names of req's blocks from `index` on (content not written, or not trusted)."""
-        for block_id in req.block_ids[index:]:
+        self._unname(set(req.block_ids[index:]))
+
+    def _unname(self, block_ids: set[int]) -> None:
+        """These blocks hold no KV their names could stand for: forget the names, and hand none of them to
+        decode instances."""
+        for block_id in block_ids:
             block = self.blocks[block_id]
             if block.hash is not None and self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
                 self.events.removed(block.hash)
             block.hash = None
+        self.unwritten -= block_ids
+        if self.connector is not None and block_ids:
+            self.connector.unexport(block_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Drop all hashes of free blocks. Returns False if blocks are in use (their hashes stay)."""

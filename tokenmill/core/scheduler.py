@@ -213,18 +213,23 @@ class Scheduler:
                 continue
             # Blocks from the bad one on were loaded, or named for tokens this step will not compute now.
             self.kv.unname_from(req, first_bad)
-            self.running.remove(req)
-            self.kv.free(req)
-            self.unsend(req)
-            out.spec.pop(req.request_id, None)
-            if req in out.recorded:
-                out.recorded.remove(req)
-                self.kv.unrecord_query(req.num_prompt_tokens, req.num_cached_tokens)
-                req.num_cached_tokens = -1
-            req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
-            self.waiting.add(req)
+            self._take_back(out, req)
             out.reloaded.append(req)
         out.scheduled = keep
+
+    def _take_back(self, out: SchedulerOutput, req: Request) -> None:
+        """Undo this step's admission of `req`: it waits again, holding nothing, and its prefix lookup (not
+        counted yet) runs again at its next admission."""
+        self.running.remove(req)
+        self.kv.free(req)
+        self.unsend(req)
+        out.spec.pop(req.request_id, None)
+        if req in out.recorded:
+            out.recorded.remove(req)
+            self.kv.unrecord_query(req.num_prompt_tokens, req.num_cached_tokens)
+            req.num_cached_tokens = -1
+        req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
+        self.waiting.add(req)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -279,15 +284,8 @@ class Scheduler:
 
     def _unadmit(self, out: SchedulerOutput, admitted: list[tuple[Request, int]]) -> None:
         for req, _ in admitted:
-            if req.status != RequestStatus.RUNNING:
-                continue
-            self.running.remove(req)
-            self.kv.free(req)
-            if req in out.recorded:
-                self.kv.unrecord_query(req.num_prompt_tokens, req.num_cached_tokens)
-                req.num_cached_tokens = -1
-            req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
-            self.waiting.add(req)
+            if req.status == RequestStatus.RUNNING:
+                self._take_back(out, req)
 
     def _admit(self, out: SchedulerOutput, budget: int, passed: list[Request]) -> None:
         misfits = 0

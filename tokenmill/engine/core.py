@@ -135,7 +135,6 @@ class EngineCore:
             on_scheduled(self.scheduler_stats())
         self._transfer(out, st)
         if not out:
-            self.kv.drop_unwritten_names()  # (none: nothing was scheduled; kept for symmetry with failures)
             if not refused and self.structured.num_compiling:
                 self.structured.wait(COMPILE_WAIT_S)  # only grammars to wait for: do not spin
             elif not refused and connector is not None and connector.pending:
@@ -187,8 +186,8 @@ class EngineCore:
     # ---- the stages, each with its fault-injection point ------------------------------------
     def _schedule(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         """schedule(); if it raises, the request it was handling ends (with no one to blame: the running
-        ones) and this step runs nothing. Requests it admitted before the failure keep their blocks and run
-        next step; names it gave blocks are dropped (nothing was written)."""
+        ones) and this step runs nothing. The scheduler has put the requests it admitted back in the queue;
+        running ones keep their blocks; names given this step are dropped (nothing was written)."""
         try:
             return self.scheduler.schedule(), []
         except Exception as e:
