@@ -211,9 +211,8 @@ class EngineCore:
             return
         connector = self.kv.connector
         try:
-            loaded = {op.block_id for op in ops if isinstance(op, (LoadOp, ImportOp))}
-            concerned = [r.request_id for r, _ in out.scheduled if loaded & set(r.block_ids)]
-            faults.maybe_raise("transfer", concerned + (["kv-tier"] if len(loaded) < len(ops) else []))
+            if faults.enabled():
+                faults.maybe_raise("transfer", self._transfer_parties(out, ops))
             failed, st.offload_s = self.executor.transfer_kv(ops)
             if connector is not None:
                 connector.timed(ops, st.offload_s)
@@ -230,12 +229,20 @@ class EngineCore:
         if failed:
             self.scheduler.recompute_failed_loads(out, self.kv.loads_failed(failed))
 
+    @staticmethod
+    def _transfer_parties(out: SchedulerOutput, ops: list) -> list[str]:
+        """Who a step's transfer concerns, for fault injection: the requests that load blocks, and `kv-tier`
+        when it also saves or spills."""
+        loaded = {op.block_id for op in ops if isinstance(op, (LoadOp, ImportOp))}
+        concerned = [r.request_id for r, _ in out.scheduled if loaded & set(r.block_ids)]
+        return concerned + (["kv-tier"] if len(loaded) < len(ops) else [])
+
     def _build(self, out: SchedulerOutput) -> ScheduledBatch:
-        faults.maybe_raise("build_batch", [r.request_id for r, _ in out.scheduled])
+        faults.maybe_raise("build_batch", (r.request_id for r, _ in out.scheduled))
         return self.scheduler.build_batch(out)
 
     def _fill_bitmask(self, batch: ScheduledBatch, reqs: list) -> None:
-        faults.maybe_raise("bitmask", [r.request_id for r in reqs])
+        faults.maybe_raise("bitmask", (r.request_id for r in reqs))
         self.structured.fill_bitmask(batch, reqs)
 
     def _execute(self, batch: ScheduledBatch) -> ModelRunnerOutput:

@@ -22,20 +22,9 @@ from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-
-try:  # test-only fault injection; absent from builds without tokenmill.testing
-    from tokenmill.testing import faults as _faults
-except ImportError:
-    _faults = None
+from tokenmill.testing import faults
 
 log = logging.getLogger(__name__)
-
-
-def output_fault(request_id: str) -> None:
-    """Test hook: raise where tokenmill.testing.faults says the `output` stage of this request fails
-    (TOKENMILL_FAULTS=output=<request id>). Unset, a lookup in os.environ."""
-    if _faults is not None:
-        _faults.maybe_raise("output", [request_id])
 
 
 class EngineError(Exception):
@@ -224,7 +213,7 @@ class OutputProcessor:
         """Apply one request's outputs of a step (from `group`); `rows`: its `prompt_rows`, if already built.
         Returns the (child id, stop string) of sequences a stop string finished. Raises whatever goes wrong:
         the caller then fails this request alone (`fail`)."""
-        output_fault(state.request_id)
+        faults.maybe_raise("output", (state.request_id,))
         stops = []
         for seq, o in pairs:
             if seq.finished:

@@ -28,6 +28,7 @@ class CachedRequestState:
     params: SamplingParams
     generator: torch.Generator | None  # seeded requests: reseeded by output position before each step's draws
     eos_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
     sampling_slot: int = -1  # the request's slot in InputBatch.sampling
 
     @property
@@ -49,6 +50,13 @@ class StepInputs:
     prompt_rows: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)  # (req, row, rows, pos)
 
 
+def position_seed(seed: int, position: int) -> int:
+    """A seeded request's generator state for the step that samples its output token `position`: a function
+    of (seed, position) alone, so a request that is preempted, or re-sent to the worker after a failed step,
+    draws what it would have drawn running uninterrupted (a generator carried across steps would restart)."""
+    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (1 << 63)
+
+
 class InputBatch:
     def __init__(self, block_size: int, device: torch.device, vocab_size: int) -> None:
         self.block_size = block_size
@@ -66,8 +74,7 @@ class InputBatch:
             gen = torch.Generator(self.device).manual_seed(new.seed) if new.seed is not None else None
             state = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
-                new.num_computed_tokens, new.params, gen, tuple(new.eos_token_ids))
-            state.seed = new.seed
+                new.num_computed_tokens, new.params, gen, tuple(new.eos_token_ids), new.seed)
             state.sampling_slot = self.sampling.add(new.params, state.token_ids, new.num_prompt_tokens,
                                                     state.eos_token_ids)
             self.requests[new.req_id] = state
@@ -83,6 +90,13 @@ class InputBatch:
         if grown:
             self.sampling.append([s.sampling_slot for s, _ in grown], [t for _, t in grown],
                                  [s.num_output_tokens for s, _ in grown])
+
+    def reseed(self, inp: StepInputs) -> None:
+        """Before the step's draws: each seeded request that samples starts from the generator state of the
+        output position it samples (position_seed)."""
+        for r, n in zip(inp.requests, inp.rows_per_request):
+            if n and r.generator is not None:
+                r.generator.manual_seed(position_seed(r.seed, r.num_output_tokens))
 
     def _remove(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)

@@ -37,13 +37,6 @@ def _attention_timer(device: torch.device) -> AttentionTimer | None:
     return AttentionTimer(sync=device.type == "cuda")
 
 
-def position_seed(seed: int, position: int) -> int:
-    """A seeded request's generator state for the step that samples its output token `position`: a function
-    of (seed, position) alone, so a request that is preempted, or re-sent to the worker after a failed step,
-    draws what it would have drawn running uninterrupted (a generator carried across steps would restart)."""
-    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (1 << 63)
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, vocab_size: int, block_size: int, device: torch.device,
                  backend: AttentionBackend, spec=None) -> None:
@@ -222,10 +215,8 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, inp: StepInputs, batch: ScheduledBatch) -> ModelRunnerOutput:
         """Sample every sampled row; a request with drafts has its rows verified against them."""
-        faults.maybe_raise("sample", [r.req_id for r, n in zip(inp.requests, inp.rows_per_request) if n])
-        for r, n in zip(inp.requests, inp.rows_per_request):
-            if n and r.generator is not None:
-                r.generator.manual_seed(position_seed(r.seed, r.num_output_tokens))
+        faults.maybe_raise("sample", (r.req_id for r, n in zip(inp.requests, inp.rows_per_request) if n))
+        self.input_batch.reseed(inp)
         meta = self._sampling_metadata(inp, batch)
         if not batch.spec_token_ids:
             return self._result(inp, self.sampler(logits, meta), None)

@@ -8,7 +8,8 @@ and `stage=id@P` raises with probability P (the soak's random faults).
 
 The variable is read at every call (a dict lookup: the stages call this a few times per step, not per
 token), so a test can set it with monkeypatch in-process, and a spawned engine-core process inherits it.
-Unset, the cost is one environment lookup.
+Unset, the cost is one environment lookup: callers pass the request ids lazily (a generator), and a call
+site that needs real work to find them checks `enabled()` first.
 
 Stages, in step order: `schedule` (per request the scheduler considers), `transfer` (KV tier and connector
 transfers, with the requests that load blocks, and `kv-tier` when the step also saves or spills), `build_batch`, `bitmask` (grammar masks), `forward`,
@@ -54,13 +55,19 @@ def _matches(target: str, request_id: str) -> bool:
     return base == target and index.isdigit()
 
 
+def enabled() -> bool:
+    return ENV in os.environ
+
+
 def maybe_raise(stage: str, request_ids: Iterable[str]) -> None:
-    """Raise InjectedFault if a rule names `stage` and one of `request_ids`."""
+    """Raise InjectedFault if a rule names `stage` and one of `request_ids` (iterated only then)."""
     if ENV not in os.environ:
         return
-    for rule_stage, target, p in _rules():
-        if rule_stage != stage:
-            continue
+    rules = [r for r in _rules() if r[0] == stage]
+    if not rules:
+        return
+    request_ids = list(request_ids)
+    for _, target, p in rules:
         for rid in request_ids:
             if _matches(target, rid) and (p >= 1.0 or random.random() < p):
                 raise InjectedFault(f"injected fault at {stage} for request {rid}")
