@@ -23,3 +23,15 @@ def tiny_llama(tmp_path_factory):
     from tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The test models are tiny: one intra-op thread is as fast, and does not stall when the CPUs are shared.
+    Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.testing import faults
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MAX_LEN = 96
 DEADLINE_S = 60.0
@@ -35,14 +36,6 @@ def params_for(rid: str) -> SamplingParams:
     if rid == "n-seeded":  # sampled, n > 1: its seed makes it independent of the batch
         return SamplingParams(max_tokens=10, temperature=1.0, seed=7, n=2)
     return SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

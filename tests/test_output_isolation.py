@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.async_engine import AsyncLLMEngine, RequestDelta
 from tokenmill.engine.output import OutputProcessor
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(120)]
 
 DEADLINE_S = 30.0  # the whole concurrent run: far more than it takes, far less than a hang
 PROMPTS = ["The quick brown fox", "Once upon a time", "SELECT * FROM users", "Paged attention stores keys"]
@@ -27,14 +26,6 @@ POISONED = 1  # the index of the prompt whose request is poisoned
 # stage of output processing runs; n = 2 so a failure must end both sequences.
 PARAMS = SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2, prompt_logprobs=2)
 STAGES = ["detokenize", "logprobs", "prompt_logprobs", "delta"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
