@@ -30,11 +30,12 @@ TIME = {"type": "function", "function": {
                                        "required": ["zone"], "additionalProperties": False}}}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 # Reasoning template: the generation prompt opens a <think> block unless enable_thinking is false, in which
-# case it renders an empty one (as Qwen3's template does).
+# case it renders an empty one (as Qwen3's template does); with open_think=false it opens nothing.
 THINK_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\n\n</think>\n\n' }}"
+    "{% elif open_think is defined and not open_think %}"  # as Qwen3 (thinking on) and older R1 templates
     "{% else %}{{ '<think>\n' }}{% endif %}{% endif %}")
 
 
@@ -389,6 +390,31 @@ def test_reasoning_all_reasoning_without_end_tag(think_server):
             streamed_r += (d.model_extra or {}).get("reasoning_content") or ""
             streamed_c += d.content or ""
     assert streamed_r == reasoning and streamed_c == ""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("open_think", [False, True])
+def test_reasoning_of_a_multi_turn_chat_with_earlier_think_blocks(think_server, stream, open_think):
+    """issue 25: an earlier assistant turn's `</think>` (the normal shape of a reasoning conversation) used to
+    turn the parser off, so this turn's reasoning came back as content. Only the generation prompt counts."""
+    c = openai.OpenAI(base_url=think_server.url("/v1"), api_key="x", timeout=60, max_retries=0)
+    messages = [{"role": "user", "content": "What is 5 plus 5?"},
+                {"role": "assistant", "content": "<think>5 plus 5 equals 10.</think>The answer is 10."},
+                {"role": "user", "content": "And 6 plus 6?"}]
+    kw = dict(model=MODEL, messages=messages, temperature=0, max_tokens=12,
+              logit_bias={str(_end_id(think_server)): -100},
+              extra_body={"ignore_eos": True, "chat_template_kwargs": {"open_think": open_think}})
+    if not stream:
+        msg = c.chat.completions.create(**kw).choices[0].message
+        reasoning, content = (msg.model_extra or {}).get("reasoning_content"), msg.content
+    else:
+        reasoning, content = "", ""
+        for chunk in c.chat.completions.create(stream=True, **kw):
+            if chunk.choices:
+                d = chunk.choices[0].delta
+                reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+                content += d.content or ""
+    assert reasoning and not content
 
 
 def test_reasoning_then_constrained_answer(think_server):
