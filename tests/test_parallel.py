@@ -268,25 +268,27 @@ def test_ray_pp2_and_ep2(tmp_path, ray_local):
         assert_same_outputs(ref, out, f"ray {kw}", atol=1e-4)
 
 
-@pytest.mark.parametrize("how", ["plain", "with"])
+@pytest.mark.parametrize("how", ["pp2-plain", "tp2-with", "tp2-plain", "cli-pp2"])
 def test_a_script_with_worker_processes_exits_on_its_own(tmp_path, how):
-    """issue 25: a script using `mp` pipeline parallelism printed its answer and then hung in
-    multiprocessing's exit hook (the workers waited on a pipe nobody closed)."""
+    """issue 25: a script using `mp` tensor or pipeline parallelism printed its answer and then hung in
+    multiprocessing's exit hook (the workers waited on a pipe nobody closed), as did `tokenmill generate -pp 2`."""
     import subprocess
     import sys
 
     path = make_tiny_model(tmp_path / "llama", "llama")
-    make = f"LLM({str(path)!r}, pipeline_parallel_size=2, kv_cache_memory_bytes=8 << 20, max_model_len=256)"
-    body = (f"llm = {make}\nprint(llm.generate(['hello'], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids)"
-            if how == "plain" else
-            f"with {make} as llm:\n    print(llm.generate(['hello'], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids)")
-    script = "from tokenmill import LLM, SamplingParams\n" + body + "\n"
+    size = "pipeline_parallel_size" if how.startswith("pp") else "tensor_parallel_size"
+    make = f"LLM({str(path)!r}, {size}=2, kv_cache_memory_bytes=8 << 20, max_model_len=256)"
+    run = "print(llm.generate(['hello'], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids)"
+    if how == "cli-pp2":
+        cmd = [sys.executable, "-m", "tokenmill", "generate", str(path), "-pp", "2", "--prompt", "hello",
+               "--max-tokens", "4", "--kv-cache-memory-bytes", "8M", "--max-model-len", "256"]
+    else:
+        body = f"llm = {make}\n{run}" if how.endswith("plain") else f"with {make} as llm:\n    {run}"
+        cmd = [sys.executable, "-c", "from tokenmill import LLM, SamplingParams\n" + body + "\n"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().startswith("["), proc.stdout
-    assert time.monotonic() - t0 < 120
+    assert proc.stdout.strip(), proc.stderr[-3000:]
 
 
 def test_workers_stop_when_the_llm_is_collected(tmp_path):
