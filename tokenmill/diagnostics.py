@@ -3,7 +3,8 @@
 For a window of engine steps we know the time split (schedule, prepare, forward, sample, detokenize,
 idle), the tokens processed and the attention work. From the model's shape we know the FLOPs and the
 bytes those steps must move at least (weights once per step, the KV cache they read and write). With
-the machine's peak FLOP/s and memory bandwidth — measured once by a short calibration and cached —
+the machine's peak FLOP/s and memory bandwidth — measured by a short calibration and cached, and
+re-measured when the engine beats them or they were measured on a busy machine (see calibrate) —
 the minimum time is max(FLOPs / peak, bytes / bandwidth). A run whose busy time is far above that
 minimum is overhead-bound (Python, small kernels, inefficient kernels); otherwise it is compute- or
 bandwidth-bound, whichever term is larger.
@@ -16,18 +17,29 @@ bytes/s against the calibrated bandwidth.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2  # 2: entries record the load they were measured under
 # Below this share of busy time explained by the roofline, the run is called overhead-bound.
 ROOFLINE_SHARE_FOR_BOUND = 0.3
+# A stored calibration is re-measured at most this often: never sooner than this after its own
+# measured_at (which every process sharing the cache file sees) nor after this process's last attempt.
+# Without the limit an engine that keeps beating the calibration would re-measure on every report.
+RECALIBRATE_INTERVAL_S = 300.0
+# A CPU calibration is suspect when, as it started, other processes kept more than this share of the
+# cores busy (the 1-minute load average less this process's own share): the GEMM and the streaming read
+# then shared the cores and read low (45 GFLOP/s where the quiet machine gives 96).
+LOADED_SHARE_OF_CPUS = 0.5
+LOAD_AVERAGE_WINDOW_S = 60.0  # the kernel's 1-minute load average decays with this time constant
 
 
 @dataclass
@@ -37,10 +49,38 @@ class Peaks:
     dtype: str
     threads: int
     device: str
-    measured_at: float
+    measured_at: float  # time.time() of the measurement
+    load_average: float | None = None  # 1-minute os.getloadavg() as the measurement started; None: unknown
+    own_load: float = 0.0  # this process's estimated share of that load (its engine's recent steps)
+    cpu_count: int | None = None
+    # Peaks lifted to a figure the engine achieved because the measurement read lower: lower bounds.
+    raised_to_observed: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def others_load(self) -> float | None:
+        """The load other processes put on the machine as this was measured."""
+        return None if self.load_average is None else max(0.0, self.load_average - self.own_load)
+
+    def suspect(self) -> bool:
+        """Measured while other processes kept the cores busy, or under a load nobody recorded. Only a CPU
+        measurement shares the cores with that load; a GPU's GEMM and memory read do not."""
+        if not self.device.startswith("cpu"):
+            return False
+        others = self.others_load()
+        return others is None or _loaded(others, self.cpu_count)
+
+
+def _loaded(others_load: float, cpu_count: int | None) -> bool:
+    return others_load > LOADED_SHARE_OF_CPUS * (cpu_count or os.cpu_count() or 1)
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):  # not available on this platform
+        return None
 
 
 def _cpu_name() -> str:
@@ -103,24 +143,206 @@ def measure_peaks(device: str = "cpu", dtype: torch.dtype = torch.float32, secon
                  device=str(dev), measured_at=time.time())
 
 
-def load_or_measure_peaks(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Peaks:
-    """Calibrate once per machine / thread count / torch version; later starts read the cache."""
-    f = _cache_file()
-    key = _key(device, dtype)
+# ---- the calibration cache: measured once, re-measured when it cannot be trusted ----------------
+# (cache file, key) -> time.time() of this process's last measurement, for RECALIBRATE_INTERVAL_S.
+_last_attempt: dict[tuple[str, str], float] = {}
+
+
+@dataclass
+class Calibration:
+    """The peaks a report divides by, and how far to trust them (the report's "calibration" section)."""
+
+    peaks: Peaks
+    cache_file: Path | None = None
+    recalibrated: bool = False  # the peaks were measured during this call
+    over_peak: list[str] = field(default_factory=list)  # achieved figures above the stored peaks
+    stale: bool = False  # the peaks are not (yet) a trustworthy measurement: `note` says why
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        p = self.peaks
+        return {"cache_file": str(self.cache_file) if self.cache_file else None, "measured_at": p.measured_at,
+                "age_s": max(0.0, time.time() - p.measured_at), "load_average": p.load_average,
+                "own_load": p.own_load, "cpu_count": p.cpu_count, "under_load": p.suspect(),
+                "over_peak": list(self.over_peak), "raised_to_observed": list(p.raised_to_observed),
+                "recalibrated": self.recalibrated, "stale": self.stale, "note": self.note}
+
+
+def _read_cache(f: Path) -> dict:
     try:
         cached = json.loads(f.read_text())
-        if key in cached:
-            return Peaks(**cached[key])
-    except (OSError, ValueError, TypeError):
-        cached = {}
-    peaks = measure_peaks(device, dtype)
+    except (OSError, ValueError):
+        return {}
+    return cached if isinstance(cached, dict) else {}
+
+
+def _entry(cached: dict, key: str) -> Peaks | None:
+    raw = cached.get(key)
+    if not isinstance(raw, dict):
+        return None
+    known = {f.name for f in fields(Peaks)}
+    try:
+        return Peaks(**{k: v for k, v in raw.items() if k in known})
+    except TypeError:  # a required field is missing: as good as no entry
+        return None
+
+
+@contextmanager
+def _cache_lock(f: Path) -> Iterator[None]:
+    """Serialise calibrations of processes sharing the cache file (data-parallel replicas): two measuring at
+    once would each take the other's load for the machine's peak."""
+    try:
+        import fcntl
+
+        f.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(f.with_name(f.name + ".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+    except (ImportError, OSError):  # no flock here, or an unwritable cache: measure unserialised
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without locks: measure unserialised
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _store(f: Path, key: str, peaks: Peaks) -> None:
+    # Re-read first (another process may have stored other keys) and replace the file whole, so a reader
+    # never sees half of it.
+    cached = _read_cache(f)
+    cached[key] = peaks.as_dict()
+    tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
     try:
         f.parent.mkdir(parents=True, exist_ok=True)
-        cached[key] = peaks.as_dict()
-        f.write_text(json.dumps(cached, indent=1))
-    except OSError:
+        tmp.write_text(json.dumps(cached, indent=1))
+        os.replace(tmp, f)
+    except OSError:  # an unwritable cache: the next start measures again
         pass
-    return peaks
+
+
+def _exceeded(p: Peaks, observed: dict[str, float]) -> list[str]:
+    return [name for name, value in observed.items() if value > getattr(p, name)]
+
+
+def _raise_to(p: Peaks, observed: dict[str, float]) -> Peaks:
+    """The engine achieved more than the peak: the peak is at least that (a lower bound, marked as such)."""
+    over = _exceeded(p, observed)
+    if not over:
+        return p
+    marked = p.raised_to_observed + [n for n in over if n not in p.raised_to_observed]
+    return replace(p, **{n: observed[n] for n in over}, raised_to_observed=marked)
+
+
+def _measure_and_store(device: str, dtype: torch.dtype, f: Path, key: str, own_load: float,
+                       observed: dict[str, float], replaces: Peaks | None) -> Peaks:
+    """Measure, record the load it was measured under, lift a peak the engine already beat to that figure,
+    and store it."""
+    _last_attempt[(str(f), key)] = time.time()
+    with _cache_lock(f):
+        # Another process sharing the cache may have measured while this one waited for the lock.
+        current = _entry(_read_cache(f), key)
+        if (current is not None and (replaces is None or current.measured_at > replaces.measured_at)
+                and not _exceeded(current, observed)):
+            return current
+        load = _load_average()  # before measuring: the measurement's own threads are not "load" on it
+        p = measure_peaks(device, dtype)
+        p = replace(p, measured_at=time.time(), load_average=load, own_load=own_load, cpu_count=os.cpu_count(),
+                    raised_to_observed=[])
+        p = _raise_to(p, observed)
+        _store(f, key, p)
+    return p
+
+
+def _ago(t: float) -> str:
+    s = max(0.0, time.time() - t)
+    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.0f} h ago"
+
+
+def _load_text(p: Peaks) -> str:
+    if p.load_average is None:
+        return "under an unrecorded load"
+    return f"at load average {p.load_average:.2f} ({p.others_load():.2f} from other processes) on {p.cpu_count} CPUs"
+
+
+def calibrate(device: str = "cpu", dtype: torch.dtype = torch.float32, *, own_load: float = 0.0,
+              may_measure: bool = True, observed: dict[str, float] | None = None) -> Calibration:
+    """The calibrated peaks for this device and dtype, re-measured when they cannot be trusted.
+
+    - No entry in the cache: measure now (once per machine / thread count / torch version / dtype).
+    - `observed` (the achieved FLOP/s and bytes/s, by Peaks field name) beats the entry: it read low.
+      Re-measure whatever the load; if the fresh measurement still reads below what the engine achieved,
+      store the achieved figure instead (a lower bound, listed in raised_to_observed).
+    - The entry was measured under load (CPU only: other processes' load above LOADED_SHARE_OF_CPUS of the
+      cores) or records no load: re-measure once the machine is quiet; until then the report flags it.
+    Re-measuring an entry happens only when `may_measure` (the caller's safe moment: the engine has no
+    requests) and at most once per RECALIBRATE_INTERVAL_S. Otherwise the peaks returned are
+    max(stored, observed), so no figure reads above 100 %, and the result is flagged stale.
+    `own_load` is this process's estimated share of the current load average (see _own_load).
+    """
+    observed = observed or {}
+    f, key = _cache_file(), _key(device, dtype)
+    stored = _entry(_read_cache(f), key)
+    if stored is None:  # nothing to fall back on: measure whatever the moment
+        p = _measure_and_store(device, dtype, f, key, own_load, observed, None)
+        return _verdict(Calibration(p, f, recalibrated=True), first=True)
+    over = _exceeded(stored, observed)
+    last = max(stored.measured_at, _last_attempt.get((str(f), key), 0.0))
+    due = time.time() - last >= RECALIBRATE_INTERVAL_S
+    if over:
+        why = " and ".join(f"{n} achieved {observed[n] / getattr(stored, n):.0%} of the stored peak" for n in over)
+        wait = ("the engine is busy" if not may_measure else
+                f"calibrations run at most every {RECALIBRATE_INTERVAL_S:.0f} s; next in "
+                f"{last + RECALIBRATE_INTERVAL_S - time.time():.0f} s")
+        if may_measure and due:
+            try:
+                p = _measure_and_store(device, dtype, f, key, own_load, observed, stored)
+                return _verdict(Calibration(p, f, recalibrated=True, over_peak=over), reason=why)
+            except (RuntimeError, MemoryError) as e:  # e.g. CUDA out of memory beside the engine's KV cache
+                wait = f"re-measuring failed: {type(e).__name__}: {e}"
+        return Calibration(_raise_to(stored, observed), f, over_peak=over, stale=True,
+                           note=f"{why} (measured {_ago(stored.measured_at)} {_load_text(stored)}): reporting "
+                                f"against the achieved figure until re-measured ({wait})")
+    if stored.suspect():
+        now = _load_average()
+        quiet = now is not None and not _loaded(max(0.0, now - own_load), os.cpu_count())
+        if quiet and may_measure and due:
+            try:
+                p = _measure_and_store(device, dtype, f, key, own_load, observed, stored)
+                return _verdict(Calibration(p, f, recalibrated=True),
+                                reason=f"the previous calibration was measured {_load_text(stored)}")
+            except (RuntimeError, MemoryError):  # keep the stored peaks, flagged below; tried again later
+                pass
+        return Calibration(stored, f, stale=True,
+                           note=f"peaks measured {_ago(stored.measured_at)} {_load_text(stored)}: they may read "
+                                "low; re-measured once the machine is quiet and the engine idle")
+    return _verdict(Calibration(stored, f))
+
+
+def _verdict(c: Calibration, reason: str = "", first: bool = False) -> Calibration:
+    """Stale flag and note for peaks that are now stored as they are."""
+    p = c.peaks
+    notes = []
+    if c.recalibrated:
+        notes.append("first calibration for this device, dtype and thread count" if first
+                     else f"re-measured because {reason}")
+    if p.suspect():
+        c.stale = True
+        notes.append(f"{'this measurement ran' if c.recalibrated else 'peaks measured'} {_load_text(p)}: they may "
+                     "read low; re-measured once the machine is quiet and the engine idle")
+    if p.raised_to_observed:
+        notes.append(f"{' and '.join(p.raised_to_observed)} peak raised to a figure the engine achieved "
+                     "(the measurement read lower): a lower bound, so its share reads up to 100%")
+    c.note = "; ".join(notes)
+    return c
+
+
+def load_or_measure_peaks(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Peaks:
+    """Calibrate once per machine / thread count / torch version; later starts read the cache (and
+    re-measure a calibration taken under load once the machine is quiet; see calibrate)."""
+    return calibrate(device, dtype).peaks
 
 
 def resident_weight_bytes(model) -> int:
@@ -169,8 +391,24 @@ class ModelCost:
         return self.weight_bytes + self.kv_bytes_per_token * (kv_tokens + num_tokens)
 
 
+def observed_rates(steps: list, cost: ModelCost) -> dict[str, float]:
+    """What the forward passes achieved, by Peaks field: FLOP/s, and bytes/s (the higher of the whole forward
+    pass's and attention's own), the figures a calibrated peak must not fall below."""
+    forward = sum(s.forward_s for s in steps)
+    attn_s = sum(s.attn_s for s in steps)
+    flops = sum(cost.step_flops(s.num_tokens, s.num_sampled, s.attn_pairs) for s in steps)
+    nbytes = sum(cost.step_bytes(s.num_tokens, s.kv_tokens) for s in steps)
+    attn_rate = sum(s.attn_bytes for s in steps) / attn_s if attn_s > 0 else 0.0
+    return {"flops": flops / forward if forward else 0.0,
+            "bandwidth": max(nbytes / forward if forward else 0.0, attn_rate)}
+
+
 def diagnose(steps: Iterable, cost: ModelCost, peaks: Peaks, idle_s: float = 0.0) -> dict:
-    """Summarise a window of StepStats: the time split, achieved rates, and the verdict."""
+    """Summarise a window of StepStats: the time split, achieved rates, and the verdict.
+
+    The shares of peak are against `peaks` as given; a share above 100 % is flagged in the "calibration"
+    section (stale, over_peak), never shown silently. engine_diagnostics passes peaks already re-measured
+    or raised (calibrate), so its shares stay within 100 %."""
     steps = list(steps)
     split = {k: sum(getattr(s, f"{k}_s") for s in steps)
              for k in ("schedule", "offload", "prepare", "forward", "sample", "detokenize")}
@@ -215,9 +453,21 @@ def diagnose(steps: Iterable, cost: ModelCost, peaks: Peaks, idle_s: float = 0.0
         # Tensor parallelism: time inside all-reduce / all-gather (part of the forward pass; 0 with one rank).
         "collectives": _collectives(steps, forward),
         "peaks": peaks.as_dict(),
+        "calibration": _calibration_of(peaks, observed_rates(steps, cost)).as_dict(),
         "verdict": verdict,
         "reason": reason,
     }
+
+
+def _calibration_of(peaks: Peaks, observed: dict[str, float]) -> Calibration:
+    """How far to trust peaks handed to diagnose directly (no cache, no re-measuring)."""
+    c = _verdict(Calibration(peaks))
+    over = _exceeded(peaks, observed)
+    if over:
+        c.over_peak, c.stale = over, True
+        c.note = "; ".join([f"{' and '.join(over)} achieved above the calibrated peak: the peak reads low and "
+                            "the shares above 100 % are not meaningful"] + ([c.note] if c.note else []))
+    return c
 
 
 def _collectives(steps: list, forward_s: float) -> dict:
@@ -253,17 +503,39 @@ def engine_diagnostics(core, last_n: int | None = None) -> dict:
     """Diagnose an EngineCore's (or an LLMEngine's) recent steps (all kept history by default)."""
     core = getattr(core, "core", core)
     steps = list(core.stats.history)
-    if last_n:
+    if last_n and last_n > 0:  # 0, negative or absent: the whole kept history
         steps = steps[-last_n:]
     info = core.info
-    peaks = load_or_measure_peaks(info.device, getattr(torch, info.compute_dtype))
+    # Re-measuring blocks the core for about a second: only at a safe moment, with no request in the
+    # engine (then it costs a request that arrives meanwhile that wait, like the first calibration does).
+    busy = getattr(core, "has_unfinished_requests", lambda: False)()
+    cal = calibrate(info.device, getattr(torch, info.compute_dtype), own_load=_own_load(core), may_measure=not busy,
+                    observed=observed_rates(steps, info.model_cost))
     # Idle time between the window's steps only: not the wait before its first step (start-up, an
     # earlier quiet spell) nor the one after its last, which belong to no run in the window.
     idle_s = sum(s.idle_before_s for s in steps[1:])
-    out = diagnose(steps, info.model_cost, peaks, idle_s=idle_s)
+    out = diagnose(steps, info.model_cost, cal.peaks, idle_s=idle_s)
+    out["calibration"] = cal.as_dict()
     if core.config.speculative is not None:  # counters since start; acceptance_rate, mean_acceptance_length
         out["speculative"] = {"method": core.config.speculative.method, **core.scheduler.spec_stats.as_dict()}
     return out
+
+
+def _own_load(core) -> float:
+    """This engine's own share of the 1-minute load average, from its recent steps: the forward pass keeps
+    every OpenMP thread of every tensor-parallel rank runnable, the rest of a step one thread; each step
+    decays like the kernel's average (e^-age/60 s). Without it, a report right after the engine's own
+    traffic would blame that traffic on other processes."""
+    parallel = getattr(getattr(core, "config", None), "parallel", None)
+    threads = torch.get_num_threads() * (getattr(parallel, "world_size", 1) or 1)
+    now = time.perf_counter()
+    load = 0.0
+    for s in reversed(core.stats.history):
+        age = now - s.end_time
+        if age > 10 * LOAD_AVERAGE_WINDOW_S:  # older steps no longer show in the average
+            break
+        load += (s.forward_s * threads + (s.busy_s - s.forward_s)) * math.exp(-max(age, 0.0) / LOAD_AVERAGE_WINDOW_S)
+    return load / LOAD_AVERAGE_WINDOW_S
 
 
 def format_report(d: dict) -> str:
@@ -276,6 +548,9 @@ def format_report(d: dict) -> str:
                  f"{p['flops'] / 1e9:.0f} peak), {a['bytes_per_s'] / 1e9:.1f} GB/s ({100 * a['bandwidth_share_of_peak']:.0f}% "
                  f"of {p['bandwidth'] / 1e9:.0f} peak)")
     lines.append(format_attention(d["attention"], p["bandwidth"]))
+    c = d.get("calibration") or {}
+    if c.get("note"):
+        lines.append(f"  calibration{' (STALE)' if c.get('stale') else ''}: {c['note']}")
     lines.append(f"  verdict: {d['verdict']} — {d['reason']}")
     return "\n".join(lines)
 
