@@ -149,6 +149,30 @@ def test_long_prompt_chunked_across_steps():
     assert r.output_token_ids == expected_output(list(range(25)), 2)
 
 
+def test_long_prefill_token_threshold_caps_each_prompt_chunk():
+    """vLLM's long_prefill_token_threshold: a long prompt computes at most that many tokens a step, so a
+    second prompt shares the step instead of waiting behind it, and a running decode's step stays short."""
+    sched, kv = make_sched(budget=32, block_size=4)
+    sched.config.long_prefill_token_threshold = 8
+    d = make_req([1, 2], max_tokens=12)
+    sched.add_request(d)
+    step(sched)  # d's prompt, then it decodes
+    long, short = make_req(range(10, 40), max_tokens=2), make_req(range(50, 56), max_tokens=2)
+    sched.add_request(long)
+    sched.add_request(short)
+    out = step(sched)
+    assert ids(out) == [(d.request_id, 1), (long.request_id, 8), (short.request_id, 6)]
+    out = step(sched)
+    assert ids(out) == [(d.request_id, 1), (short.request_id, 1), (long.request_id, 8)]
+    run_to_completion(sched)
+    assert long.output_token_ids == expected_output(list(range(10, 40)), 2)
+    assert d.output_token_ids == expected_output([1, 2], 12)
+    sched.config.long_prefill_token_threshold = 0  # off: the budget alone chunks
+    late = make_req(range(100, 140), max_tokens=1)
+    sched.add_request(late)
+    assert ids(step(sched)) == [(late.request_id, 32)]
+
+
 def test_decodes_scheduled_before_prompt_chunks():
     sched, kv = make_sched(budget=4)
     d = make_req([1, 2], max_tokens=8)
@@ -439,6 +463,7 @@ def workloads(draw):
         offload = dict(host_slots=draw(st.integers(1, 4)), disk=draw(st.booleans()),
                        group_blocks=draw(st.integers(1, 3)), min_chain_blocks=draw(st.integers(1, 2)))
     corrupt = draw(st.sampled_from([False, False, True]))
+    long_prefill = draw(st.sampled_from([0, 0, 1, 3, 8]))
     n = draw(st.integers(1, 8))
     reqs = []
     for _ in range(n):
@@ -460,7 +485,8 @@ def workloads(draw):
             )
         )
     return dict(bs=bs, mml=mml, num_blocks=num_blocks, budget=budget, max_seqs=max_seqs,
-                policy=policy, caching=caching, offload=offload, corrupt=corrupt, reqs=reqs)
+                policy=policy, caching=caching, offload=offload, corrupt=corrupt, reqs=reqs,
+                long_prefill=long_prefill)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -469,6 +495,7 @@ def test_random_workloads(w):
     bs, mml = w["bs"], w["mml"]
     offload = OffloadTiers(**w["offload"]) if w["offload"] else None
     sched, kv = make_sched(w["num_blocks"], bs, w["budget"], w["max_seqs"], w["policy"], w["caching"], mml, offload)
+    sched.config.long_prefill_token_threshold = w["long_prefill"]
     transfer = ShadowTransfer()
     budget = w["budget"]
     reqs = []
@@ -502,13 +529,14 @@ def test_random_workloads(w):
         # Progress every step: the last unscheduled candidate always fits once the others are preempted.
         assert bool(out.scheduled) == had_work
 
-        # Budget use: each entry gets as many tokens as it has left, up to the budget left.
-        left = budget
+        # Budget use: each entry gets as many tokens as it has left, up to the budget left and (when set) the
+        # long-prefill cap.
+        left, cap = budget, w["long_prefill"] or budget
         seen = set()
         for r, n in out.scheduled:
             assert id(r) not in seen
             seen.add(id(r))
-            assert n == min(r.num_tokens - r.num_computed_tokens, left)
+            assert n == min(r.num_tokens - r.num_computed_tokens, left, cap)
             left -= n
         # Previously running requests first, decodes before prompt chunks; then admissions.
         was_running = [id(r) in uncomputed for r, _ in out.scheduled]

@@ -49,6 +49,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"  # fcfs | priority
+    # Most prompt tokens one request computes per step (vLLM's long_prefill_token_threshold); 0: no cap
+    # beyond the budget. With a cap, a long prompt shares each step with other prompts instead of filling it,
+    # and the step (so the running requests' inter-token latency) stays short.
+    long_prefill_token_threshold: int = 0
     # KV slots reserved past each request's scheduled tokens for speculative drafts (set from the
     # speculative config: num_speculative_tokens).
     num_lookahead_tokens: int = 0

@@ -3,7 +3,7 @@
 There are no prefill and decode phases. Running requests that need one token (decodes) go first,
 then running requests in the middle of a prompt, then waiting requests, until the token budget
 (`max_num_batched_tokens`) or the running cap (`max_num_seqs`) is reached. Prompts longer than the
-remaining budget are chunked. When the block pool runs dry the lowest-priority running request is
+remaining budget (or than `long_prefill_token_threshold`, when set) are chunked. When the block pool runs dry the lowest-priority running request is
 preempted by recompute: its blocks are freed, its tokens kept, and it waits at the front.
 No torch here.
 """
@@ -245,7 +245,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             self.current = req
             faults.maybe_raise("schedule", [req.request_id])
-            n = min(req.num_uncomputed_tokens, budget)
+            n = self._chunk(req.num_uncomputed_tokens, budget)
             spec = self._drafts(req, budget - n) if n == 1 else []
             n += len(spec)
             while not self.kv.allocate_slots(req, n, num_lookahead_tokens=self.num_lookahead_tokens):
@@ -307,7 +307,7 @@ class Scheduler:
             # Cached tokens, shared on the device, loaded from a lower tier or from a prefill instance, cost
             # no budget.
             num_cached = (len(computed) + len(offloaded) + len(remote)) * self.kv.block_size
-            n = min(req.num_tokens - num_cached, budget)
+            n = self._chunk(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, computed, offloaded, self.num_lookahead_tokens, remote):
                 # A preempted request keeps its place (it ran before, and recomputing it only gets dearer);
                 # one that never ran is passed over for a while.
@@ -331,6 +331,12 @@ class Scheduler:
                 out.recorded.append(req)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
+
+    def _chunk(self, uncomputed: int, budget: int) -> int:
+        """Tokens to compute for a request this step: all it has, within the budget and, for a prompt (or a
+        preempted request's recompute), within long_prefill_token_threshold."""
+        cap = self.config.long_prefill_token_threshold
+        return min(uncomputed, budget, cap) if cap > 0 else min(uncomputed, budget)
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The drafts worth verifying: within the token budget, max_tokens and max_model_len."""
