@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tokenmill.sample import rejection_sampler as rs
+from tokenmill.sample.draws import UNSEEDED, position_seed
 from tokenmill.sample.rejection_sampler import rejection_sample
 from tokenmill.sample.sampler import SamplingMetadata, apply_top_k_top_p_min_p
 from tokenmill.sampling_params import SamplingParams
@@ -71,7 +72,7 @@ def emitted_pvalues(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tenso
         drafts.tolist(),
         [q] * n,
         [False] * n,
-        [None] * n,
+        None,
     )
     tokens = tokens.view(n, k + 1)
     num_accepted = torch.tensor(num_accepted)
@@ -149,7 +150,7 @@ def test_greedy_prefix_correction_and_bonus():
     greedy = [3, 4, 5, 6] + [7, 8, 9, 1] + [2]
     probs = torch.full((len(greedy), V), 1.0 / V)
     tokens, num_accepted = rejection_sample(
-        probs, torch.tensor(greedy), [4, 4, 1], [[3, 4, 0], [7, 8, 9], []], [None] * 3, [True] * 3, [None] * 3
+        probs, torch.tensor(greedy), [4, 4, 1], [[3, 4, 0], [7, 8, 9], []], [None] * 3, [True] * 3, None
     )
     assert num_accepted == [2, 3, 0]
     assert tokens[:3].tolist() == [3, 4, 5]  # two accepted, then the target's argmax at the mismatch
@@ -176,7 +177,7 @@ def test_mixed_batch_gives_per_request_results():
         [r[2] for r in requests],
         [None] * len(requests),
         [r[0] for r in requests],
-        [None] * len(requests),
+        None,
     )
     assert num_accepted == [r[3] for r in requests]
     start = 0
@@ -195,10 +196,12 @@ def test_seeded_requests_do_not_depend_on_the_batch():
     def run(batch: list[dict], seed_of: list[int | None]):
         rows = [b["rows"] for b in batch]
         probs = torch.cat([p[: b["rows"]] for b in batch])
-        gens = [None if s is None else torch.Generator().manual_seed(s) for s in seed_of]
+        # Each row keyed by its request's seed and the output position it samples (as the sampling state does).
+        keys = torch.tensor([UNSEEDED if s is None else position_seed(s, j)
+                             for b, s in zip(batch, seed_of) for j in range(b["rows"])])
         tokens, acc = rejection_sample(
             probs, probs.argmax(dim=-1), rows, [b["drafts"] for b in batch], [b["q"] for b in batch],
-            [b.get("greedy", False) for b in batch], gens,
+            [b.get("greedy", False) for b in batch], keys,
         )
         return tokens.split(rows), acc
 
@@ -222,12 +225,12 @@ def test_draft_with_zero_q_and_target_with_zero_p():
     n = N // 10
     # d = 2: q(d) = 0 < p(d) -> always accepted.
     q = torch.tensor([[0.6, 0.4, 0.0, 0.0]])
-    tokens, acc = rejection_sample(p, p.argmax(-1), [2] * n, [[2]] * n, [q] * n, [False] * n, [None] * n)
+    tokens, acc = rejection_sample(p, p.argmax(-1), [2] * n, [[2]] * n, [q] * n, [False] * n, None)
     assert acc == [1] * n and (tokens.view(n, 2)[:, 0] == 2).all()
     # d = 3: p(d) = 0 -> always rejected; the correction is never d.
     q = torch.tensor([[0.1, 0.1, 0.1, 0.7]])
     for draft_q in (q, None):
-        tokens, acc = rejection_sample(p, p.argmax(-1), [2] * n, [[3]] * n, [draft_q] * n, [False] * n, [None] * n)
+        tokens, acc = rejection_sample(p, p.argmax(-1), [2] * n, [[3]] * n, [draft_q] * n, [False] * n, None)
         assert acc == [0] * n and (tokens.view(n, 2)[:, 0] != 3).all()
 
 
@@ -236,7 +239,7 @@ def test_zero_residual_samples_from_target():
     p = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
     n = 200
     tokens, acc = rejection_sample(
-        p.repeat(n, 1), p.argmax(-1).repeat(n), [2] * n, [[3]] * n, [p[:1]] * n, [False] * n, [None] * n
+        p.repeat(n, 1), p.argmax(-1).repeat(n), [2] * n, [[3]] * n, [p[:1]] * n, [False] * n, None
     )
     first = tokens.view(n, 2)[:, 0]
     assert acc == [0] * n
@@ -244,11 +247,11 @@ def test_zero_residual_samples_from_target():
     assert torch.equal(rs._residual(p, p), p)
     # p == q with a draft from q is always accepted (ratio 1), and the bonus comes from p_k.
     tokens, acc = rejection_sample(
-        p.repeat(n, 1), p.argmax(-1).repeat(n), [2] * n, [[0]] * n, [p[:1]] * n, [False] * n, [None] * n
+        p.repeat(n, 1), p.argmax(-1).repeat(n), [2] * n, [[0]] * n, [p[:1]] * n, [False] * n, None
     )
     assert acc == [1] * n and (tokens.view(n, 2)[:, 1] == 2).all()
 
 
 def test_empty_batch():
-    tokens, acc = rejection_sample(torch.zeros(0, 5), torch.zeros(0, dtype=torch.int64), [], [], [], [], [])
+    tokens, acc = rejection_sample(torch.zeros(0, 5), torch.zeros(0, dtype=torch.int64), [], [], [], [], None)
     assert tokens.shape == (0,) and acc == []

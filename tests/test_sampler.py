@@ -14,18 +14,19 @@ from tokenmill.sample.sampler import (
     apply_top_k_top_p_min_p,
     compute_logprobs,
 )
+from tokenmill.sample.draws import position_seed
 from tokenmill.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 
 
-def build(params, vocab_size, prompts=None, outputs=None, generators=None, banned=None):
+def build(params, vocab_size, prompts=None, outputs=None, seeds=None, banned=None):
     B = len(params)
     return SamplingMetadata.build(
         params,
         prompts if prompts is not None else [[] for _ in range(B)],
         outputs if outputs is not None else [[] for _ in range(B)],
-        generators if generators is not None else [None] * B,
+        seeds if seeds is not None else [None] * B,
         banned if banned is not None else [[] for _ in range(B)],
         vocab_size,
     )
@@ -47,7 +48,7 @@ def filter_meta(top_k=(), top_p=(), min_p=(), B=None):
         output_counts=None,
         logit_bias=None,
         banned=None,
-        generators=[None] * B,
+        seeds=None,
         all_greedy=False,
         max_num_logprobs=0,
     )
@@ -123,15 +124,16 @@ def run_seeded(position: int | None, target_seed: int = 1234, steps: int = 20) -
         params.insert(position, TARGET)
         seeds = [p.seed for p in params]
         seeds[position] = target_seed
-    gens = [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
-    prompts = [[1, 2, 3, i] for i in range(len(params))]
-    outputs: list[list[int]] = [[] for _ in params]
     target = 0 if position is None else position
+    # The target's own prompt wherever it sits (its repetition penalty reads it); the others' differ.
+    prompts = [[1, 2, 3, 0 if row == target else row + 1] for row in range(len(params))]
+    outputs: list[list[int]] = [[] for _ in params]
     sampler = Sampler()
     torch.manual_seed(position or 0)  # the global RNG differs between runs
     for step in range(steps):
         logits = torch.stack([step_logits(step, row if row != target else -1) for row in range(len(params))])
-        meta = SamplingMetadata.build(params, prompts, outputs, gens, [[] for _ in params], V_SEED)
+        keys = [None if s is None else position_seed(s, step) for s in seeds]  # output position = step
+        meta = SamplingMetadata.build(params, prompts, outputs, keys, [[] for _ in params], V_SEED)
         ids = sampler(logits, meta).token_ids.tolist()
         for row, t in enumerate(ids):
             outputs[row].append(t)
@@ -465,7 +467,7 @@ def test_empirical_distribution(temperature):
 def test_seeded_rows_follow_the_distribution():
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     rows = 20000
-    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
-    ids = Sampler()(probs.log().expand(rows, 4), build([SamplingParams(seed=0)] * rows, 4, generators=gens)).token_ids
+    keys = [position_seed(i, 0) for i in range(rows)]
+    ids = Sampler()(probs.log().expand(rows, 4), build([SamplingParams(seed=0)] * rows, 4, seeds=keys)).token_ids
     freq = torch.bincount(ids, minlength=4).float() / rows
     assert (freq - probs).abs().max().item() < 0.02

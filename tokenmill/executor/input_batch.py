@@ -13,6 +13,7 @@ import torch
 
 from tokenmill.core.batch import ScheduledBatch
 from tokenmill.layers.attention_backends.base import BatchLayout
+from tokenmill.sample.draws import position_seed
 from tokenmill.sample.sampler import SamplingMetadata
 from tokenmill.sample.state import SamplingState
 from tokenmill.sampling_params import SamplingParams
@@ -26,7 +27,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     params: SamplingParams
-    generator: torch.Generator | None  # seeded requests: reseeded by output position before each step's draws
+    # Seeded requests: a generator for a draft model's draws, reseeded by output position before each step (the
+    # sampler itself needs none: its seeded draws are counter-based, sample/draws.py).
+    generator: torch.Generator | None
     eos_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     sampling_slot: int = -1  # the request's slot in InputBatch.sampling
@@ -48,13 +51,6 @@ class StepInputs:
     kv_tokens: int
     attn_pairs: int
     prompt_rows: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)  # (req, row, rows, pos)
-
-
-def position_seed(seed: int, position: int) -> int:
-    """A seeded request's generator state for the step that samples its output token `position`: a function
-    of (seed, position) alone, so a request that is preempted, or re-sent to the worker after a failed step,
-    draws what it would have drawn running uninterrupted (a generator carried across steps would restart)."""
-    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (1 << 63)
 
 
 class InputBatch:
@@ -111,7 +107,7 @@ class InputBatch:
             np.fromiter((r.sampling_slot for r in reqs), np.int64, B),
             np.asarray(inp.rows_per_request, dtype=np.int64),
             np.fromiter((r.num_output_tokens for r in reqs), np.int64, B),
-            inp.spec, [r.generator for r in reqs])
+            inp.spec, [r.seed for r in reqs])
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Packed token ids and positions, the block table as one array, slots, and sampled rows. Built with

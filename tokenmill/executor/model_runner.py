@@ -227,8 +227,7 @@ class ModelRunner:
                        for r, _, spec in reqs]
         tokens, num_accepted = rejection_sample(
             probs if probs is not None else raw, greedy_ids, [rows for _, rows, _ in reqs],
-            [spec for _, _, spec in reqs], draft_probs, [r.params.greedy for r, _, _ in reqs],
-            [r.generator for r, _, _ in reqs])
+            [spec for _, _, spec in reqs], draft_probs, [r.params.greedy for r, _, _ in reqs], meta.seeds)
         return self._result(inp, Sampler.output(raw, tokens, meta), num_accepted)
 
     def _result(self, inp: StepInputs, sampled: SamplerOutput, num_accepted: list[int] | None) -> ModelRunnerOutput:

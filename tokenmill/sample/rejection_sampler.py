@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tokenmill.sample.sampler import _exponential_noise
+from tokenmill.sample.draws import ACCEPT_STREAM, SAMPLE_STREAM, inverse_cdf, row_uniforms
 
 
 def rejection_sample(
@@ -20,14 +20,15 @@ def rejection_sample(
     draft_token_ids: list[list[int]],
     draft_probs: list[Tensor | None],
     is_greedy: list[bool],
-    generators: list[torch.Generator | None],
+    seeds: Tensor | None,
 ) -> tuple[Tensor, list[int]]:
     """(token per row [S] int64, number of accepted drafts per request).
 
     Request r owns rows_per_request[r] = k_r + 1 consecutive rows of probs [S, V]: rows before
     num_accepted hold its drafts, row num_accepted the corrected or bonus token, later rows are
     unspecified. draft_probs[r] is [k_r, V] (what the drafts were sampled from) or None (point mass).
-    Seeded requests draw only from their own generator, so their tokens do not depend on the batch.
+    seeds is the sampler's per-row draw keys ([S] int64, -1 unseeded; None: none seeded): a seeded request's
+    accept tests and corrected tokens are functions of its seed and output positions alone, not of the batch.
     """
     S, V = probs.shape
     device = probs.device
@@ -59,12 +60,9 @@ def rejection_sample(
             q[index] = torch.cat([qr.float() for _, qr in dense]).to(device)
         p_d = probs.gather(1, drafts.unsqueeze(1)).squeeze(1)
         q_d = q.gather(1, drafts.unsqueeze(1)).squeeze(1)
-        u = _uniforms(S, starts, rows_per_request, is_greedy, generators, device)
+        u = row_uniforms(seeds, S, ACCEPT_STREAM, device)
         accept = torch.where(greedy_row, accept, _accept(u, p_d, q_d))
-        row_generators = [None if g_r else g for n, g, g_r in zip(rows_per_request, generators, is_greedy)
-                          for _ in range(n)]
-        noise = _exponential_noise((S, V), row_generators, device)
-        sampled = (_residual(probs, q) / noise).argmax(dim=-1)
+        sampled = inverse_cdf(_residual(probs, q), row_uniforms(seeds, S, SAMPLE_STREAM, device))
         final = torch.where(greedy_row, greedy_tokens, sampled)
 
     first_rejected = torch.where(is_draft & ~accept, pos, k[req])
@@ -79,22 +77,6 @@ def _accept(u: Tensor, p_d: Tensor, q_d: Tensor) -> Tensor:
 
 
 def _residual(probs: Tensor, q: Tensor) -> Tensor:
-    """max(0, p - q), unnormalised (the exponential race does not need it); p where that is all zero."""
+    """max(0, p - q), unnormalised (inverse_cdf does not need it); p where that is all zero."""
     residual = (probs - q).clamp_(min=0)
     return torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
-
-
-def _uniforms(
-    S: int,
-    starts: list[int],
-    rows_per_request: list[int],
-    is_greedy: list[bool],
-    generators: list[torch.Generator | None],
-    device,
-) -> Tensor:
-    """U[0, 1) per row. A seeded random request draws one per draft from its own generator."""
-    u = torch.rand(S, device=device) if any(g is None for g in generators) else torch.empty(S, device=device)
-    for s, n, greedy, g in zip(starts, rows_per_request, is_greedy, generators):
-        if g is not None and not greedy and n > 1:
-            u[s : s + n - 1] = torch.rand(n - 1, generator=g, device=device)
-    return u

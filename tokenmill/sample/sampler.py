@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tokenmill.sample.draws import SAMPLE_STREAM, UNSEEDED, inverse_cdf, row_uniforms
 from tokenmill.sampling_params import SamplingParams
 
 # Cumulative float32 sums that miss top_p only by rounding still count as reaching it,
@@ -37,7 +38,9 @@ class SamplingMetadata:
     output_counts: Tensor | None  # [B, V] float32; None if no row uses any penalty
     logit_bias: Tensor | None  # [B, V] float32 additive bias
     banned: Tensor | None  # [B, V] bool, forced to -inf (min_tokens)
-    generators: list[torch.Generator | None]  # per row; None => global RNG
+    # Per row: the key of its seeded draws (draws.position_seed of the output position it samples), or
+    # UNSEEDED (-1) for the global generator; None when no row is seeded.
+    seeds: Tensor | None
     all_greedy: bool
     max_num_logprobs: int  # top-N size; 0 => no top logprobs
     # Additions. The filter flags are Python bools so the hot path needs no device sync to
@@ -57,7 +60,7 @@ class SamplingMetadata:
         params: list[SamplingParams],
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
-        generators: list[torch.Generator | None],
+        seeds: list[int | None],
         banned_token_ids: list[list[int]],
         vocab_size: int,
         device: torch.device | str = "cpu",
@@ -102,7 +105,8 @@ class SamplingMetadata:
             output_counts=output_counts,
             logit_bias=logit_bias,
             banned=banned,
-            generators=list(generators),
+            seeds=None if all(s is None for s in seeds) else
+            vec([UNSEEDED if s is None else s for s in seeds], torch.int64),
             all_greedy=all(greedy),
             max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
             need_logprobs=any(p.logprobs is not None for p in params),
@@ -246,25 +250,6 @@ def _top_k_top_p_mask(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return torch.empty_like(remove).scatter_(1, order, remove)
 
 
-def _exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None], device) -> Tensor:
-    """q ~ Exp(1) per entry. Seeded rows draw from their own generator so their result
-    does not depend on the batch; unseeded rows share one batched draw."""
-    B, V = shape
-    q = torch.empty(B, V, dtype=torch.float32, device=device)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if len(unseeded) == B:
-        q.exponential_()
-    else:
-        if unseeded:
-            rows = torch.tensor(unseeded, dtype=torch.int64, device=device)
-            q[rows] = torch.empty(len(unseeded), V, dtype=torch.float32, device=device).exponential_()
-        for i, g in enumerate(generators):
-            if g is not None:
-                q[i] = torch.empty(V, dtype=torch.float32, device=device).exponential_(generator=g)
-    # A zero draw would turn a zero-probability token into 0/0 = nan, which argmax picks.
-    return q.clamp_(min=torch.finfo(torch.float32).tiny)
-
-
 def target_distribution(logits: Tensor, meta: SamplingMetadata) -> tuple[Tensor, Tensor, Tensor | None]:
     """(raw float32 logits, the greedy token of each row (argmax after penalties), the distribution to
     sample from (penalties, temperature, top-k/top-p/min-p; None when every row is greedy)). Shared by the
@@ -282,8 +267,8 @@ class Sampler:
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw, token_ids, probs = target_distribution(logits, meta)
         if probs is not None:
-            # argmax(p / q) with q ~ Exp(1) is an exact sample from p (exponential race).
-            sampled = (probs / _exponential_noise(probs.shape, meta.generators, probs.device)).argmax(dim=-1)
+            # One uniform per row, inverted through the row's cumulative distribution (draws.py).
+            sampled = inverse_cdf(probs, row_uniforms(meta.seeds, probs.shape[0], SAMPLE_STREAM, probs.device))
             token_ids = torch.where(meta.temperature == 0, token_ids, sampled)
         return self.output(raw, token_ids, meta)
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tokenmill.sample.draws import UNSEEDED, position_seeds
 from tokenmill.sample.sampler import SamplingMetadata
 from tokenmill.sampling_params import SamplingParams
 
@@ -152,11 +153,12 @@ class SamplingState:
 
     # ---- one step ------------------------------------------------------------------------------
     def metadata(self, slots: np.ndarray, rows: np.ndarray, num_output_tokens: np.ndarray,
-                 drafts: Sequence[Sequence[int]], generators: Sequence[torch.Generator | None]) -> SamplingMetadata:
+                 drafts: Sequence[Sequence[int]], seeds: Sequence[int | None]) -> SamplingMetadata:
         """The step's SamplingMetadata. Request i (slot slots[i], num_output_tokens[i] tokens of output)
         owns rows[i] consecutive sampled rows: row j scores output token number num_output_tokens[i] + j,
         after the drafts drafts[i][:j], which its penalties count as output and which decide whether
-        min_tokens still bans stop tokens and EOS there."""
+        min_tokens still bans stop tokens and EOS there. A seeded request (seeds[i] not None) keys each row's
+        draws by that output position (draws.position_seeds)."""
         row_slot = np.repeat(slots, rows)
         sc = self.scalars[row_slot]
         # One host-to-device copy for every scalar; its rows are then views.
@@ -177,7 +179,7 @@ class SamplingState:
             output_counts=vocab[_COUNTS],
             logit_bias=vocab[_BIAS],
             banned=vocab[_BAN],
-            generators=[g for g, n in zip(generators, rows.tolist()) for _ in range(n)],
+            seeds=self._row_seeds(seeds, rows, num_output_tokens),
             all_greedy=not any_random,
             max_num_logprobs=int(logprobs.max(initial=0)),
             need_logprobs=bool((logprobs >= 0).any()),
@@ -185,6 +187,15 @@ class SamplingState:
             use_top_p=any_random and bool((random & (sc[:, _TOP_P] < 1.0)).any()),
             use_min_p=any_random and bool((random & (sc[:, _MIN_P] > 0.0)).any()),
         )
+
+    def _row_seeds(self, seeds: Sequence[int | None], rows: np.ndarray, num_output_tokens: np.ndarray) -> Tensor | None:
+        if all(s is None for s in seeds):
+            return None
+        seeded = np.fromiter((s is not None for s in seeds), bool, len(seeds))
+        base = np.fromiter((s or 0 for s in seeds), np.uint64, len(seeds))
+        keys = position_seeds(np.repeat(base, rows), np.repeat(num_output_tokens, rows) + _ranks(rows))
+        keys = np.where(np.repeat(seeded, rows), keys, UNSEEDED)
+        return torch.from_numpy(keys).to(self.device)
 
     def _vocab_tensors(self, row_slot: np.ndarray, rows: np.ndarray, num_output_tokens: np.ndarray,
                        drafts: Sequence[Sequence[int]]) -> list[Tensor | None]:

@@ -29,7 +29,8 @@ from tokenmill.executor.input_batch import pack_layout
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend
-from tokenmill.sample.sampler import _exponential_noise, apply_top_k_top_p_min_p
+from tokenmill.sample.draws import generator_uniforms, inverse_cdf
+from tokenmill.sample.sampler import apply_top_k_top_p_min_p
 
 
 @dataclass
@@ -256,7 +257,7 @@ class _DraftSampler:
         x = apply_top_k_top_p_min_p(logits[rows].float() / self.temperature, self.meta)
         q = x.softmax(dim=-1)
         gens = [self.requests[i].generator for i in self.random]
-        drawn = (q / _exponential_noise(q.shape, gens, q.device)).argmax(dim=-1)
+        drawn = inverse_cdf(q, generator_uniforms(gens, q.device))
         tokens[rows] = drawn
         per_row: list[torch.Tensor | None] = [None] * len(self.requests)
         for j, i in enumerate(self.random):
