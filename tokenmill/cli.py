@@ -280,7 +280,8 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--max-request-body-bytes", type=parse_bytes, default=4 << 20, metavar="SIZE",
                    help="Largest request body accepted, e.g. 4M; larger ones get 413 (default: 4M).")
     g.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="On SIGTERM, how long in-flight requests may run before they are aborted (default: %(default)s).")
+                   help="On SIGTERM or Ctrl-C, how long in-flight requests may run before they are aborted "
+                        "(default: %(default)s).")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="Most logprobs / top_logprobs a request may ask for (default: %(default)s).")
     g.add_argument("--max-n", type=int, default=16, help="Most sequences (n) one request may ask for (default: %(default)s).")

@@ -61,7 +61,8 @@ class EngineArgs:
         ModelConfig.max_model_len,
         "Context length: prompt plus output tokens (default: the model's max_position_embeddings).")
     seed: int = _arg(ModelConfig.seed, "Seed of the engine's global random generator; with it a run is reproducible "
-                     "(default: %(default)s). See also --sampling-seed.")
+                     "(default: %(default)s). A request with a seed of its own (the API's `seed` field, "
+                     "`generate --sampling-seed`) samples independently of it.")
     quantization: str | None = _arg(
         ModelConfig.quantization, "Quantize the linear layers' weights at load: int8 (per output channel) or int4 "
         "(groups of --quantization-group-size columns); gguf keeps a .gguf file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K "

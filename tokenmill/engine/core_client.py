@@ -28,6 +28,9 @@ from tokenmill.engine.core_proc import (JOIN_TIMEOUT_S, QueueInbox, core_process
 log = logging.getLogger(__name__)
 
 CORE_START_TIMEOUT_S = 900.0
+# How long a core still starting gets to exit after its pipe closes (it is interrupted at once, but a step
+# of the load in C code, e.g. reading a large tensor, finishes first).
+CORE_STOP_TIMEOUT_S = 30.0
 # Adds queued for the core, not yet taken by it (or by the sender thread), before new requests are refused.
 SEND_QUEUE_BYTES = 64 << 20
 # A frame to the core holds about this much at most: pickling holds the GIL, the event loop's too.
@@ -142,7 +145,11 @@ class ProcessCoreClient(CoreClient):
         self.proc.start()
         child.close()
         self._dead: str | None = None
-        kind, payload = self._wait_ready()
+        try:
+            kind, payload = self._wait_ready()
+        except BaseException:  # e.g. Ctrl-C while the model loads: the core sees its pipe close and exits
+            self._abandon_start()
+            raise
         if kind != "ready":
             self.proc.join(5.0)
             message, tb = payload
@@ -163,6 +170,15 @@ class ProcessCoreClient(CoreClient):
 
     def _at_exit(self) -> None:
         self.shutdown(JOIN_TIMEOUT_S)
+
+    def _abandon_start(self) -> None:
+        """Stop a core that is still starting: it ignores SIGINT and SIGTERM (the server stops it), but it
+        watches its pipe while it starts, and on its closing exits through its own cleanup."""
+        self.conn.close()
+        self.proc.join(CORE_STOP_TIMEOUT_S)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(2.0)
 
     def _wait_ready(self) -> tuple:
         waited = 0.0

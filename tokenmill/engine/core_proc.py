@@ -270,24 +270,81 @@ def _apply(core, kind: str, payload: Any, send) -> None:
             send(("utility", (call_id, False, f"{type(e).__name__}: {e}")))
 
 
-def core_process_main(config, conn) -> None:
-    """Entry of the engine-core process: build the core, report ready, loop until told to stop or until
-    the server process goes away (its end of the pipe closes)."""
+class ParentGone(BaseException):
+    """Raised in the core's main thread when the server closes the pipe while the core is still starting."""
+
+
+def watch_parent_while_starting(conn, started: threading.Event) -> None:
+    """Until the core reports ready, nothing is sent to it: the pipe turning readable means the server
+    closed its end (it was stopped, or gave up waiting). Interrupt the start-up then, so the core's exit
+    cleans up (the disk KV tier's folder, workers) now rather than after a load that nobody waits for."""
+    import _thread
     import signal
 
-    from tokenmill.engine.core import EngineCore
+    def stop(signum, frame) -> None:
+        if not started.is_set():
+            raise ParentGone
+
+    signal.signal(signal.SIGUSR1, stop)
+
+    def watch() -> None:
+        while not started.is_set():
+            try:
+                if conn.poll(0.2):
+                    break
+            except (EOFError, OSError):
+                break
+        if not started.is_set():
+            _thread.interrupt_main(signal.SIGUSR1)
+
+    threading.Thread(target=watch, name="tokenmill-core-startup-watch", daemon=True).start()
+
+
+def core_process_main(config, conn) -> None:
+    """Entry of the engine-core process: build the core, report ready, loop until told to stop or until
+    the server process goes away (its end of the pipe closes).
+
+    SIGINT and SIGTERM are ignored here, and by the worker processes the core starts (an ignored signal
+    stays ignored in a child): Ctrl-C in a terminal, `systemctl stop` and `docker stop` signal the server's
+    whole process group, and it is the server's to drain its requests, then stop the core with a
+    "shutdown" message, which stops the workers and removes the disk KV tier's folder. A core whose server
+    is gone sees its pipe close and exits the same clean way, while starting too."""
+    import signal
 
     from tokenmill.platform import tune_malloc
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle (it drains, then stops us)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     tune_malloc()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s core %(name)s: %(message)s")
+    started = threading.Event()
+    try:
+        _run_core_process(config, conn, started)
+    except ParentGone:  # what was built is released by its finalizers as the process exits
+        log.info("the server went away while the engine core was starting; exiting")
+
+
+def _run_core_process(config, conn, started: threading.Event) -> None:
+    from tokenmill.engine.core import EngineCore
+
+    watch_parent_while_starting(conn, started)
     try:
         core = EngineCore(config)
+    except ParentGone:
+        raise
     except BaseException as e:
-        conn.send_bytes(dump_frame([("dead", (f"{type(e).__name__}: {e}", traceback.format_exc()))]))
+        started.set()
+        try:
+            conn.send_bytes(dump_frame([("dead", (f"{type(e).__name__}: {e}", traceback.format_exc()))]))
+        except OSError:  # the server is gone as well
+            pass
         return
-    conn.send_bytes(dump_frame([("ready", core.info)]))
+    started.set()  # from here on the pipe carries commands; its end is the input thread's to notice
+    try:
+        conn.send_bytes(dump_frame([("ready", core.info)]))
+    except OSError:  # the server went away meanwhile
+        core.shutdown()
+        return
     reader, writer = PipeReader(conn), PipeWriter(conn)
     try:
         run_core_loop(core, reader.inbox, writer.send, lambda: not writer.backlog)

@@ -2,7 +2,9 @@
 
 Drain: stop listening, answer new requests on open connections with 503, let in-flight requests finish
 for up to --drain-timeout seconds, then abort the rest (their streams get an error event) and exit 0.
-A second signal exits at once.
+A second signal exits at once. The same holds when the signal reaches the whole process group (Ctrl-C in a
+terminal, `systemctl stop`, `docker stop`): the engine core process ignores SIGTERM and SIGINT, and stops
+when the drained server tells it to (core_proc.py).
 """
 from __future__ import annotations
 
@@ -130,6 +132,25 @@ def run_server(state: ServerState, listen: ListenConfig, app) -> None:
     DrainingServer(config, state).run()
 
 
+def kv_transfer_summary(cfg, base_url: str) -> str:
+    """The start-up line of a disaggregated prefill/decode instance: its KV connector, its role and where
+    its blocks go or come from."""
+    from tokenmill.core.kv_connector import store_path
+
+    path = store_path(cfg)
+    parts = []
+    if cfg.kv_role in ("kv_producer", "kv_both"):
+        parts.append(f"writes the blocks it computes to {path}, served at {base_url}/v1/kv_blocks")
+    if cfg.kv_role in ("kv_consumer", "kv_both"):
+        producers = (cfg.kv_connector_extra_config or {}).get("producers") or []
+        producers = [producers] if isinstance(producers, str) else list(producers)
+        if cfg.kv_connector == "TCPConnector":
+            parts.append(f"pulls missing blocks from {', '.join(producers) or 'no producer'} into {path}")
+        else:
+            parts.append(f"loads blocks from {path}")
+    return f"KV connector: {cfg.kv_connector}, role: {cfg.kv_role}; " + "; ".join(parts)
+
+
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -243,5 +264,7 @@ def serve_main(args, engine_kwargs: dict) -> int:
              settings.model_path, f.load_time_s, "in its own process" if own_process else "in a thread",
              f" x {dp} data-parallel replicas" if dp > 1 else "", f.max_model_len, f.num_blocks, f.block_size)
     listen = ListenConfig(args.host, args.port, args.uvicorn_log_level, not args.disable_uvicorn_access_log)
+    if config.kv_transfer is not None:
+        log.info("%s", kv_transfer_summary(config.kv_transfer, f"http://{listen.host}:{listen.port}"))
     run_server(state, listen, build_app(state))
     return 0
