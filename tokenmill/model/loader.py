@@ -10,6 +10,7 @@ from typing import Iterator
 import torch
 
 from tokenmill.layers.quantization.base import QuantizationConfig
+from tokenmill.model.mapped_pages import MappedPages, trim_heap
 from tokenmill.model.registry import resolve
 from tokenmill.model.weights import load_weights
 from tokenmill.platform import choose_dtypes
@@ -51,15 +52,20 @@ def safetensors_files(path: str) -> list[Path]:
     return files
 
 
-def iter_safetensors(path: str, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str, dtype: torch.dtype | None,
+                     pages: MappedPages | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors by name, floats converted to `dtype` (None: as stored, for quantized checkpoints whose
-    scales must not lose precision and whose fp8 weights stay fp8; the loaders convert into place)."""
+    scales must not lose precision and whose fp8 weights stay fp8; the loaders convert into place).
+    Tensors are views of the file's mapping; `pages` notes them, so the loader can give back the pages of
+    those no parameter keeps (a converted tensor's source is dead at once)."""
     from safetensors import safe_open
 
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt") as st:  # memory-mapped
             for name in st.keys():
                 t = st.get_tensor(name)
+                if pages is not None:
+                    pages.track(str(f), t)
                 yield name, t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
@@ -109,6 +115,7 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
         model = cls(cfg, dtype=storage, compute_dtype=compute, max_positions=max_model_len,
                     quant_config=quant_config, tp_rank=tp_rank, tp_size=tp_size, expert_parallel=expert_parallel,
                     pp_rank=pp_rank, pp_size=pp_size)
+    pages = None
     if is_gguf(path):
         from tokenmill.model.gguf_loader import iter_gguf_weights
 
@@ -116,11 +123,19 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
             quant_config.prepare_model(model)
         load_weights(model, iter_gguf_weights(path, cfg, storage, quant_config.keeps_blocks if blocks else None))
     else:
-        load_weights(model, iter_safetensors(path, None if prequantized else storage))
+        pages = MappedPages()
+        load_weights(model, iter_safetensors(path, None if prequantized else storage, pages), pages)
     if quant_config is not None and getattr(quant_config, "quantize_lm_head", False) and model.lm_head is not None:
         lm_head = model.lm_head
         lm_head.quantize_int8(model.embed_tokens if getattr(model, "tie_word_embeddings", False) else None,
                               int8_activations=getattr(quant_config, "int8_activations", False))
+    if pages is not None:
+        # The float weights packed at load: their file pages (model/mapped_pages.py) and freed heap go back.
+        pages.release(model)
+        if pages.released_bytes:
+            log.debug("gave back %.1f MiB of weight-file pages after loading", pages.released_bytes / 2**20)
+    if quant_config is not None:
+        trim_heap()
     model.eval()
     return model, cfg, max_model_len
 

@@ -9,7 +9,9 @@ Expert tensors (`...experts.{e}.gate_proj.weight`, or merged `...experts.gate_pr
 FusedMoE's stacked parameters with shard id (expert, "w1"|"w3"|"w2") (layers/moe.py `expert_target`).
 Each parameter's `weight_loader(param, tensor, shard_id=None)` cuts out this rank's shard and puts it
 in place; parameters without one take the tensor whole. Afterwards every layer's quant method gets
-`process_weights_after_loading`.
+`process_weights_after_loading`; a method that packs a float weight at load (int8/int4, and every FusedMoE)
+gets it as soon as its layer's last tensor is in, so the float copy of the whole model is never resident at
+once, and `pages` (model/mapped_pages.py) gives back the file pages that such a layer no longer uses.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from torch import nn
 from tokenmill.layers.attention_backends.kv_quant import KV_SCALE_NAMES, load_kv_scale
 from tokenmill.layers.linear import default_weight_loader
 from tokenmill.layers.moe import FusedMoE, expert_target
+from tokenmill.model.mapped_pages import RECLAIM_EVERY, MappedPages, trim_heap
 
 
 @dataclass(frozen=True)
@@ -41,13 +44,17 @@ class WeightNaming:
         return name
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Load every tensor; fail naming the checkpoint tensors that are missing or have the wrong shape."""
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 pages: MappedPages | None = None) -> None:
+    """Load every tensor; fail naming the checkpoint tensors that are missing or have the wrong shape.
+    `pages`: the tracker of the file mapping `weights` come from, released as layers are packed."""
     naming: WeightNaming = getattr(model, "weight_naming", WeightNaming())
     packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
     unpacked = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
     tied = bool(getattr(model, "tie_word_embeddings", False))
     params = dict(model.named_parameters())
+    expected = _expected_names(params, packed)
+    early = _EarlyPacking(model, params, packed)
     loaded: set[str] = set()
     for ckpt_name, tensor in weights:
         name = naming.param_name(ckpt_name, tied)
@@ -78,15 +85,80 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         except ValueError as e:
             raise ValueError(f"weight {ckpt_name} {e}") from None
         loaded.add(name)
-    missing = sorted(_expected_names(params, packed) - loaded)
+        del param, tensor  # a packed layer's float weight must not outlive its packing here
+        if early.loaded(name) and early.unreturned >= RECLAIM_EVERY:
+            trim_heap()  # the packed layers' float weights, freed into the heap: back to the system
+            early.unreturned = 0
+        if pages is not None and pages.due():
+            pages.release(model)  # and the file pages they were read from
+    missing = sorted(expected - loaded)
     missing += [n for m in model.modules() if isinstance(m, FusedMoE) for n in m.unloaded()]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing weight tensors: {shown}")
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if method is not None:
+        if method is not None and not early.done(module):
             method.process_weights_after_loading(module)
+    if pages is not None:
+        pages.release(model)
+
+
+class _EarlyPacking:
+    """Layers whose quant method packs the float weight at load (`process_when_loaded`) and FusedMoE layers,
+    processed as soon as their last checkpoint tensor is in: the float weights of one layer at a time are
+    resident, not the whole model's. Their parameters leave the loader's table then (its reference would
+    keep the float weight alive)."""
+
+    def __init__(self, model: nn.Module, params: dict[str, torch.Tensor], packed: dict[str, list[str]]) -> None:
+        self._params = params
+        self._by_module: dict[str, list[str]] = {}  # module name -> its parameters' names
+        for pname in params:
+            self._by_module.setdefault(pname.rpartition(".")[0], []).append(pname)
+        self._waiting: dict[str, set[str]] = {}  # linear layer -> checkpoint-side names not loaded yet
+        self._owner: dict[str, str] = {}  # checkpoint-side name (a FusedMoE's: its parameter name) -> module
+        self._modules: dict[str, nn.Module] = {}
+        self._done: set[int] = set()
+        self.unreturned = 0  # float bytes freed by packing since the heap was last trimmed
+        for module_name, module in model.named_modules():
+            pnames = self._by_module.get(module_name)
+            if not pnames:
+                continue
+            if isinstance(module, FusedMoE):
+                self._owner.update((p, module_name) for p in pnames)
+            elif getattr(getattr(module, "quant_method", None), "process_when_loaded", False):
+                names = _expected_names({p: params[p] for p in pnames}, packed)
+                self._waiting[module_name] = set(names)
+                self._owner.update((n, module_name) for n in names)
+            else:
+                continue
+            self._modules[module_name] = module
+
+    def loaded(self, name: str) -> bool:
+        """`name` (checkpoint side) is in; True when that completed a layer, now packed."""
+        module_name = self._owner.get(name)
+        if module_name is None:
+            return False
+        module = self._modules[module_name]
+        if id(module) in self._done:
+            return False
+        if isinstance(module, FusedMoE):
+            if len(module.loaded) < 3 * module.local:
+                return False
+        else:
+            waiting = self._waiting[module_name]
+            waiting.discard(name)
+            if waiting:
+                return False
+        floats = [self._params.pop(p, None) for p in self._by_module[module_name]]
+        self.unreturned += sum(t.numel() * t.element_size() for t in floats if t is not None)
+        del floats
+        module.quant_method.process_weights_after_loading(module)
+        self._done.add(id(module))
+        return True
+
+    def done(self, module: nn.Module) -> bool:
+        return id(module) in self._done
 
 
 def _expected_names(params: dict[str, torch.Tensor], packed: dict[str, list[str]]) -> set[str]:

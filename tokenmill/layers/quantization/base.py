@@ -22,6 +22,10 @@ class QuantizeMethodBase(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y = x W^T (+ bias) for this rank's shard."""
 
+    # True: the loader calls process_weights_after_loading as soon as this layer's tensors are all in,
+    # instead of after the whole checkpoint (a method that packs a float weight frees it layer by layer).
+    process_when_loaded: bool = False
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Repack or convert weights once the checkpoint is in (default: keep them as loaded)."""
 

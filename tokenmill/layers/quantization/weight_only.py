@@ -6,7 +6,9 @@
   per byte, the even column in the low nibble.
 
 The layer loads its float weight as usual (same loaders, same tensor-parallel shards), then
-`process_weights_after_loading` replaces it by the packed form, so only the packed bytes stay resident.
+`process_weights_after_loading` replaces it by the packed form as soon as the layer's last tensor is in, so
+only one layer's float weight is resident at a time and only the packed bytes stay (the loader gives back
+the file pages the float weight was read from: model/mapped_pages.py).
 `apply` runs the native kernel (tokenmill/csrc/quant_linear.cpp: dequantize a tile in registers/L1, then
 multiply) on CPU, else dequantizes the weight and calls F.linear: the reference the kernel is tested
 against, and the path for devices without one.
@@ -45,10 +47,26 @@ def _swap(layer: nn.Module, **packed: torch.Tensor) -> None:
         layer.register_parameter(name, nn.Parameter(t.contiguous(), requires_grad=False))
 
 
+# Rows quantized per step: ~4 MiB of float32, so the temporaries of packing a matrix stay small whatever
+# its size (the LM head: 108 MiB in float32 for SmolLM2). Every step is row-wise: the same bytes as at once.
+_CHUNK_ELEMENTS = 1 << 20
+
+
+def _row_chunks(w: torch.Tensor) -> range:
+    return range(0, w.shape[0], max(1, _CHUNK_ELEMENTS // max(1, w.shape[1])))
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    """-> (int8 [N, K], float32 scale [N]): per row, scale = max|w| / 127."""
+    N, K = w.shape
+    q = torch.empty(N, K, dtype=torch.int8, device=w.device)
+    scale = torch.empty(N, dtype=torch.float32, device=w.device)
+    rows = _row_chunks(w)
+    for r in rows:
+        c = w[r : r + rows.step].float()
+        s = (c.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
+        q[r : r + rows.step] = torch.round(c / s[:, None]).clamp_(-127, 127)
+        scale[r : r + rows.step] = s
     return q, scale
 
 
@@ -63,6 +81,19 @@ def quantize_int4(w: torch.Tensor, group: int, symmetric: bool) -> tuple[torch.T
     the whole range buys resolution, and weights that already sit on a 16-level grid per group (a Q4_1
     checkpoint dequantized) are reproduced exactly instead of quantized twice. Symmetric: zero = 8, so a
     weight of 0 stays exactly 0."""
+    N, K = w.shape
+    packed = torch.empty(N, K // 2, dtype=torch.uint8, device=w.device)
+    scale = torch.empty(N, K // group, dtype=torch.float32, device=w.device)
+    zero = torch.empty_like(scale)
+    rows = _row_chunks(w)
+    for r in rows:
+        rs = slice(r, r + rows.step)
+        packed[rs], scale[rs], zero[rs] = _quantize_int4_rows(w[rs], group, symmetric)
+    return packed, scale, zero
+
+
+def _quantize_int4_rows(w: torch.Tensor, group: int,
+                        symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N, K = w.shape
     g = w.float().reshape(N, K // group, group)
     tiny = torch.finfo(torch.float32).tiny
@@ -108,6 +139,9 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
 
 class _WeightOnlyMethod(UnquantizedLinearMethod):
     """Creates the float weight like the unquantized method (so loading is unchanged), packs it after."""
+
+    # Packed as soon as the layer's last tensor is loaded (model/weights.py), one layer's float weight at a time.
+    process_when_loaded = True
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return packed_matmul(x, lambda x2, b: self._native(layer, x2, b), lambda: self.dequantize(layer), bias)
