@@ -486,6 +486,34 @@ def test_priority_scheduling(path, policy):
     assert (t1 < t0) if policy == "priority" else (t0 < t1)
 
 
+def test_long_prefill_token_threshold_keeps_outputs_and_chunks_steps(path, llm):
+    """Capped prompt chunks (vLLM's long_prefill_token_threshold) change the steps, never the tokens."""
+    prompts = random_prompts(6, seed=3, lens=(40, 9, 33, 5, 21, 60))
+    want = tokens(llm.generate(prompts, greedy(8), use_tqdm=False))
+    capped = llm_for(path, long_prefill_token_threshold=7)
+    engine = capped.engine
+    chunks: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        chunks.extend(n for _, n in out.scheduled)
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    for i, p in enumerate(prompts):
+        engine.add_request(f"c{i}", p, greedy(8))
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        for o in outs:
+            if o.finished:
+                got[o.request_id] = o.outputs[0].token_ids
+    assert [got[f"c{i}"] for i in range(len(prompts))] == want
+    assert max(chunks) == 7 and chunks.count(7) >= 60 // 7  # capped, and the cap did chunk the long prompts
+    assert_engine_idle(capped)
+
+
 # ---- loading -----------------------------------------------------------------------------------
 def copy_model(src, dst):
     shutil.copytree(src, dst)

@@ -197,7 +197,8 @@ class EngineConfig:
                   kv_offload_group_blocks=c.kv_offload_group_blocks, tensor_parallel_size=p.tensor_parallel_size,
                   pipeline_parallel_size=p.pipeline_parallel_size)
         _at_least(0, kv_offload_bytes=c.kv_offload_bytes, kv_offload_disk_bytes=c.kv_offload_disk_bytes,
-                  kv_offload_min_blocks=c.kv_offload_min_blocks)
+                  kv_offload_min_blocks=c.kv_offload_min_blocks,
+                  long_prefill_token_threshold=s.long_prefill_token_threshold)
         for name, value in (("kv_cache_memory_fraction", c.kv_cache_memory_fraction),
                             ("gpu_memory_utilization", c.gpu_memory_utilization)):
             if not 0 < value <= 1:

@@ -121,6 +121,10 @@ class EngineArgs:
     max_num_seqs: int = _arg(SchedulerConfig.max_num_seqs, "Most sequences running in one step (default: %(default)s).")
     max_num_batched_tokens: int = _arg(SchedulerConfig.max_num_batched_tokens,
                                        "Most tokens processed in one step (default: %(default)s).")
+    long_prefill_token_threshold: int = _arg(
+        SchedulerConfig.long_prefill_token_threshold,
+        "Most prompt tokens one request computes per step, so a long prompt shares steps with other prompts "
+        "and running decodes keep short steps; 0: only the step budget chunks (default: %(default)s).")
     scheduling_policy: str = _arg(SchedulerConfig.policy, "Order in which waiting requests are admitted; priority "
                                   "honours each request's priority, lower first (default: %(default)s).",
                                   choices=SCHEDULING_POLICIES)
@@ -219,6 +223,7 @@ class EngineArgs:
             ),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
+                                      long_prefill_token_threshold=self.long_prefill_token_threshold,
                                       policy=self.scheduling_policy),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     pipeline_parallel_size=self.pipeline_parallel_size,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import signal
 import socket
 import time
 import traceback
@@ -187,6 +188,10 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
 
     from tokenmill.platform import tune_malloc
 
+    # Signals to the process group are the parent's to handle: it drains, then stops the workers (a worker
+    # killed first would fail the requests in flight and leave its KV tier's folder behind).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     tune_malloc()
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s worker{rank} %(name)s: %(message)s")
     worker = Worker(config, rank, world_size, init_method)
