@@ -119,7 +119,7 @@ class Worker:
         mc, cache = self.config.model, self.config.cache
         quant = get_quantization_config(getattr(mc, "quantization", None), getattr(mc, "quantization_group_size", 32),
                                         model=mc.model, device=str(self.device),
-                                        activations=getattr(mc, "activation_quantization", "none"))
+                                        activations=mc.activation_quantization)
         tp = self.config.parallel.tensor_parallel_size
         model, self.hf_config, self.max_model_len = load_model(mc.model, mc.dtype, mc.max_model_len, str(self.device),
                                                                quant_config=quant, tp_rank=self.rank % tp, tp_size=tp,
@@ -132,7 +132,7 @@ class Worker:
         x8 = bool(getattr(quant, "int8_activations", False))
         log.info("weights: %.1f MiB resident%s", resident_weight_bytes(model) / 2**20,
                  f" ({quant.name}{', int8 activations at batch 1' if x8 else ''})" if quant else "")
-        if getattr(mc, "activation_quantization", "none") == "int8" and not x8:
+        if mc.activation_quantization == "int8" and not x8:
             log.warning("--activation-quantization int8 acts on gguf, int8 and int4 weights; with %s weights "
                         "activations stay float32", quant.name if quant else "float")
         backend_cls = get_attention_backend(getattr(self.config, "attention_backend", None), self.device)
