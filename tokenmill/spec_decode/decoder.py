@@ -54,8 +54,17 @@ class SpecDecoder:
         self.config = config
         self.k = config.num_speculative_tokens
         self.drafter = drafter  # NgramDrafter or DraftRunner
-        self.policy = AdaptivePolicy(self.k, config.adaptive, config.disable_by_batch_size)
+        kind = "lookup" if not isinstance(drafter, DraftRunner) else "head" if drafter.head else "model"
+        self.policy = AdaptivePolicy(self.k, config.adaptive, config.disable_by_batch_size, kind)
         self.draft_probs: dict[str, torch.Tensor] = {}  # request -> [k, V] q of its pending random drafts
+        # Cost bookkeeping for the policy: the first target forward and the draft's first forward carry
+        # one-time setup and are not measurements; the step period minus the forward and the drafting is
+        # the per-step overhead (not when it is 10x the work: then the engine was idle, waiting for requests).
+        self._seen_forward = False
+        self._seen_draft = False
+        self._last_observe: float | None = None
+        self._propose_s = 0.0
+        self._batch = 0
 
     @property
     def last_k(self) -> int:
@@ -91,28 +100,45 @@ class SpecDecoder:
         return q[:num_drafts] if q is not None else None
 
     def observe(self, num_tokens: int, forward_s: float, verified: list[tuple[int, int]]) -> None:
-        self.policy.forward.observe(num_tokens, forward_s)
+        """A target step ran: its forward over num_tokens took forward_s; `verified` is (drafted, accepted)
+        per request that verified drafts."""
+        now = time.perf_counter()
+        policy = self.policy
+        if self._seen_forward:
+            policy.forward.observe(num_tokens, forward_s)
+            work = forward_s + self._propose_s
+            gap = now - self._last_observe - work if self._last_observe is not None else None
+            if gap is not None and self._batch and gap < 10 * work:  # longer: the engine sat idle between steps
+                policy.observe_overhead(self._batch, gap)
+        self._seen_forward = True
+        self._last_observe = now
         for drafted, accepted in verified:
-            self.policy.observe_verification(drafted, accepted)
+            policy.observe_verification(drafted, accepted)
 
     def propose(self, view: StepView) -> dict[str, list[int]]:
+        t0 = time.perf_counter()
         sampled = [i for i, got in enumerate(view.accepted) if got]
         k = self.policy.choose(len(sampled))
         want = set(sampled)
         runner = self.runner
-        t0 = time.perf_counter()
         if runner is not None:
             drafts = runner.propose(view, want if k else set(), k, catch_up_all=bool(k) or runner.head)
+            for tokens, seconds in runner.timings:
+                if self._seen_draft:
+                    self.policy.observe_draft_forward(tokens, seconds)
+                self._seen_draft = True
         else:
             drafts = self.drafter.propose(view, want, k) if k else {}
-        if k:
-            self.policy.observe_draft(len(want), k, time.perf_counter() - t0)
+            if k:
+                self.policy.observe_lookup(len(want), time.perf_counter() - t0)
         out = {}
         for i, d in drafts.items():
             rid = view.requests[i].req_id
             out[rid] = d.token_ids
             if d.probs is not None:
                 self.draft_probs[rid] = d.probs
+        self._batch = len(sampled)
+        self._propose_s = time.perf_counter() - t0
         return out
 
 

@@ -18,6 +18,7 @@ draft proposes.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from itertools import chain
 from types import SimpleNamespace
@@ -78,6 +79,9 @@ class DraftRunner:
         # A model draft's KV of its own drafts: request -> (first position fed, drafts fed). Those accepted
         # next step are already in the cache, so catch-up starts after them.
         self.fed: dict[str, tuple[int, int]] = {}
+        # (tokens, seconds) of each forward of the last propose, its logits and sampling included: the
+        # catch-up first, then the single-token passes (the adaptive policy's draft costs).
+        self.timings: list[tuple[int, float]] = []
 
     # ---- KV pool --------------------------------------------------------------------------
     def block_bytes(self, kv_dtype: torch.dtype) -> int:
@@ -161,6 +165,8 @@ class DraftRunner:
 
     def propose(self, view: StepView, want: set[int], k: int, catch_up_all: bool) -> dict[int, Draft]:
         """Catch up and draft up to k tokens for the requests `want` (indices into the batch) that sampled."""
+        t0 = time.perf_counter()
+        self.timings = timings = []
         segs = self._segments(view, want, catch_up_all)
         if not segs:
             return {}
@@ -190,6 +196,9 @@ class DraftRunner:
             room = min(len(reqs[i].block_ids) * bs, self.max_model_len) - next_pos
             active.append((j, i, next_pos, max(0, min(k - 1, room))))
         if not active:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            timings.append((int(q_len.sum()), time.perf_counter() - t0))
             return {}
         fed_of = list(active)
         rows = torch.from_numpy(last_rows[[a[0] for a in active]])
@@ -198,10 +207,14 @@ class DraftRunner:
         sampler = _DraftSampler([reqs[a[1]] for a in active], self.device)
         cur_hidden, cur_feat = hidden[rows], (feat[rows] if feat is not None else None)
         step = 0
+        fed_tokens = int(q_len.sum())  # tokens of the forward whose logits are sampled next
         while True:
             tokens, q = sampler.sample(self._logits(cur_hidden))
-            for (j, i, _, _), t in zip(active, tokens.tolist()):
+            for (j, i, _, _), t in zip(active, tokens.tolist()):  # .tolist() waits for the device
                 out[i].append(t)
+            t1 = time.perf_counter()
+            timings.append((fed_tokens, t1 - t0))
+            t0 = t1
             if q is not None:
                 for row, (j, i, _, _) in enumerate(active):
                     if q[row] is not None:
@@ -218,6 +231,7 @@ class DraftRunner:
             sampler = sampler.subset(sel)
             cur_feat, cur_hidden = self._forward(ids, [reqs[a[1]].block_ids for a in keep], first,
                                                  np.ones(len(keep), np.int64), feats)
+            fed_tokens = len(keep)
             active = keep
         if not self.head:
             for j, i, next_pos, room in fed_of:
