@@ -39,9 +39,14 @@ constexpr int64_t GEMM_MIN_ROWS = 8;         // from this many rows of x: dequan
 constexpr int64_t MAX_FUSED_ROWS = 4;        // rows of x sharing one pass over a weight row
 constexpr int64_t PANEL_BYTES = 192 * 1024;  // SGEMM path: one thread's dequantized weight rows (fits L2)
 // Decode: a weight smaller than this runs on one thread. Waking a second one costs microseconds on an idle
-// machine and a scheduler time slice (milliseconds) when the other core is busy; below this size the
-// second thread saves less than that.
-constexpr int64_t PARALLEL_MIN_BYTES = 512 << 10;
+// machine and a scheduler time slice (milliseconds) when the other core is busy. Measured on SmolLM2 Q4_1
+// (2 cores, AVX2, quiet): at 64 KiB the attention projections (207-345 KiB) split too and batch-1 decode
+// runs 8 % faster than at 512 KiB; on a busy machine every split call risks the time slice.
+// TOKENMILL_GGUF_PARALLEL_MIN_BYTES overrides it.
+const int64_t PARALLEL_MIN_BYTES = [] {
+  const char* v = std::getenv("TOKENMILL_GGUF_PARALLEL_MIN_BYTES");
+  return v != nullptr ? std::max<int64_t>(1, std::atoll(v)) : int64_t{64 << 10};
+}();
 
 struct Format {
   int64_t block;  // weights per block
