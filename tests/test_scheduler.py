@@ -173,6 +173,18 @@ def test_long_prefill_token_threshold_caps_each_prompt_chunk():
     assert ids(step(sched)) == [(late.request_id, 32)]
 
 
+def test_long_prefill_cap_does_not_thrash_recomputes():
+    """Found by the property test: five requests on a pool that holds one at full length, prompts chunked by
+    3. Capped recomputes of preempted requests kept preempting each other for ever; recompute is uncapped."""
+    sched, kv = make_sched(num_blocks=10, block_size=3, budget=18, max_seqs=6, max_model_len=29)
+    sched.config.long_prefill_token_threshold = 3
+    reqs = [make_req([0], max_tokens=28, arrival=0.0, params=SamplingParams(prompt_logprobs=1)) for _ in range(5)]
+    for r in reqs:
+        sched.add_request(r)
+    run_to_completion(sched, max_steps=1000)
+    assert all(r.output_token_ids == expected_output([0], 28) for r in reqs)
+
+
 def test_decodes_scheduled_before_prompt_chunks():
     sched, kv = make_sched(budget=4)
     d = make_req([1, 2], max_tokens=8)
@@ -536,7 +548,7 @@ def test_random_workloads(w):
         for r, n in out.scheduled:
             assert id(r) not in seen
             seen.add(id(r))
-            assert n == min(r.num_tokens - r.num_computed_tokens, left, cap)
+            assert n == min(r.num_tokens - r.num_computed_tokens, left, budget if r.num_preemptions else cap)
             left -= n
         # Previously running requests first, decodes before prompt chunks; then admissions.
         was_running = [id(r) in uncomputed for r, _ in out.scheduled]

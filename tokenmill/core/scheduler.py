@@ -245,7 +245,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             self.current = req
             faults.maybe_raise("schedule", [req.request_id])
-            n = self._chunk(req.num_uncomputed_tokens, budget)
+            n = self._chunk(req, req.num_uncomputed_tokens, budget)
             spec = self._drafts(req, budget - n) if n == 1 else []
             n += len(spec)
             while not self.kv.allocate_slots(req, n, num_lookahead_tokens=self.num_lookahead_tokens):
@@ -307,7 +307,7 @@ class Scheduler:
             # Cached tokens, shared on the device, loaded from a lower tier or from a prefill instance, cost
             # no budget.
             num_cached = (len(computed) + len(offloaded) + len(remote)) * self.kv.block_size
-            n = self._chunk(req.num_tokens - num_cached, budget)
+            n = self._chunk(req, req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, computed, offloaded, self.num_lookahead_tokens, remote):
                 # A preempted request keeps its place (it ran before, and recomputing it only gets dearer);
                 # one that never ran is passed over for a while.
@@ -332,11 +332,15 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
 
-    def _chunk(self, uncomputed: int, budget: int) -> int:
-        """Tokens to compute for a request this step: all it has, within the budget and, for a prompt (or a
-        preempted request's recompute), within long_prefill_token_threshold."""
+    def _chunk(self, req: Request, uncomputed: int, budget: int) -> int:
+        """Tokens to compute for a request this step: all it has, within the budget and, for a prompt, within
+        long_prefill_token_threshold. A preempted request's recompute is not capped: in small chunks,
+        several recomputing requests on a tight pool can preempt each other before any gets back to
+        decoding, for ever (found by the property test)."""
         cap = self.config.long_prefill_token_threshold
-        return min(uncomputed, budget, cap) if cap > 0 else min(uncomputed, budget)
+        if cap > 0 and req.num_preemptions == 0:
+            return min(uncomputed, budget, cap)
+        return min(uncomputed, budget)
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The drafts worth verifying: within the token budget, max_tokens and max_model_len."""
