@@ -98,7 +98,7 @@ llm.generate([p[:8] for p in prompts[:4]], SamplingParams(max_tokens=4), use_tqd
 t = time.perf_counter()
 outs = llm.generate(prompts, sp, use_tqdm=False)
 dt = time.perf_counter() - t
-print(json.dumps({"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / dt, "load_s": load}))
+print("PEERS_RESULT", json.dumps({"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / dt, "load_s": load}))
 """
 
 OFFLINE_VLLM = r"""
@@ -112,7 +112,7 @@ sp = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
 t = time.perf_counter()
 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
 dt = time.perf_counter() - t
-print(json.dumps({"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / dt, "load_s": load}))
+print("PEERS_RESULT", json.dumps({"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / dt, "load_s": load}))
 """
 
 
@@ -138,7 +138,9 @@ def run_json(python: str, code: str, argv: list[str], env: dict) -> dict:
     out = subprocess.run([python, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # Engines log to stdout too: the result is the line the script marks.
+    line = next(ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("PEERS_RESULT "))
+    return json.loads(line.split(" ", 1)[1])
 
 
 def main_offline(args, gguf: str) -> None:
