@@ -393,13 +393,19 @@ def test_reasoning_all_reasoning_without_end_tag(think_server):
     msg = r.choices[0].message
     reasoning = (msg.model_extra or {}).get("reasoning_content")
     assert reasoning and msg.content is None
-    streamed_r, streamed_c = "", ""
+    streamed_r, streamed_c = _streamed_reasoning(c, kw)
+    assert streamed_r == reasoning and streamed_c == ""
+
+
+def _streamed_reasoning(c, kw: dict) -> tuple[str, str]:
+    """(reasoning, content) of a streamed chat completion, the deltas joined."""
+    reasoning, content = "", ""
     for chunk in c.chat.completions.create(stream=True, **kw):
         if chunk.choices:
             d = chunk.choices[0].delta
-            streamed_r += (d.model_extra or {}).get("reasoning_content") or ""
-            streamed_c += d.content or ""
-    assert streamed_r == reasoning and streamed_c == ""
+            reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+            content += d.content or ""
+    return reasoning, content
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -418,12 +424,7 @@ def test_reasoning_of_a_multi_turn_chat_with_earlier_think_blocks(think_server, 
         msg = c.chat.completions.create(**kw).choices[0].message
         reasoning, content = (msg.model_extra or {}).get("reasoning_content"), msg.content
     else:
-        reasoning, content = "", ""
-        for chunk in c.chat.completions.create(stream=True, **kw):
-            if chunk.choices:
-                d = chunk.choices[0].delta
-                reasoning += (d.model_extra or {}).get("reasoning_content") or ""
-                content += d.content or ""
+        reasoning, content = _streamed_reasoning(c, kw)
     assert reasoning and not content
 
 
