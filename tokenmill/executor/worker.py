@@ -149,6 +149,7 @@ class Worker:
         log.info("KV cache: %d blocks x %d tokens, %.1f MiB (kv_cache_dtype %s: %s); attention backend %s", num_blocks,
                  cache.block_size, num_blocks * self.runner.bytes_per_block / 2**20,
                  getattr(cache, "kv_cache_dtype", "auto"), str(kv_dtype).removeprefix("torch."), backend_cls.describe())
+        self.log_resident_memory(model, quant)
         offload = None
         from tokenmill.executor.kv_transfer import build_transfer
 
@@ -166,6 +167,50 @@ class Worker:
                           str(self.device), str(kv_dtype).removeprefix("torch."),
                           str(model.compute_dtype).removeprefix("torch."), self.model_cost(), offload,
                           backend_cls.name)
+
+    def log_resident_memory(self, model: torch.nn.Module, quant) -> None:
+        """One INFO line on what this process holds after loading: weight bytes by kind (GGUF blocks, packed,
+        float; the float ones dequantized from a quantized GGUF tensor with the reason), model buffers, the KV
+        pool reserved vs touched (a CPU pool is never pre-zeroed, so its pages cost RSS only once a block is
+        written) and the process RSS."""
+        from tokenmill.model.loader import is_gguf
+        from tokenmill.model.mapped_pages import process_memory, resident_bytes
+
+        MiB = 2**20
+        blocks = packed = floats = 0
+        for p in model.parameters():
+            n = p.numel() * p.element_size()
+            if hasattr(p, "gguf_qtype"):
+                blocks += n
+            elif p.is_floating_point():
+                floats += n
+            else:
+                packed += n  # int8 / int4 / GPTQ / AWQ / fp8 words
+        kinds = [f"GGUF blocks {blocks / MiB:.1f}"] if blocks else []
+        kinds += [f"packed {packed / MiB:.1f}"] if packed else []
+        if is_gguf(self.config.model.model):
+            from tokenmill.model.gguf_loader import dequantized_at_load
+
+            why = dequantized_at_load(self.config.model.model, self.hf_config, model, quant,
+                                      getattr(self.config.model, "quantization", None))
+            dequantized = sum(why.values())
+            kinds.append(f"float as stored {(floats - dequantized) / MiB:.1f}")
+            kinds.append(f"dequantized at load {dequantized / MiB:.1f}" + (
+                " [" + ", ".join(f"{r}: {b / MiB:.1f}" for r, b in sorted(why.items())) + "]" if why else ""))
+        else:
+            kinds.append(f"float {floats / MiB:.1f}")
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        caches = self.runner.kv_caches()
+        reserved = sum(t.numel() * t.element_size() for t in caches)
+        touched = resident_bytes(caches) if self.device.type == "cpu" else None
+        kv = f"KV cache {reserved / MiB:.1f} MiB reserved, " + (
+            f"{touched / MiB:.1f} MiB touched (pages are touched as blocks are first written)" if touched is not None
+            else f"on {self.device}" if self.device.type != "cpu" else "touched unknown")
+        mem = process_memory()
+        rss = (f"process RSS {mem['rss'] / MiB:.0f} MiB (anonymous {mem['anonymous'] / MiB:.0f}, "
+               f"file-backed {mem['file'] / MiB:.0f})" if mem else "process RSS unknown")
+        log.info("resident: weights %.1f MiB on %s (%s), buffers %.1f MiB; %s; %s",
+                 (blocks + packed + floats) / MiB, self.device, ", ".join(kinds), buffers / MiB, kv, rss)
 
     def model_cost(self):
         from tokenmill.diagnostics import ModelCost

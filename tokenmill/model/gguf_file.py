@@ -1,12 +1,18 @@
-"""A fast reader for the GGUF container: metadata and tensor locations, tensor data memory-mapped.
+"""A fast reader for the GGUF container: metadata and tensor locations; tensor data read on demand.
 
 gguf.GGUFReader builds a numpy view for every element of every metadata array, which takes ~4 s
 on a 49k-token vocabulary; here long arrays are skipped over (their bytes are left in the file)
 so a warm start reads SmolLM2's header in a fraction of a second. Dequantization stays with the
 `gguf` package.
+
+Tensor bytes are read into memory of our own (`raw`), not handed out as views of a mapping of the file:
+the loader keeps the copy (the parameters are private tensors, and fused or Q/K-unpermuted rows are copies
+anyway), so a mapping would only add the file's pages to the process RSS for as long as something held the
+reader (read_gguf caches it), doubling the weights' resident size.
 """
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 
@@ -37,7 +43,7 @@ class GGUFFile:
             self._pos = 0
             self._parse()
             del self._file, self._buf
-        self._mm = np.memmap(path, mode="r", dtype=np.uint8)
+        self.size = os.path.getsize(path)
 
     # ---- low-level reads over a growing buffer -------------------------------------------
     def _need(self, n: int) -> None:
@@ -111,7 +117,8 @@ class GGUFFile:
 
     # ---- tensors -------------------------------------------------------------------------
     def raw(self, t: TensorInfo) -> np.ndarray:
-        """The tensor's bytes, as the `gguf` package's dequantize expects them (rows of blocks).
+        """The tensor's bytes, as the `gguf` package's dequantize expects them (rows of blocks), in a new
+        writable array (read from the file, not a view of a mapping).
         ValueError naming the tensor if its type is unknown, its rows are not whole blocks, or its bytes
         run past the next tensor or the end of the file (a truncated or corrupt file)."""
         import gguf
@@ -133,13 +140,22 @@ class GGUFFile:
                              f"only {max(end - start, 0)} are there before the next tensor or the end of the file "
                              f"(truncated or corrupt file)")
         row_bytes = t.shape[0] // block * type_size
-        return self._mm[start : start + nbytes].reshape(-1, row_bytes)
+        data = np.empty(nbytes, dtype=np.uint8)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(start)
+            view, got = memoryview(data), 0
+            while got < nbytes:  # readinto may return short counts
+                n = f.readinto(view[got:])
+                if not n:
+                    raise ValueError(f"{self.path}: tensor {t.name} ends past the end of the file (truncated file)")
+                got += n
+        return data.reshape(-1, row_bytes)
 
     def _end_of(self, t: TensorInfo) -> int:
         """Where the tensor's bytes must end: the next tensor's start, or the end of the file."""
         if not hasattr(self, "_ends"):
             offsets = sorted({x.offset for x in self.tensors})
             nxt = dict(zip(offsets, offsets[1:]))
-            self._ends = {x.name: self.data_offset + nxt[x.offset] if x.offset in nxt else len(self._mm)
+            self._ends = {x.name: self.data_offset + nxt[x.offset] if x.offset in nxt else self.size
                           for x in self.tensors}
         return self._ends[t.name]

@@ -204,13 +204,66 @@ def iter_gguf_weights(path: str, cfg, dtype: torch.dtype,
             elif ".attn_k." in t.name:
                 w = _unpermute(w, cfg.num_key_value_heads)
         if blocks:
-            yield hf, torch.from_numpy(np.array(w, copy=True))  # blocks: our own memory, not the file's mapping
+            # raw() read the bytes into a fresh array (an unpermute made another): the parameter takes it as is
+            yield hf, torch.from_numpy(np.ascontiguousarray(w))
             continue
         if hf.endswith("shared_expert_gate.weight") and w.ndim == 1:
             w = w.reshape(1, -1)  # llama.cpp stores Qwen2-MoE's [1, hidden] gate as a vector
         if arch == "gemma3" and t.name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
-        yield hf, torch.from_numpy(np.array(w, copy=True) if not w.flags.writeable else w).to(dtype)
+        yield hf, torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
+
+
+FLOAT_TYPES = {0, 1, 28, 30}  # F32, F16, F64, BF16: a float parameter from these was not dequantized
+
+
+def dequantized_at_load(path: str, cfg, model: torch.nn.Module, quant_config=None,
+                        requested: str | None = None) -> dict[str, int]:
+    """Bytes of the model's float parameters whose GGUF tensors were quantized, by why they were not kept as
+    blocks (for the start-up log): the type has no block kernel, a merged layer's parts differ in type, or
+    blocks are not kept at all (`requested`, the --quantization asked for, says whether by choice or for want
+    of kernels on this device)."""
+    from tokenmill.layers.moe import expert_target
+    from tokenmill.layers.quantization.gguf import KERNEL_TYPES, type_name
+    from tokenmill.model.weights import WeightNaming
+
+    params = dict(model.named_parameters())
+    naming = getattr(model, "weight_naming", WeightNaming())
+    unpacked = {part: fused for fused, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts}
+    names = gguf_to_hf_names(path, cfg)
+    sources: dict[str, set[int]] = {}  # parameter -> ggml types of the GGUF tensors loaded into it
+    for t in read_gguf(path).tensors:
+        hf = names.get(t.name)
+        pname = naming.param_name(hf, tied=False) if hf is not None else None
+        if pname is None:
+            continue
+        if pname not in params:  # a part of a fused layer, or an expert's tensor in a FusedMoE
+            module, _, leaf = pname.rpartition(".")
+            parent, _, last = module.rpartition(".")
+            expert = expert_target(pname) if ".experts." in pname else None
+            if expert is not None:
+                pname = expert[0]
+            elif last in unpacked:
+                pname = f"{parent}.{unpacked[last]}.{leaf}" if parent else f"{unpacked[last]}.{leaf}"
+        sources.setdefault(pname, set()).add(t.ggml_type)
+    keeps = getattr(quant_config, "name", None) == "gguf"
+    out: dict[str, int] = {}
+    for pname, param in params.items():
+        src = sources.get(pname, set())
+        quantized = sorted(type_name(q) for q in src if q not in FLOAT_TYPES)
+        if not param.is_floating_point() or not quantized:
+            continue  # kept as blocks, or stored as float in the file (norms, biases)
+        if not keeps:
+            name = getattr(quant_config, "name", None) or requested
+            reason = f"--quantization {name}" if name else "no GGUF block kernels on this device"
+        elif len(src) > 1:
+            reason = f"merged layer of mixed types {'+'.join(sorted(type_name(q) for q in src))}"
+        elif quantized[0] not in KERNEL_TYPES.values():
+            reason = f"{quantized[0]} has no kernel"
+        else:
+            reason = f"{quantized[0]} kept float by its layer (experts, or a vocabulary-parallel table)"
+        out[reason] = out.get(reason, 0) + param.numel() * param.element_size()
+    return out
 
 
 # ---- tokenizer ----------------------------------------------------------------------------

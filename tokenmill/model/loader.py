@@ -134,8 +134,8 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
         pages.release(model)
         if pages.released_bytes:
             log.debug("gave back %.1f MiB of weight-file pages after loading", pages.released_bytes / 2**20)
-    if quant_config is not None:
-        trim_heap()
+    if quant_config is not None or is_gguf(path):
+        trim_heap()  # the transient float copies of packing or GGUF dequantization: freed heap back to the system
     model.eval()
     return model, cfg, max_model_len
 

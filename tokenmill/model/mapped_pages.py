@@ -13,6 +13,8 @@ copied into its own tensor, and for tensors converted to another dtype at load.
 Only ranges checked against /proc/self/maps to lie in a mapping of the weight file are ever released, and
 only whole pages inside dead tensors: a page shared with a live tensor stays. Elsewhere (no /proc, no
 madvise, a safetensors that copies instead of mapping) nothing is tracked and nothing changes.
+
+`resident_bytes` and `process_memory` measure what is resident, for the start-up log (executor/worker.py).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import ctypes
 import mmap
 import os
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -166,3 +169,48 @@ def trim_heap() -> None:
     if trim is not None:
         trim.argtypes = [ctypes.c_size_t]
         trim(0)
+
+
+def resident_bytes(tensors) -> int | None:
+    """Bytes of these CPU tensors' storages that are in memory now (mincore), whole pages inside each storage
+    only: an allocation is not counted for the allocator's header sharing its first page. A pool that is never
+    zeroed (the KV cache) costs RSS only for the pages written so far; this says how many. None where mincore
+    is not available."""
+    libc = _c_library()
+    mincore = getattr(libc, "mincore", None) if libc is not None else None
+    if mincore is None:
+        return None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    mincore.restype = ctypes.c_int
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in tensors:
+        r = _storage_range(t) if t is not None else None
+        if r is None or r in seen:
+            continue
+        seen.add(r)
+        a, b = -(-r[0] // _PAGE) * _PAGE, r[1] // _PAGE * _PAGE
+        if b <= a:
+            continue
+        vec = (ctypes.c_ubyte * ((b - a) // _PAGE))()
+        if mincore(a, b - a, vec) != 0:
+            return None
+        total += int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) * _PAGE
+    return total
+
+
+def process_memory() -> dict[str, int] | None:
+    """This process's resident memory in bytes: "rss", "anonymous" and "file" (file-backed: shared libraries,
+    mapped files; clean pages the kernel can drop and read back). None without /proc/self/smaps_rollup."""
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 3 and parts[2] == "kB":
+                    fields[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    except OSError:
+        return None
+    if "Rss" not in fields or "Anonymous" not in fields:
+        return None
+    return {"rss": fields["Rss"], "anonymous": fields["Anonymous"], "file": fields["Rss"] - fields["Anonymous"]}
