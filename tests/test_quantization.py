@@ -29,6 +29,7 @@ from tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams, native
 from tokenmill.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
 from tokenmill.layers.quantization import weight_only as wo
+from tokenmill.model import native_stack
 from tokenmill.layers.quantization.weight_only import (Int4LinearMethod, Int8LinearMethod, WeightOnlyConfig,
                                                        dequantize_int4, dequantize_int8, quantize_int4,
                                                        quantize_int8)
@@ -464,6 +465,7 @@ def test_model_native_kernels_equal_fallback(models, monkeypatch, arch, quant, g
     """Greedy tokens over 32 steps (and their logprobs) with the kernels == with dequantize + F.linear."""
     llm = models.llm(arch, quant, group)
     prompts = _prompts(llm.engine.vocab_size)
+    monkeypatch.setenv(native_stack.ENV, "0")  # the Python layers, whose kernel calls are counted here
     calls = _count_native(monkeypatch)
     monkeypatch.setattr(wo, "_NATIVE", None)
     native_run = _greedy(llm, prompts, logprobs=3)

@@ -4,6 +4,9 @@ Rank r holds rows [r*n, (r+1)*n) of the [vocab, hidden] table, n = ceil(vocab / 
 rank's rows past the vocabulary are zero padding."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +14,80 @@ from torch import nn
 from tokenmill.layers import collectives
 from tokenmill.layers.linear import assign, check_shape
 from tokenmill.layers.quantization.base import set_weight_attrs
+
+
+class EmbeddingMethod(ABC):
+    """How a vocabulary table is stored and used, as a quant method is for a linear layer: the module holds
+    the tensors (parameters, so weight counts and tying see them), its `table_method` says how to read them.
+    A format that keeps the table packed swaps the module's tensors and sets its own method."""
+
+    int8_activations: bool = False  # an LM head's logits from int8-quantized hidden states at batch 1
+
+    @abstractmethod
+    def lookup(self, module: "VocabParallelEmbedding", input_ids: torch.Tensor) -> torch.Tensor:
+        """The rows of `input_ids`: [..., hidden]."""
+
+    @abstractmethod
+    def logits(self, module: "ParallelLMHead", hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] @ table^T: float32 logits over the whole vocabulary."""
+
+
+@dataclass(frozen=True)
+class FloatTable(EmbeddingMethod):
+    """`weight` [rows of this rank, hidden] in the load dtype; the only method for a vocabulary-parallel table."""
+
+    def lookup(self, module: "VocabParallelEmbedding", input_ids: torch.Tensor) -> torch.Tensor:
+        if module.tp_size == 1:
+            return F.embedding(input_ids, module.weight)
+        # Ids of other ranks look up row 0 and are zeroed; the all-reduce fills them in.
+        mine = (input_ids >= module.vocab_start) & (input_ids < module.vocab_end)
+        out = F.embedding(torch.where(mine, input_ids - module.vocab_start, 0), module.weight)
+        out = out.masked_fill(~mine.unsqueeze(-1), 0)
+        collectives.all_reduce(out)
+        return out
+
+    def logits(self, module: "ParallelLMHead", hidden: torch.Tensor) -> torch.Tensor:
+        w = module.weight
+        # Same numerics as a dense head: the GEMM in the hidden states' dtype, then float32.
+        logits = F.linear(hidden, w if w.dtype == hidden.dtype else w.to(hidden.dtype))
+        if module.tp_size > 1:
+            logits = collectives.all_gather_last(logits, module.tp_size)[..., : module.num_embeddings]
+        return logits.float()
+
+
+@dataclass(frozen=True)
+class Int8Rows(EmbeddingMethod):
+    """`qweight` int8 [vocab, hidden] with a float32 `scale` per row (ParallelLMHead.quantize_int8)."""
+
+    int8_activations: bool = False
+
+    def lookup(self, module: "VocabParallelEmbedding", input_ids: torch.Tensor) -> torch.Tensor:
+        return module.qweight[input_ids].float() * module.scale[input_ids].unsqueeze(-1)
+
+    def logits(self, module: "ParallelLMHead", hidden: torch.Tensor) -> torch.Tensor:
+        from tokenmill.layers.quantization.weight_only import int8_matmul
+
+        return int8_matmul(hidden, module.qweight, module.scale, int8_activations=self.int8_activations).float()
+
+
+@dataclass(frozen=True)
+class GGUFBlockRows(EmbeddingMethod):
+    """`weight` uint8 [vocab, row_bytes]: a GGUF file's blocks of type `qtype` (quantization/gguf.py's
+    keep_embedding_blocks); a lookup dequantizes only the selected rows."""
+
+    qtype: int
+    int8_activations: bool = False
+
+    def lookup(self, module: "VocabParallelEmbedding", input_ids: torch.Tensor) -> torch.Tensor:
+        from tokenmill.layers.quantization.gguf import embedding_lookup
+
+        return embedding_lookup(module.weight, self.qtype, input_ids, module.embedding_dim)
+
+    def logits(self, module: "ParallelLMHead", hidden: torch.Tensor) -> torch.Tensor:
+        from tokenmill.layers.quantization.gguf import gguf_matmul
+
+        return gguf_matmul(hidden, module.weight, self.qtype, module.embedding_dim,
+                           int8_activations=self.int8_activations).float()
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -31,6 +108,7 @@ class VocabParallelEmbedding(nn.Module):
         make = torch.empty if tp_size == 1 else torch.zeros
         self.weight = nn.Parameter(make(per_rank, embedding_dim, dtype=params_dtype), requires_grad=False)
         set_weight_attrs(self.weight, {"output_dim": 0, "weight_loader": self.weight_loader})
+        self.table_method: EmbeddingMethod = FloatTable()
 
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None) -> None:
         if shard_id is not None:
@@ -43,20 +121,11 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:n].copy_(loaded_weight[self.vocab_start : self.vocab_end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if getattr(self, "gguf_qtype", None) is not None:  # GGUF block rows (layers/quantization/gguf.py)
-            from tokenmill.layers.quantization.gguf import embedding_lookup
+        return self.table_method.lookup(self, input_ids)
 
-            return embedding_lookup(self, input_ids)
-        if getattr(self, "qweight", None) is not None:  # int8 rows shared with a quantized LM head
-            return self.qweight[input_ids].float() * self.scale[input_ids].unsqueeze(-1)
-        if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
-        # Ids of other ranks look up row 0 and are zeroed; the all-reduce fills them in.
-        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        out = F.embedding(torch.where(mine, input_ids - self.vocab_start, 0), self.weight)
-        out = out.masked_fill(~mine.unsqueeze(-1), 0)
-        collectives.all_reduce(out)
-        return out
+    @property
+    def int8_activations(self) -> bool:
+        return self.table_method.int8_activations
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_rank}/{self.tp_size}"
@@ -64,8 +133,6 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> float32 logits over the whole vocabulary (every rank gets all of them)."""
-
-    int8_activations = False  # a packed head (GGUF blocks, int8 rows): --activation-quantization int8
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> "ParallelLMHead":
         """Share the embedding table (tie_word_embeddings): one parameter, loaded once."""
@@ -90,24 +157,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             module.register_parameter("scale", nn.Parameter(scale, requires_grad=False))
         if tied is not None:
             tied.qweight, tied.scale = self.qweight, self.scale  # one table, not two copies
-        self.int8_activations = int8_activations
+            tied.table_method = Int8Rows()  # a lookup has no activations
+        self.table_method = Int8Rows(int8_activations)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if getattr(self, "gguf_qtype", None) is not None:
-            from tokenmill.layers.quantization.gguf import gguf_matmul
-
-            return gguf_matmul(hidden, self.weight, self.gguf_qtype, self.embedding_dim,
-                               int8_activations=self.int8_activations).float()
-        if getattr(self, "qweight", None) is not None:
-            from tokenmill.layers.quantization.weight_only import int8_matmul
-
-            return int8_matmul(hidden, self.qweight, self.scale, int8_activations=self.int8_activations).float()
-        w = self.weight
-        # Same numerics as a dense head: the GEMM in the hidden states' dtype, then float32.
-        logits = F.linear(hidden, w if w.dtype == hidden.dtype else w.to(hidden.dtype))
-        if self.tp_size > 1:
-            logits = collectives.all_gather_last(logits, self.tp_size)[..., : self.num_embeddings]
-        return logits.float()
+        return self.table_method.logits(self, hidden)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not an embedding lookup; call compute_logits")

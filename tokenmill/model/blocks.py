@@ -22,6 +22,8 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.layers.rotary import RotaryEmbedding, rope_inv_freq
 from tokenmill.model.moe_block import MoEBlock, MoESpec
+from tokenmill.model import native_stack
+from tokenmill.model.native_stack import NativeStack
 from tokenmill.model.weights import WeightNaming, load_weights
 
 
@@ -220,6 +222,7 @@ class DecoderForCausalLM(nn.Module):
             else nn.Identity() for i, layer in enumerate(spec.layers)
         )
         self.own_layers = list(self.layers)[self.start : self.end]  # a plain list: no ModuleList slice per step
+        self._stack: NativeStack | None | bool = False  # False: not built yet (model/native_stack.py)
         self.norm = self.lm_head = None
         if self.is_last:
             self.norm = build.norm(spec.hidden_size, spec)
@@ -239,11 +242,22 @@ class DecoderForCausalLM(nn.Module):
             x, residual = intermediate
         if self.aux_hidden_layers:
             return self._forward_capturing(positions, x, meta)
-        for layer in self.own_layers:
-            x, residual = layer(positions, x, meta, residual)
+        stack = self._native_stack()
+        if stack is not None and stack.ready(meta):
+            x, residual = stack.forward(positions, x, meta, residual)
+        else:
+            for layer in self.own_layers:
+                x, residual = layer(positions, x, meta, residual)
         if not self.is_last:
             return x, residual
         return self.norm.add(residual, x)[1]
+
+    def _native_stack(self) -> NativeStack | None:
+        """The layers as one native call (model/native_stack.py), built at the first forward (the weights are
+        loaded and packed by then); None where the model does not qualify."""
+        if self._stack is False:
+            self._stack = NativeStack.build(self)
+        return self._stack if native_stack.switched_on() else None
 
     def _forward_capturing(self, positions: torch.Tensor, x: torch.Tensor, meta) -> torch.Tensor:
         wanted = self.aux_hidden_layers

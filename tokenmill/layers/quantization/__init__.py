@@ -1,9 +1,20 @@
+"""Quantization: per-layer quant methods (base.py) and the registry of named methods (registry.py)."""
+from tokenmill.layers.quantization import registry
 from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, set_weight_attrs
-from tokenmill.layers.quantization.checkpoint import CHECKPOINT_METHODS, CheckpointFormat
+from tokenmill.layers.quantization.checkpoint import CheckpointFormat
+from tokenmill.layers.quantization.registry import QuantOptions, checkpoint_format, quantize_at_load
 from tokenmill.layers.quantization.unquantized import UnquantizedLinearMethod
+# Registers the built-in methods, in the order error messages list them.
+from tokenmill.layers.quantization import weight_only, gguf, gptq_awq, fp8, packed  # noqa: E402,F401  isort: skip
 
-# --quantization names: int8/int4 quantize a float checkpoint at load; gguf keeps a GGUF file's blocks.
-QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    # Computed per access from the registry, so a method registered after import is listed too.
+    if name == "QUANTIZATION_METHODS":
+        return registry.at_load_names()
+    if name == "CHECKPOINT_METHODS":
+        return registry.checkpoint_flag_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_quantization_config(name: str | None, group_size: int = 32, symmetric: bool = False, *,
@@ -14,7 +25,8 @@ def get_quantization_config(name: str | None, group_size: int = 32, symmetric: b
     with tokenmill's native kernels built); elsewhere, and with "none", it is dequantized at load: the
     kernel-less path of "gguf" dequantizes the weights at every call, the reference, not a default.
     `activations` "int8" asks the packed-weight kernels for int8 activations at batch 1 (GGUF, int8, int4);
-    other methods ignore it."""
+    other methods ignore it. A pre-quantized format's name (gptq, awq, fp8) gives a CheckpointFormat:
+    load_model reads the rest from config.json."""
     from tokenmill.config import ACTIVATION_QUANTIZATIONS
 
     if activations not in ACTIVATION_QUANTIZATIONS:
@@ -23,18 +35,8 @@ def get_quantization_config(name: str | None, group_size: int = 32, symmetric: b
         name = "gguf"
     if name is None or name in ("", "none"):
         return None
-    if name in CHECKPOINT_METHODS:  # pre-quantized: load_model reads the rest from config.json
-        return CheckpointFormat(name)
-    if name not in QUANTIZATION_METHODS:
-        raise ValueError(f"unknown quantization method {name!r}; known: "
-                         f"{', '.join(QUANTIZATION_METHODS + CHECKPOINT_METHODS)}, none.")
-    if name == "gguf":
-        from tokenmill.layers.quantization.gguf import GGUFConfig
-
-        return GGUFConfig(int8_activations=activations == "int8")
-    from tokenmill.layers.quantization.weight_only import WeightOnlyConfig
-
-    return WeightOnlyConfig(name, group_size, symmetric, int8_activations=activations == "int8")
+    options = QuantOptions(group_size, symmetric, int8_activations=activations == "int8")
+    return registry.get_method(name).from_options(options)
 
 
 def _gguf_kernels(device: str) -> bool:
@@ -45,5 +47,6 @@ def _gguf_kernels(device: str) -> bool:
     return torch.device(device).type == "cpu" and native.has_op("gguf_linear")
 
 
-__all__ = ["CHECKPOINT_METHODS", "QUANTIZATION_METHODS", "QuantizationConfig", "QuantizeMethodBase",
-           "UnquantizedLinearMethod", "get_quantization_config", "set_weight_attrs"]
+__all__ = ["CHECKPOINT_METHODS", "QUANTIZATION_METHODS", "CheckpointFormat", "QuantOptions", "QuantizationConfig",
+           "QuantizeMethodBase", "UnquantizedLinearMethod", "checkpoint_format", "get_quantization_config",
+           "quantize_at_load", "registry", "set_weight_attrs"]

@@ -3,9 +3,26 @@ layer's weight parameters and computes with them, so a layer never assumes a den
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class NativeLinear:
+    """A linear layer as the native decoder stack runs it (csrc/decoder_stack.cpp, model/native_stack.py):
+    which kernel (`kind`: dense, gguf, int8, int4) and its operands, the same the method's `apply` passes."""
+
+    kind: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    qtype: int = 0  # gguf: the ggml block type
+    K: int = 0  # gguf: input columns
+    group: int = 0  # int4: columns per scale
+    int8_activations: bool = False
 
 
 class QuantizeMethodBase(ABC):
@@ -28,6 +45,12 @@ class QuantizeMethodBase(ABC):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Repack or convert weights once the checkpoint is in (default: keep them as loaded)."""
+
+    def native_linear(self, layer: nn.Module) -> NativeLinear | None:
+        """This layer's matmul for the native decoder stack: the same kernel and operands `apply` uses on a
+        float32 CPU input, or None when `apply` does something the stack does not (then the model keeps its
+        Python layers). Default: None."""
+        return None
 
 
 class QuantizationConfig(ABC):

@@ -19,6 +19,7 @@ from torch import nn
 
 from tokenmill import native
 from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, set_weight_attrs
+from tokenmill.layers.quantization.registry import checkpoint_format
 from tokenmill.layers.quantization.weight_only import _native_ok  # one switch for every packed format
 
 FP8 = torch.float8_e4m3fn
@@ -61,6 +62,34 @@ class Fp8Config(QuantizationConfig):
         if skipped(prefix, self.ignored):
             return None
         return Fp8LinearMethod()
+
+
+@checkpoint_format("fp8")
+def parse_fp8(raw: dict, where: str) -> Fp8Config:
+    if raw.get("weight_block_size"):
+        raise ValueError(f"{where}: block-wise fp8 (weight_block_size {raw['weight_block_size']}) is not "
+                         "supported; per-tensor or per-channel scales only")
+    return Fp8Config(tuple(raw.get("modules_to_not_convert") or ()))
+
+
+# Named "fp8" once loaded, so `--quantization fp8` agrees with it; no flag of its own.
+@checkpoint_format("compressed-tensors", flag=False, label="compressed-tensors fp8")
+def parse_compressed_tensors(raw: dict, where: str) -> Fp8Config:
+    groups = raw.get("config_groups") or {}
+    for name, group in groups.items():
+        w = group.get("weights") or {}
+        if (w.get("num_bits"), w.get("type")) != (8, "float") or w.get("strategy") not in ("tensor", "channel"):
+            raise ValueError(f"{where}: compressed-tensors group {name!r} ({w}) is not supported: only float 8-bit "
+                             "weights with a tensor or channel strategy")
+        if group.get("targets") not in (["Linear"], None):
+            raise ValueError(f"{where}: compressed-tensors group {name!r} targets {group.get('targets')}; only "
+                             "['Linear'] is supported")
+    if not groups:
+        raise ValueError(f"{where}: compressed-tensors without config_groups")
+    ignored = tuple(i for i in raw.get("ignore") or () if not i.startswith("re:"))
+    if len(ignored) != len(raw.get("ignore") or ()):
+        raise ValueError(f"{where}: compressed-tensors regex ignore patterns are not supported")
+    return Fp8Config(ignored)
 
 
 class Fp8LinearMethod(QuantizeMethodBase):

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, set_weight_attrs
+from tokenmill.layers.quantization.base import NativeLinear, QuantizationConfig, QuantizeMethodBase, set_weight_attrs
+from tokenmill.layers.quantization.registry import QuantOptions, quantize_at_load
 
 log = logging.getLogger(__name__)
 
@@ -145,11 +146,19 @@ class GGUFLinearMethod(QuantizeMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return gguf_matmul(x, layer.weight, self.qtype, layer.input_size_per_partition, bias, self.int8_activations)
 
+    def native_linear(self, layer: nn.Module) -> NativeLinear | None:
+        b = layer.bias
+        if b is not None and b.dtype != torch.float32:
+            return None
+        return NativeLinear("gguf", layer.weight, b, qtype=self.qtype, K=layer.input_size_per_partition,
+                            int8_activations=self.int8_activations)
+
 
 def keep_embedding_blocks(module: nn.Module, qtype: int, shared: nn.Parameter | None = None,
                           int8_activations: bool = False) -> nn.Parameter:
     """Swap a VocabParallelEmbedding / ParallelLMHead's float table for block rows [vocab, row_bytes]
     (or for `shared`, a tied embedding's); the module then looks up / multiplies through the blocks."""
+    from tokenmill.layers.embedding import GGUFBlockRows
     from tokenmill.layers.linear import assign, check_shape
 
     if shared is None:
@@ -165,15 +174,15 @@ def keep_embedding_blocks(module: nn.Module, qtype: int, shared: nn.Parameter | 
         set_weight_attrs(shared, {"output_dim": 0, "gguf_qtype": qtype, "weight_loader": load})
     del module.weight
     module.register_parameter("weight", shared)
-    module.gguf_qtype = qtype
-    module.int8_activations = int8_activations  # an LM head's logits (a lookup has no activations)
+    # int8_activations: an LM head's logits (a lookup has no activations)
+    module.table_method = GGUFBlockRows(qtype, int8_activations)
     return shared
 
 
-def embedding_lookup(module: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """The selected rows' blocks, gathered then dequantized: float32 [..., hidden]."""
-    rows = module.weight.index_select(0, input_ids.reshape(-1))
-    return dequantize(rows, module.gguf_qtype, module.embedding_dim).reshape(*input_ids.shape, module.embedding_dim)
+def embedding_lookup(blocks: torch.Tensor, qtype: int, input_ids: torch.Tensor, K: int) -> torch.Tensor:
+    """The selected rows' blocks (of a [vocab, row_bytes] table), gathered then dequantized: float32 [..., K]."""
+    rows = blocks.index_select(0, input_ids.reshape(-1))
+    return dequantize(rows, qtype, K).reshape(*input_ids.shape, K)
 
 
 class GGUFConfig(QuantizationConfig):
@@ -242,3 +251,8 @@ class GGUFConfig(QuantizationConfig):
     def keeps_blocks(self, checkpoint_name: str) -> bool:
         """Whether the loader hands this tensor (transformers' name) over as raw block rows."""
         return self._param_name(checkpoint_name) in self.kept
+
+
+@quantize_at_load("gguf")
+def gguf_config(options: QuantOptions) -> GGUFConfig:
+    return GGUFConfig(int8_activations=options.int8_activations)  # blocks have their own group size

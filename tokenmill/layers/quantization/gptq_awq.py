@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, set_weight_attrs
+from tokenmill.layers.quantization.registry import checkpoint_format
 from tokenmill.layers.quantization.weight_only import Int4LinearMethod
 
 PACK = 8  # int4 values per int32
@@ -96,6 +97,38 @@ class Int4CheckpointConfig(QuantizationConfig):
         if skipped(prefix, self.ignored):
             return None
         return Int4CheckpointMethod(self)
+
+
+def _int4_common(raw: dict, where: str, method: str) -> tuple[int, tuple[str, ...]]:
+    """What GPTQ and AWQ configs share: 4 bits, the group size, the modules kept float."""
+    bits = raw.get("bits", raw.get("w_bit"))
+    if bits != 4:
+        raise ValueError(f"{where}: {method} with bits={bits!r} is not supported (4 bits only)")
+    group = int(raw.get("group_size", raw.get("q_group_size", 128)))
+    if raw.get("lm_head") or raw.get("dynamic"):
+        raise ValueError(f"{where}: a quantized lm_head or per-module 'dynamic' overrides are not supported")
+    return group, tuple(raw.get("modules_to_not_convert") or ())
+
+
+@checkpoint_format("gptq")
+def parse_gptq(raw: dict, where: str) -> Int4CheckpointConfig:
+    group, ignored = _int4_common(raw, where, "gptq")
+    fmt = str(raw.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
+    return Int4CheckpointConfig("gptq", group, zero_plus_one=fmt == "gptq", ignored=ignored,
+                                act_order=bool(raw.get("desc_act")))
+
+
+@checkpoint_format("awq")
+def parse_awq(raw: dict, where: str) -> Int4CheckpointConfig:
+    group, ignored = _int4_common(raw, where, "awq")
+    version = str(raw.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"{where}: AWQ version {version!r} is not supported (gemm only)")
+    if raw.get("zero_point") is False:
+        raise ValueError(f"{where}: AWQ with zero_point=false is not supported (qzeros are expected)")
+    return Int4CheckpointConfig("awq", group, ignored=ignored)
 
 
 class Int4CheckpointMethod(Int4LinearMethod):
@@ -171,6 +204,11 @@ class Int4CheckpointMethod(Int4LinearMethod):
             raise ValueError("differs between the parts of a fused layer (they share one input, so one order)")
         param.data.copy_(loaded)
         self._g_idx_loaded = True
+
+    def native_linear(self, layer: nn.Module):
+        if getattr(layer, "perm", None) is not None:
+            return None  # act-order gathers x's columns first; the native stack does not
+        return super().native_linear(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         perm = getattr(layer, "perm", None)

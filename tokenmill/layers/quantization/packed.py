@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers.quantization.base import QuantizeMethodBase, set_weight_attrs
+from tokenmill.layers.quantization.registry import checkpoint_format
 from tokenmill.layers.quantization.weight_only import Int4LinearMethod, Int8LinearMethod, WeightOnlyConfig
 
 
@@ -59,3 +60,9 @@ class PackedConfig(WeightOnlyConfig):
     def to_json(self) -> dict:
         return {"quant_method": "tokenmill", "method": self.name, "bits": 8 if self.name == "int8" else 4,
                 "group_size": self.group_size if self.name == "int4" else None, "symmetric": self.symmetric}
+
+
+# Named int8 / int4 once loaded, so those flags agree with it; no flag of its own.
+@checkpoint_format("tokenmill", flag=False)
+def parse_tokenmill(raw: dict, where: str) -> PackedConfig:
+    return PackedConfig(str(raw.get("method")), int(raw.get("group_size") or 32), bool(raw.get("symmetric")))

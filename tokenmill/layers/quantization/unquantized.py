@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.quantization.base import QuantizeMethodBase, set_weight_attrs
+from tokenmill.layers.quantization.base import NativeLinear, QuantizeMethodBase, set_weight_attrs
 
 
 class UnquantizedLinearMethod(QuantizeMethodBase):
@@ -30,3 +30,9 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
             if bias is not None:
                 bias = bias.to(x.dtype)
         return F.linear(x, w, bias)
+
+    def native_linear(self, layer: nn.Module) -> NativeLinear | None:
+        w, b = layer.weight, layer.bias
+        if w.dtype != torch.float32 or (b is not None and b.dtype != torch.float32):
+            return None  # apply upcasts per call; the stack runs float32 weights as they are
+        return NativeLinear("dense", w, b)

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
+from tokenmill.layers.quantization.base import NativeLinear, QuantizationConfig, QuantizeMethodBase
+from tokenmill.layers.quantization.registry import QuantOptions, quantize_at_load
 from tokenmill.layers.quantization.unquantized import UnquantizedLinearMethod
 
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -161,6 +162,10 @@ class Int8LinearMethod(_WeightOnlyMethod):
     def _native(self, layer, x, bias):
         return torch.ops.tokenmill.int8_linear(x, layer.qweight, layer.scale, bias, self.int8_activations)
 
+    def native_linear(self, layer: nn.Module) -> NativeLinear | None:
+        return NativeLinear("int8", layer.qweight, layer.bias, scale=layer.scale,
+                            int8_activations=self.int8_activations)
+
 
 class Int4LinearMethod(_WeightOnlyMethod):
     def __init__(self, group_size: int, symmetric: bool, int8_activations: bool = False) -> None:
@@ -187,6 +192,10 @@ class Int4LinearMethod(_WeightOnlyMethod):
         return torch.ops.tokenmill.int4_linear(x, layer.qweight, layer.scale, layer.zero, self.group_size, bias,
                                                self.int8_activations)
 
+    def native_linear(self, layer: nn.Module) -> NativeLinear | None:
+        return NativeLinear("int4", layer.qweight, layer.bias, scale=layer.scale, zero=layer.zero,
+                            group=self.group_size, int8_activations=self.int8_activations)
+
 
 class WeightOnlyConfig(QuantizationConfig):
     """Every linear layer of the decoder (not the embedding or LM head) quantized at load."""
@@ -208,3 +217,13 @@ class WeightOnlyConfig(QuantizationConfig):
         if self.name == "int8":
             return Int8LinearMethod(self.int8_activations)
         return Int4LinearMethod(self.group_size, self.symmetric, self.int8_activations)
+
+
+@quantize_at_load("int8")
+def int8_config(options: QuantOptions) -> WeightOnlyConfig:
+    return WeightOnlyConfig("int8", options.group_size, options.symmetric, options.int8_activations)
+
+
+@quantize_at_load("int4")
+def int4_config(options: QuantOptions) -> WeightOnlyConfig:
+    return WeightOnlyConfig("int4", options.group_size, options.symmetric, options.int8_activations)
