@@ -11,7 +11,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from tokenmill.core.batch import ScheduledBatch
+from tokenmill.core.batch import CachedRequestData, ScheduledBatch
 from tokenmill.layers.attention_backends.base import BatchLayout
 from tokenmill.sample.draws import position_seed
 from tokenmill.sample.sampler import SamplingMetadata
@@ -22,7 +22,9 @@ from tokenmill.sampling_params import SamplingParams
 @dataclass(eq=False)
 class CachedRequestState:
     req_id: str
-    token_ids: list[int]  # accepted tokens: prompt + output
+    # Accepted tokens (prompt + output) and the block table as lists too: the draft proposers and prompt
+    # logprobs read them as sequences (spec_decode/draft.py); InputBatch's arrays hold the same values.
+    token_ids: list[int]
     num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int
@@ -33,6 +35,7 @@ class CachedRequestState:
     eos_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     sampling_slot: int = -1  # the request's slot in InputBatch.sampling
+    row: int = -1  # the request's row of InputBatch's persistent arrays
 
     @property
     def num_output_tokens(self) -> int:
@@ -54,6 +57,11 @@ class StepInputs:
 
 
 class InputBatch:
+    """The held requests in persistent arrays, one row per request (reused once it finishes), written only
+    where a step's diffs change them; a step's tensors are then gathered from them with a fixed number of
+    numpy ops, whatever the batch size or the context lengths (no per-token Python, and per-request
+    Python only to look requests up and extend their lists)."""
+
     def __init__(self, block_size: int, device: torch.device, vocab_size: int) -> None:
         self.block_size = block_size
         self.device = device
@@ -61,6 +69,15 @@ class InputBatch:
         # Sampling parameters as tensors, converted once per request here and then updated in place with
         # the accepted tokens, so a step's sampling costs no more for a large logit_bias, stop list or history.
         self.sampling = SamplingState(vocab_size, device)
+        # Per row; grown (doubled) on demand: rows with the number of requests held at once, token columns
+        # with the longest sequence, block columns with the longest table. int32 like vLLM's: half the
+        # memory of int64 for ids and blocks that fit.
+        self.token_ids = np.zeros((0, 0), dtype=np.int32)  # [rows, cap] tokens known (past them: stale)
+        self.num_tokens = np.zeros(0, dtype=np.int64)
+        self.num_computed = np.zeros(0, dtype=np.int64)  # tokens in the KV cache before the step
+        self.block_table = np.zeros((0, 0), dtype=np.int32)  # [rows, cap]; 0 past each row's blocks
+        self.num_blocks = np.zeros(0, dtype=np.int64)
+        self.free_rows: list[int] = []
 
     def update(self, batch: ScheduledBatch) -> None:
         for rid in batch.finished_req_ids:
@@ -73,19 +90,68 @@ class InputBatch:
                 new.num_computed_tokens, new.params, gen, tuple(new.eos_token_ids), new.seed)
             state.sampling_slot = self.sampling.add(new.params, state.token_ids, new.num_prompt_tokens,
                                                     state.eos_token_ids)
+            self._add_row(state)
             self.requests[new.req_id] = state
-        grown: list[tuple[CachedRequestState, list[int]]] = []
-        for c in batch.cached_requests:
-            state = self.requests[c.req_id]
-            state.token_ids.extend(c.new_token_ids)
-            del state.block_ids[c.block_table_len - len(c.new_block_ids):]
-            state.block_ids.extend(c.new_block_ids)
-            state.num_computed_tokens = c.num_computed_tokens
-            if c.new_token_ids:
-                grown.append((state, c.new_token_ids))
-        if grown:
-            self.sampling.append([s.sampling_slot for s, _ in grown], [t for _, t in grown],
-                                 [s.num_output_tokens for s, _ in grown])
+        if batch.cached_requests:
+            self._apply_diffs(batch.cached_requests)
+
+    def _add_row(self, state: CachedRequestState) -> None:
+        row = self._take_row()
+        n, nb = len(state.token_ids), len(state.block_ids)
+        self._reserve(n, nb)
+        self.token_ids[row, :n] = np.fromiter(state.token_ids, np.int32, n)
+        self.block_table[row, :nb] = state.block_ids
+        self.num_tokens[row] = n
+        self.num_blocks[row] = nb
+        self.num_computed[row] = state.num_computed_tokens
+        state.row = row
+
+    def _apply_diffs(self, diffs: list[CachedRequestData]) -> None:
+        """Held requests' accepted tokens, block table tails and computed counts: the lists per request
+        (cheap appends), the arrays in one scatter per kind for the whole step."""
+        states = [self.requests[c.req_id] for c in diffs]
+        table_changed = False
+        for s, c in zip(states, diffs):
+            s.token_ids.extend(c.new_token_ids)
+            keep = c.block_table_len - len(c.new_block_ids)  # the table's head the diff leaves as it was
+            held = len(s.block_ids)
+            if held > keep:  # rejected drafts' blocks were freed: cut the tail (zero what is not replaced)
+                if held > c.block_table_len:
+                    self.block_table[s.row, c.block_table_len : held] = 0
+                del s.block_ids[keep:]
+                table_changed = True
+            if c.new_block_ids:
+                s.block_ids.extend(c.new_block_ids)
+                table_changed = True
+            s.num_computed_tokens = c.num_computed_tokens
+        K = len(diffs)
+        rows = np.fromiter((s.row for s in states), np.int64, K)
+        self.num_computed[rows] = np.fromiter((c.num_computed_tokens for c in diffs), np.int64, K)
+        counts = [len(c.new_token_ids) for c in diffs]
+        total = sum(counts)
+        if total:
+            lengths = np.fromiter((len(s.token_ids) for s in states), np.int64, K)  # this step's tokens included
+            self._reserve(tokens=int(lengths.max()))
+            tokens = np.fromiter(chain.from_iterable(c.new_token_ids for c in diffs), np.int32, total)
+            if counts.count(1) == K:  # one token each (decodes): no ranks to compute
+                self.token_ids[rows, lengths - 1] = tokens
+            else:
+                n = np.asarray(counts, dtype=np.int64)
+                self.token_ids[np.repeat(rows, n), np.repeat(lengths - n, n) + _ranks(n)] = tokens
+            self.num_tokens[rows] = lengths
+            # Only requests that keep output counts or a min_tokens ban have anything to update (usually
+            # none: then skip the call's array work).
+            if self.sampling.counts.used or self.sampling.ban.used:
+                grown = [(s, c.new_token_ids) for s, c in zip(states, diffs) if c.new_token_ids]
+                self.sampling.append([s.sampling_slot for s, _ in grown], [t for _, t in grown],
+                                     [s.num_output_tokens for s, _ in grown])
+        if table_changed:
+            n = np.fromiter((len(c.new_block_ids) for c in diffs), np.int64, K)
+            table_len = np.fromiter((len(s.block_ids) for s in states), np.int64, K)
+            self._reserve(blocks=int(table_len.max()))
+            self.block_table[np.repeat(rows, n), np.repeat(table_len - n, n) + _ranks(n)] = np.fromiter(
+                chain.from_iterable(c.new_block_ids for c in diffs), np.int32, int(n.sum()))
+            self.num_blocks[rows] = table_len
 
     def reseed(self, inp: StepInputs) -> None:
         """Before the step's draws: each seeded request that samples starts from the generator state of the
@@ -98,6 +164,31 @@ class InputBatch:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self.sampling.remove(state.sampling_slot)
+            row = state.row
+            self.block_table[row, : self.num_blocks[row]] = 0  # the next request in this row pads with 0
+            self.num_tokens[row] = self.num_blocks[row] = self.num_computed[row] = 0
+            self.free_rows.append(row)
+
+    def _take_row(self) -> int:
+        if not self.free_rows:
+            old = len(self.num_tokens)
+            cap = max(16, 2 * old)
+            self.token_ids = _resized(self.token_ids, cap, self.token_ids.shape[1])
+            self.block_table = _resized(self.block_table, cap, self.block_table.shape[1])
+            self.num_tokens, self.num_computed, self.num_blocks = (
+                _resized(a, cap) for a in (self.num_tokens, self.num_computed, self.num_blocks))
+            self.free_rows.extend(range(cap - 1, old - 1, -1))  # popped lowest first
+        return self.free_rows.pop()
+
+    def _reserve(self, tokens: int = 0, blocks: int = 0) -> None:
+        """Room for `tokens` tokens and `blocks` blocks in every row (doubling, so a growing request
+        copies the arrays O(log length) times)."""
+        rows, cap = self.token_ids.shape
+        if tokens > cap:
+            self.token_ids = _resized(self.token_ids, rows, max(tokens, 2 * cap, 256))
+        cap = self.block_table.shape[1]
+        if blocks > cap:
+            self.block_table = _resized(self.block_table, rows, max(blocks, 2 * cap, 16))
 
     def sampling_metadata(self, inp: StepInputs) -> SamplingMetadata:
         """The step's sampling tensors, gathered from the requests' slots (see sample/state.py)."""
@@ -110,41 +201,79 @@ class InputBatch:
             inp.spec, [r.seed for r in reqs])
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Packed token ids and positions, the block table as one array, slots, and sampled rows. Built with
-        numpy (a few µs per op on these small arrays, against torch's dispatch cost per op), handed over as
-        tensors sharing the memory."""
+        """Packed token ids and positions, the block table, slots and sampled rows, gathered from the rows of
+        the batch's requests. Built with numpy (a µs or so per op on these small arrays, against torch's
+        dispatch cost per op; Python sums and maxes on the short per-request lists cost less still) into
+        fresh arrays (a step's inputs outlive the next prepare: pipeline micro-batches; and on the CPU
+        `.to(device)` does not copy), handed over as tensors sharing the memory."""
         reqs = [self.requests[rid] for rid in batch.req_ids]
-        lens = batch.num_scheduled_tokens
         B = len(reqs)
-        spec = [batch.spec_token_ids.get(rid, []) for rid in batch.req_ids]
-        ids = list(chain.from_iterable(
-            r.token_ids[r.num_computed_tokens : r.num_computed_tokens + n - len(sp)] + sp
-            for r, n, sp in zip(reqs, lens, spec)))
+        lens = batch.num_scheduled_tokens
+        T, max_query_len = sum(lens), max(lens)
+        rows = np.fromiter((r.row for r in reqs), np.int64, B)
         q_len = np.asarray(lens, dtype=np.int64)
-        start_pos = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, B)
-        layout, positions = pack_layout(start_pos, q_len, [r.block_ids for r in reqs], self.block_size)
-        q_start = layout.query_start.numpy()
+        start_pos = self.num_computed[rows]
+        kv_len = start_pos + q_len
+        max_kv_len = int(kv_len.max())
+        self._reserve(tokens=max_kv_len)  # drafts sit past the known tokens: gathered, then overwritten
+        if max_query_len == 1:  # decodes only: token i is request i's
+            q_start = np.arange(B)
+            positions, tok_rows = start_pos, rows
+        else:
+            q_start = np.cumsum(q_len) - q_len
+            positions = np.arange(T) + np.repeat(start_pos - q_start, q_len)
+            tok_rows = np.repeat(rows, q_len)  # each token's row of the arrays
         q_end = q_start + q_len
-        kv_len = layout.kv_len.numpy()
+        bs = self.block_size
+        num_blocks = self.num_blocks[rows]
+        if (kv_len > num_blocks * bs).any():  # a slot past the table would silently be block 0's
+            i = int(np.argmax(kv_len > num_blocks * bs))
+            raise IndexError(f"request {reqs[i].req_id} computes up to position {int(kv_len[i]) - 1} with "
+                             f"{int(num_blocks[i])} blocks of {bs}")
+        table = self.block_table[rows, : int(num_blocks.max())]
+        # Gathers by flat index: np.take on a 1-D view costs less than 2-D fancy indexing.
+        block, offset = np.divmod(positions, bs)
+        slots = np.take(self.block_table.reshape(-1), tok_rows * self.block_table.shape[1] + block)
+        slots = slots.astype(np.int64) * bs + offset
+        num_rows = batch.num_sample_rows
+        S = sum(num_rows)
+        if S == B and max(num_rows) == 1:  # the usual: each request samples its last row
+            sample_rows = q_end - 1
+        else:
+            counts = np.asarray(num_rows, dtype=np.int64)
+            sample_rows = np.repeat(q_end - counts, counts) + _ranks(counts)
+        # Token ids, positions and sampled rows in one host buffer: one copy to the device, three views.
+        host = np.empty(2 * T + S, dtype=np.int64)
+        host[:T] = np.take(self.token_ids.reshape(-1), tok_rows * self.token_ids.shape[1] + positions)
+        spec = [batch.spec_token_ids.get(rid, []) for rid in batch.req_ids]
+        if batch.spec_token_ids:  # the drafts: the last k tokens of their request's chunk
+            k = np.fromiter(map(len, spec), np.int64, B)
+            host[np.repeat(q_end - k, k) + _ranks(k)] = np.fromiter(chain.from_iterable(spec), np.int64,
+                                                                    int(k.sum()))
+        host[T : 2 * T] = positions
+        host[2 * T :] = sample_rows
+        dev = torch.from_numpy(host).to(self.device)
         t = torch.from_numpy
-        rows = np.asarray(batch.num_sample_rows, dtype=np.int64)
-        sample_rows = np.repeat(q_end - rows, rows) + _ranks(rows)
+        layout = BatchLayout(query_start=t(q_start), query_len=t(q_len), kv_len=t(kv_len), block_table=t(table),
+                             slot_mapping=t(slots), num_tokens=T, max_query_len=max_query_len,
+                             max_kv_len=max_kv_len)
         prompt_rows = []
-        for i, r in enumerate(reqs):
-            rng = batch.prompt_logprob_ranges.get(r.req_id)
-            if rng is not None:
-                prompt_rows.append((r, int(q_start[i]), rng[1], rng[0]))
+        if batch.prompt_logprob_ranges:
+            for i, r in enumerate(reqs):
+                rng = batch.prompt_logprob_ranges.get(r.req_id)
+                if rng is not None:
+                    prompt_rows.append((r, int(q_start[i]), rng[1], rng[0]))
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=t(positions).to(self.device),
+            input_ids=dev[:T],
+            positions=dev[T : 2 * T],
             layout=layout,
             requests=reqs,
-            sample_rows=t(sample_rows).to(self.device),
-            rows_per_request=list(batch.num_sample_rows),
+            sample_rows=dev[2 * T :],
+            rows_per_request=list(num_rows),
             spec=spec,
-            # For the roofline: keys each new token attends to (causal pairs) and KV tokens read.
+            # For the roofline: KV tokens read, and the keys each new token attends to (position + 1).
             kv_tokens=int(kv_len.sum()),
-            attn_pairs=int((q_len * start_pos + q_len * (q_len + 1) // 2).sum()),
+            attn_pairs=int(positions.sum()) + T,
             prompt_rows=prompt_rows,
         )
 
@@ -186,3 +315,10 @@ def _run_starts(counts: np.ndarray) -> np.ndarray:
 def _ranks(counts: np.ndarray) -> np.ndarray:
     """[0..c0-1, 0..c1-1, ...] for counts [c0, c1, ...]."""
     return np.arange(int(counts.sum())) - np.repeat(_run_starts(counts), counts)
+
+
+def _resized(a: np.ndarray, rows: int, cols: int | None = None) -> np.ndarray:
+    """A zero array of `rows` rows (and `cols` columns) with `a` copied into its top-left corner."""
+    out = np.zeros((rows,) if cols is None else (rows, cols), dtype=a.dtype)
+    out[tuple(slice(0, n) for n in a.shape)] = a
+    return out
