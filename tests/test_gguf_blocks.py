@@ -142,6 +142,40 @@ def test_dequantize_op_equals_gguf(qtype):
 
 
 @needs_native
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_split_rows_equal_the_file_blocks(qtype):
+    """The kernels' split layout (scales, mins, then quants per row): a lossless reordering; every path over it
+    (batch 1 float and int8 activations, the few-rows and SGEMM paths, dequantize, the torch reference) gives
+    what the file's order gives."""
+    K, N = 7 * 32, 37  # an odd number of blocks: the kernels' pair loop has a tail
+    blocks = torch.from_numpy(random_blocks(qtype, N, K, seed=3))
+    split = gq.split_rows(blocks, int(qtype))
+    assert split.shape == blocks.shape and not torch.equal(split, blocks)
+    assert torch.equal(gq.unsplit_rows(split, int(qtype)), blocks)
+    sq = gq.SPLIT + int(qtype)
+    assert gq.base_type(sq) == int(qtype) and gq.block_format(sq) == gq.block_format(int(qtype))
+    g = torch.Generator().manual_seed(4)
+    bias = torch.randn(N, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for M in (1, 2, 3, 7, 8, 33):
+            x = torch.randn(M, K, generator=g)
+            ref = _reference(x, blocks.numpy(), qtype, K, bias)
+            got = torch.ops.tokenmill.gguf_linear(x, split, sq, K, bias)
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * math.sqrt(K) * ref.abs().max().item())
+        x = torch.randn(1, K, generator=g)
+        x8_file = torch.ops.tokenmill.gguf_linear(x, blocks, int(qtype), K, None, True)
+        x8_split = torch.ops.tokenmill.gguf_linear(x, split, sq, K, None, True)
+        torch.testing.assert_close(x8_split, x8_file, rtol=1e-5, atol=1e-5 * x8_file.abs().max().item())
+    finally:
+        torch.set_num_threads(threads)
+    deq = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).reshape(N, K))
+    torch.testing.assert_close(torch.ops.tokenmill.gguf_dequantize(split, sq, K), deq, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(gq.reference_dequantize(split, sq, K), deq, rtol=0, atol=0)
+
+
+@needs_native
 def test_kernel_rejects_bad_arguments():
     blocks = torch.from_numpy(random_blocks(T.Q4_0, 4, 64))
     with pytest.raises(RuntimeError, match="row"):
@@ -240,6 +274,10 @@ def test_tied_q8_0_embedding_and_q4_linears_match_dequantized(tmp_path):
     assert model.embed_tokens.weight.dtype == torch.uint8 and model.lm_head.weight is model.embed_tokens.weight
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
     assert model.layers[0].self_attn.o_proj.weight.dtype == torch.float32
+    # Q4_0 / Q4_1 / Q8_0 in the kernels' split rows, the tied table once for both of its users
+    assert model.layers[0].self_attn.qkv_proj.quant_method.qtype == gq.SPLIT + T.Q4_0
+    assert model.layers[0].mlp.gate_up_proj.quant_method.qtype == gq.SPLIT + T.Q4_1
+    assert model.embed_tokens.table_method.qtype == model.lm_head.table_method.qtype == gq.SPLIT + T.Q8_0
     assert kept.engine.facts.weight_bytes == _block_bytes(path) + _float_bytes(path)
     got = _greedy(kept)
     ref_llm = _llm(path, folder, "none")

@@ -35,6 +35,18 @@ namespace {
 // ggml type ids (gguf.GGMLQuantizationType)
 enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
+// Split rows: the kernels' own layout for Q4_0 / Q4_1 / Q8_0 (made at load by layers/quantization/gguf.py,
+// split_rows): a row's bytes reordered as every block's f16 scale d, then (Q4_1) every block's f16 min m, then
+// every block's quants. The scales convert 8 at a time and the min term is one vector dot per row, where the
+// file's interleaved blocks cost two scalar f16 conversions and a scalar accumulate per block. Type id: SPLIT
+// plus the ggml type. The batch-1 kernels read split rows directly; the other paths unsplit a row at a time.
+constexpr int64_t SPLIT = 1000;
+
+inline bool is_split(int64_t qt) { return qt == SPLIT + Q4_0 || qt == SPLIT + Q4_1 || qt == SPLIT + Q8_0; }
+inline int64_t base_type(int64_t qt) { return is_split(qt) ? qt - SPLIT : qt; }
+// Bytes of scales (and mins) before a split row's quants.
+inline int64_t split_header(int64_t qt, int64_t nb) { return (base_type(qt) == Q4_1 ? 4 : 2) * nb; }
+
 constexpr int64_t GEMM_MIN_ROWS = 8;         // from this many rows of x: dequantize, then SGEMM
 constexpr int64_t MAX_FUSED_ROWS = 4;        // rows of x sharing one pass over a weight row
 constexpr int64_t PANEL_BYTES = 192 * 1024;  // SGEMM path: one thread's dequantized weight rows (fits L2)
@@ -54,7 +66,7 @@ struct Format {
 };
 
 Format format_of(int64_t qtype) {
-  switch (qtype) {
+  switch (base_type(qtype)) {
     case Q4_0: return {32, 18};
     case Q4_1: return {32, 20};
     case Q8_0: return {32, 34};
@@ -155,7 +167,30 @@ void dequant_block(int64_t qt, const uint8_t* b, float* y) {
   }
 }
 
+// A split row back in the file's block order (into `out`, row bytes).
+void unsplit_row(int64_t qt, const Format& f, const uint8_t* row, int64_t nb, uint8_t* out) {
+  const int64_t base = base_type(qt), q = f.bytes - (base == Q4_1 ? 4 : 2);  // quant bytes per block
+  const uint8_t* quants = row + split_header(qt, nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* o = out + b * f.bytes;
+    std::memcpy(o, row + 2 * b, 2);
+    if (base == Q4_1) std::memcpy(o + 2, row + 2 * nb + 2 * b, 2);
+    std::memcpy(o + f.bytes - q, quants + b * q, q);
+  }
+}
+
+// For the paths that read file-order blocks: a split row unsplit into a per-thread buffer, else the row itself.
+const uint8_t* file_order(int64_t& qt, const Format& f, const uint8_t* row, int64_t nb) {
+  if (!is_split(qt)) return row;
+  thread_local std::vector<uint8_t> buf;
+  buf.resize(nb * f.bytes);
+  unsplit_row(qt, f, row, nb, buf.data());
+  qt = base_type(qt);
+  return buf.data();
+}
+
 void dequant_row(int64_t qt, const Format& f, const uint8_t* row, int64_t K, float* y) {
+  row = file_order(qt, f, row, K / f.block);
   for (int64_t b = 0; b < K / f.block; ++b) dequant_block(qt, row + b * f.bytes, y + b * f.block);
 }
 
@@ -267,6 +302,7 @@ inline __m256 dot2(const __m256* w, const float* x) {
 template <int MR>
 void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, const float* x, int64_t ldx,
                   const float* xs, int64_t ldxs, float* out) {
+  row = file_order(qt, f, row, K / f.block);
   __m256 acc[2][MR];
   float off[2][MR];
   for (int p = 0; p < 2; ++p)
@@ -406,9 +442,62 @@ void q4_rows2(const Format& f, bool has_min, const uint8_t* r0, const uint8_t* r
   out[1] = hsum(a1) + o1;
 }
 
+// f16 values h[0..n) as floats into out (8 at a time), each times mul[i] when mul is given.
+void f16_row(const uint8_t* h, int64_t n, const float* mul, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 2 * i)));
+    if (mul != nullptr) v = _mm256_mul_ps(v, _mm256_loadu_ps(mul + i));
+    _mm256_storeu_ps(out + i, v);
+  }
+  for (; i < n; ++i) out[i] = f16(h + 2 * i) * (mul != nullptr ? mul[i] : 1.f);
+}
+
+// sum_i f16(h[i]) * v[i]
+float f16_dot(const uint8_t* h, int64_t n, const float* v) {
+  __m256 a = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    a = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 2 * i))),
+                        _mm256_loadu_ps(v + i), a);
+  float r = hsum(a);
+  for (; i < n; ++i) r += f16(h + 2 * i) * v[i];
+  return r;
+}
+
+// The min / offset term of a split row: Q4_1 sum_b m_b xs_b, Q4_0 -8 sum_b d_b xs_b, Q8_0 none.
+float split_offset(int64_t base, const uint8_t* row, int64_t nb, const float* xs) {
+  if (base == Q4_1) return f16_dot(row + 2 * nb, nb, xs);
+  if (base == Q4_0) return -8.f * f16_dot(row, nb, xs);
+  return 0.f;
+}
+
+// Batch 1, float x, one split row (Q4_0 / Q4_1 / Q8_0). sc: nb floats of scratch.
+float split_row_f32(int64_t qt, const uint8_t* row, int64_t nb, const float* x, const float* xs, float* sc) {
+  const int64_t base = base_type(qt);
+  f16_row(row, nb, nullptr, sc);
+  const float off = split_offset(base, row, nb, xs);
+  const uint8_t* qs = row + split_header(qt, nb);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const auto step = [&](int64_t b, int p) {
+    __m256 w[4];
+    if (base == Q8_0) q8_block(qs + 32 * b, w);
+    else q4_block(qs + 16 * b, w);
+    acc[p] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + b), dot4(w, x + 32 * b), acc[p]);
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    step(b, 0);
+    step(b + 1, 1);
+  }
+  if (b < nb) step(b, 0);
+  return hsum(_mm256_add_ps(acc[0], acc[1])) + off;
+}
+
 // One row of blocks into K floats with the same widening as the dot products (the SGEMM path's scratch).
 void dequant_row_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, float* y) {
   const int64_t nb = K / f.block;
+  row = file_order(qt, f, row, nb);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * f.bytes;
     float* yb = y + b * f.block;
@@ -560,10 +649,34 @@ float row_dot_x8(int64_t qt, const Format& f, const uint8_t* row, int64_t nb, co
   if (b < nb) step(b, 0);
   return x8::hsum(_mm256_add_ps(acc[0], acc[1])) + (off[0] + off[1]);
 }
+
+// The same against one split row: the block scales times x's come from one vector pass (sc: nb floats of
+// scratch), the offset from one vector dot; the loop is the integer dot and one FMA per block.
+float split_row_x8(int64_t qt, const uint8_t* row, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
+                   float* sc) {
+  const int64_t base = base_type(qt);
+  f16_row(row, nb, xd, sc);
+  const float off = split_offset(base, row, nb, xs);
+  const uint8_t* qs = row + split_header(qt, nb);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const auto step = [&](int64_t b, int p) {
+    const __m256i x = x8::load32(xq + 32 * b);
+    const __m256 dot = base == Q8_0 ? x8::dot_s8s8(x8::load32(qs + 32 * b), x) : x8::dot_u8s8(x8::nibbles(qs + 16 * b), x);
+    acc[p] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(sc + b), acc[p]);
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    step(b, 0);
+    step(b + 1, 1);
+  }
+  if (b < nb) step(b, 0);
+  return x8::hsum(_mm256_add_ps(acc[0], acc[1])) + off;
+}
 #endif
 
 bool has_x8_kernel(int64_t qt) {
 #ifdef TOKENMILL_INT8_DOT
+  qt = base_type(qt);
   return qt == Q4_0 || qt == Q4_1 || qt == Q8_0;
 #else
   (void)qt;
@@ -582,6 +695,12 @@ void decode_x8(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_
   const int64_t row_bytes = (K / f.block) * f.bytes;
   const int64_t grain = std::max<int64_t>(16, PARALLEL_MIN_BYTES / row_bytes);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    if (is_split(qt)) {
+      std::vector<float> sc(G);
+      for (int64_t n = n0; n < n1; ++n)
+        yp[n] = split_row_x8(qt, wp + n * row_bytes, G, xq.data(), xd.data(), xs.data(), sc.data());
+      return;
+    }
     for (int64_t n = n0; n < n1; ++n) yp[n] = row_dot_x8(qt, f, wp + n * row_bytes, G, xq.data(), xd.data(), xs.data());
   });
 #else
@@ -614,6 +733,10 @@ void decode(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K
 #endif
     int64_t n = n0;
 #ifdef TOKENMILL_GGUF_AVX2
+    if (M == 1 && is_split(qt)) {
+      std::vector<float> sc(G);
+      for (; n < n1; ++n) yp[n] = split_row_f32(qt, wp + n * row_bytes, G, xp, xs.data(), sc.data());
+    }
     if (M == 1 && (qt == Q4_0 || qt == Q4_1)) {
       for (; n + 2 <= n1; n += 2) {
         q4_rows2(f, qt == Q4_1, wp + n * row_bytes, wp + (n + 1) * row_bytes, K / f.block, xp, xs.data(), out);

@@ -122,6 +122,8 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
         if blocks:
             quant_config.prepare_model(model)
         load_weights(model, iter_gguf_weights(path, cfg, storage, quant_config.keeps_blocks if blocks else None))
+        if blocks:
+            quant_config.finish_model(model)
     else:
         pages = MappedPages()
         load_weights(model, iter_safetensors(path, None if prequantized else storage, pages), pages)
