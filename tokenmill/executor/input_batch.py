@@ -139,9 +139,7 @@ class InputBatch:
                 n = np.asarray(counts, dtype=np.int64)
                 self.token_ids[np.repeat(rows, n), np.repeat(lengths - n, n) + _ranks(n)] = tokens
             self.num_tokens[rows] = lengths
-            # Only requests that keep output counts or a min_tokens ban have anything to update (usually
-            # none: then skip the call's array work).
-            if self.sampling.counts.used or self.sampling.ban.used:
+            if self.sampling.tracks_tokens:  # usually not: then skip building the call's lists
                 grown = [(s, c.new_token_ids) for s, c in zip(states, diffs) if c.new_token_ids]
                 self.sampling.append([s.sampling_slot for s, _ in grown], [t for _, t in grown],
                                      [s.num_output_tokens for s, _ in grown])

@@ -19,6 +19,7 @@ import torch
 
 from tokenmill import native
 from tokenmill.layers import fused
+from tokenmill.layers.attention_backends.cpu_paged import CPUPagedMetadata
 from tokenmill.layers.quantization.base import NativeLinear
 
 log = logging.getLogger(__name__)
@@ -121,8 +122,6 @@ class NativeStack:
 
     def ready(self, meta) -> bool:
         """This step can run natively: cpu_paged metadata and float caches (rebound if reallocated)."""
-        from tokenmill.layers.attention_backends.cpu_paged import CPUPagedMetadata
-
         if type(meta) is not CPUPagedMetadata:
             return False
         for i, a in enumerate(self.attn):

@@ -133,6 +133,11 @@ class SamplingState:
         self.vocab_rows[slot] = 0
         self.free_slots.append(slot)
 
+    @property
+    def tracks_tokens(self) -> bool:
+        """Some request keeps output-token counts or a min_tokens ban: `append` has work to do."""
+        return bool(self.counts.used or self.ban.used)
+
     def append(self, slots: Sequence[int], new_token_ids: Sequence[Sequence[int]],
                num_output_tokens: Sequence[int]) -> None:
         """Requests `slots` accepted `new_token_ids` and now have `num_output_tokens` output tokens: add
