@@ -8,6 +8,17 @@ from typing import Callable
 import numpy as np
 import torch
 
+def smollm2_layout(name: str):
+    """SmolLM2's mix of types, and one without a kernel: token_embd Q8_0 (tied to the LM head), ffn Q4_1,
+    attention Q4_0 but attn_output Q5_0 (dequantized at load). A `types` argument for write_gguf."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if name == "token_embd.weight":
+        return T.Q8_0
+    return T.Q5_0 if "attn_output" in name else (T.Q4_1 if "ffn" in name else T.Q4_0)
+
+
 LAYER_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",

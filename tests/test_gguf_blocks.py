@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import struct
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_tiny import quantize, write_gguf
+from gguf_tiny import quantize, smollm2_layout, write_gguf
 from tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams, native
 from tokenmill.layers.quantization import get_quantization_config
@@ -63,6 +64,17 @@ def _reference(x: torch.Tensor, blocks: np.ndarray, qtype, K: int, bias=None) ->
     return (y if bias is None else y + bias.double()).float()
 
 
+@contextlib.contextmanager
+def two_threads():
+    """The kernels split their rows over threads from 2: run the case on two, restore the count after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _k_for(qtype) -> int:
     return 3 * gguf.GGML_QUANT_SIZES[qtype][0]  # three blocks / super-blocks
 
@@ -75,9 +87,7 @@ def test_kernel_matches_dequantized_reference(qtype):
     wt = torch.from_numpy(blocks)
     g = torch.Generator().manual_seed(1)
     bias = torch.randn(N, generator=g)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with two_threads():
         for M in (1, 2, 3, 7, 8, 33):
             x = torch.randn(M, K, generator=g)
             for b in (None, bias):
@@ -86,8 +96,6 @@ def test_kernel_matches_dequantized_reference(qtype):
                 assert y.dtype == torch.float32 and y.shape == (M, N)
                 torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * math.sqrt(K) * ref.abs().max().item(),
                                            msg=lambda m: f"{qtype.name} M={M} bias={b is not None}: {m}")
-    finally:
-        torch.set_num_threads(threads)
 
 
 @needs_native
@@ -120,13 +128,9 @@ def test_batched_path_many_panels_under_inference_mode(qtype):
     N, K = 1536, 512
     blocks = random_blocks(qtype, N, K, seed=5)
     x = torch.randn(64, K, generator=torch.Generator().manual_seed(5))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with two_threads():
         with torch.inference_mode():
             y = torch.ops.tokenmill.gguf_linear(x, torch.from_numpy(blocks), int(qtype), K, None)
-    finally:
-        torch.set_num_threads(threads)
     ref = _reference(x, blocks, qtype, K)
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * math.sqrt(K) * ref.abs().max().item())
 
@@ -156,9 +160,7 @@ def test_split_rows_equal_the_file_blocks(qtype):
     assert gq.base_type(sq) == int(qtype) and gq.block_format(sq) == gq.block_format(int(qtype))
     g = torch.Generator().manual_seed(4)
     bias = torch.randn(N, generator=g)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with two_threads():
         for M in (1, 2, 3, 7, 8, 33):
             x = torch.randn(M, K, generator=g)
             ref = _reference(x, blocks.numpy(), qtype, K, bias)
@@ -168,8 +170,6 @@ def test_split_rows_equal_the_file_blocks(qtype):
         x8_file = torch.ops.tokenmill.gguf_linear(x, blocks, int(qtype), K, None, True)
         x8_split = torch.ops.tokenmill.gguf_linear(x, split, sq, K, None, True)
         torch.testing.assert_close(x8_split, x8_file, rtol=1e-5, atol=1e-5 * x8_file.abs().max().item())
-    finally:
-        torch.set_num_threads(threads)
     deq = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).reshape(N, K))
     torch.testing.assert_close(torch.ops.tokenmill.gguf_dequantize(split, sq, K), deq, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(gq.reference_dequantize(split, sq, K), deq, rtol=0, atol=0)
@@ -263,12 +263,7 @@ def test_tied_q8_0_embedding_and_q4_linears_match_dequantized(tmp_path):
     without a kernel, is dequantized at load."""
     folder = make_tiny_model(tmp_path / "m", "llama", tie_word_embeddings=True)
 
-    def types(name):
-        if name == "token_embd.weight":
-            return T.Q8_0
-        return T.Q5_0 if "attn_output" in name else (T.Q4_1 if "ffn" in name else T.Q4_0)
-
-    path = write_gguf(folder, tmp_path / "m.gguf", types=types)
+    path = write_gguf(folder, tmp_path / "m.gguf", types=smollm2_layout)
     kept = _llm(path, folder, "gguf")
     model = kept.engine.model
     assert model.embed_tokens.weight.dtype == torch.uint8 and model.lm_head.weight is model.embed_tokens.weight

@@ -7,7 +7,7 @@ import gguf
 import pytest
 import torch
 
-from gguf_tiny import write_gguf
+from gguf_tiny import smollm2_layout, write_gguf
 from tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams, native
 from tokenmill.model import native_stack
@@ -60,12 +60,7 @@ def test_gguf_blocks_mixed_with_a_dequantized_layer(tmp_path, monkeypatch, x8):
     """GGUF blocks (Q4_0 / Q4_1 / Q8_0) next to a Q5_0 layer dequantized at load to dense float32."""
     folder = make_tiny_model(tmp_path / "m", "llama", tie_word_embeddings=True)
 
-    def types(name):
-        if name == "token_embd.weight":
-            return T.Q8_0
-        return T.Q5_0 if "attn_output" in name else (T.Q4_1 if "ffn" in name else T.Q4_0)
-
-    path = write_gguf(folder, tmp_path / "m.gguf", types=types)
+    path = write_gguf(folder, tmp_path / "m.gguf", types=smollm2_layout)
     _same(monkeypatch, path, tokenizer=str(folder), activation_quantization="int8" if x8 else "none")
 
 
