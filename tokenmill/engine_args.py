@@ -74,11 +74,11 @@ class EngineArgs:
                                         "int4: input columns per scale and zero point: 32, 64 or 128 "
                                         "(default: %(default)s).")
     activation_quantization: str = _arg(
-        ModelConfig.activation_quantization, "int8: at batch 1 the kernels of packed weights (GGUF Q4_0/Q4_1/Q8_0, "
+        ModelConfig.activation_quantization, "int8: the kernels of packed weights (GGUF Q4_0/Q4_1/Q8_0, "
         "int4, int8) quantize each row of activations to int8 per 32 columns and take integer dot products, as "
         "llama.cpp does: faster where the kernels are compute-bound, results differ from float activations by "
-        "that rounding (~0.5 %% of each block's largest value). none keeps float32 activations (default: "
-        "%(default)s).", choices=ACTIVATION_QUANTIZATIONS)
+        "that rounding (~0.5 %% of each block's largest value; a row's result never depends on the rest of the "
+        "batch). none keeps float32 activations, exact against transformers (default: %(default)s).", choices=ACTIVATION_QUANTIZATIONS)
     device: str = _arg(EngineConfig.device, "Torch device, e.g. cpu or cuda (default: %(default)s).")
     attention_backend: str | None = _arg(
         EngineConfig.attention_backend, "Attention backend by registry name, e.g. torch_sdpa (default: the "

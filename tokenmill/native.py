@@ -42,6 +42,11 @@ def has_op(name: str) -> bool:
     return available() and hasattr(torch.ops.tokenmill, name)
 
 
+def int8_dot_path() -> str | None:
+    """The integer dot product of the int8-activation kernels: avx512-vnni, avx2 or none (None: no kernels)."""
+    return torch.ops.tokenmill.int8_dot_path() if has_op("int8_dot_path") else None
+
+
 def cpu_capability() -> str | None:
     """The vector instruction set the kernels were compiled for (AVX2, AVX512, DEFAULT), or None."""
     return torch.ops.tokenmill.cpu_capability() if available() else None

@@ -9,8 +9,8 @@
 //   under PARALLEL_MIN_BYTES run on one thread. From 2 rows of x (several decodes, or speculative drafts being
 //   verified), each weight row is instead dequantized once into an L1 buffer and multiplied with every row.
 // - More rows: panels of weight rows dequantized into a per-thread L2-sized buffer, each multiplied by SGEMM.
-// - Opt-in (--activation-quantization int8): one row of x against Q4_0 / Q4_1 / Q8_0 quantized to int8 and
-//   multiplied with integer dot products (decode_x8, int8_dot.h).
+// - int8 activations (--activation-quantization, the GGUF default): rows of x against Q4_0 / Q4_1 / Q8_0
+//   quantized to int8 and multiplied with integer dot products, any number of rows (gemm_x8, int8_dot.h).
 #include "vec.h"
 #include "int8_dot.h"
 
@@ -20,8 +20,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -315,7 +317,7 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
     case Q4_0:
     case Q4_1: {
       const bool has_min = qt == Q4_1;
-      const auto step = [&](int64_t b, __m256* A, float* O) {
+      const auto step = [&](int64_t b, __m256* A, float* O) TOKENMILL_INLINE {
         const uint8_t* blk = row + b * f.bytes;
         const float d = f16(blk);
         const float o = has_min ? f16(blk + 2) : -8.f * d;
@@ -336,7 +338,7 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
       break;
     }
     case Q8_0: {
-      const auto step = [&](int64_t b, __m256* A) {
+      const auto step = [&](int64_t b, __m256* A) TOKENMILL_INLINE {
         const uint8_t* blk = row + b * f.bytes;
         const __m256 vd = _mm256_set1_ps(f16(blk));
         __m256 w[4];
@@ -461,7 +463,7 @@ float f16_dot(const uint8_t* h, int64_t n, const float* v) {
     a = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 2 * i))),
                         _mm256_loadu_ps(v + i), a);
   float r = hsum(a);
-  for (; i < n; ++i) r += f16(h + 2 * i) * v[i];
+  for (; i < n; ++i) r = std::fma(f16(h + 2 * i), v[i], r);  // explicit: the int8 path's dot_f32 is the same sum
   return r;
 }
 
@@ -479,7 +481,7 @@ float split_row_f32(int64_t qt, const uint8_t* row, int64_t nb, const float* x, 
   const float off = split_offset(base, row, nb, xs);
   const uint8_t* qs = row + split_header(qt, nb);
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  const auto step = [&](int64_t b, int p) {
+  const auto step = [&](int64_t b, int p) TOKENMILL_INLINE {
     __m256 w[4];
     if (base == Q8_0) q8_block(qs + 32 * b, w);
     else q4_block(qs + 16 * b, w);
@@ -622,47 +624,123 @@ void decode_dequant_rows(int64_t qt, const Format& f, const uint8_t* wp, int64_t
 }
 
 // ---- int8 activations (--activation-quantization int8, int8_dot.h) ------------------------------------------
-// Batch 1 only: from 2 rows of x the float paths above already share each widened weight among the rows.
+// Every row of x is quantized on its own (per 32 columns) and each output is summed in one fixed order, so a
+// row's result does not depend on how many other rows share the call: a request's greedy output is the same
+// alone, batched or prefilled in chunks. MR rows of x share each weight block's load and unpacking.
 // The min / offset term of Q4_0 / Q4_1 multiplies the quantized x's block sums (llama.cpp's Q8_1 does too).
 
 #ifdef TOKENMILL_INT8_DOT
-// One weight row of Q4_0, Q4_1 or Q8_0 blocks against quantized x (xq, its scales xd and block sums xs per 32
-// columns). Even and odd blocks accumulate separately.
-float row_dot_x8(int64_t qt, const Format& f, const uint8_t* row, int64_t nb, const int8_t* xq, const float* xd,
-                 const float* xs) {
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  float off[2] = {0.f, 0.f};
+constexpr int X8_ROWS = 4;  // rows of x per pass over a weight row: 8 accumulators, 16 ymm registers in all
+
+// Quantized rows of x: q [M, K] int8, per 32 columns the scale d and the quantized sum s ([M, K / 32] each).
+struct XQ {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t K, G;
+};
+
+// One weight row of Q4_0, Q4_1 or Q8_0 blocks (file order) against MR rows of quantized x. Per row, even and
+// odd blocks accumulate separately; the offset term per row is a scalar fma chain.
+template <int MR>
+void row_dot_x8(int64_t qt, const Format& f, const uint8_t* row, const XQ& x, int64_t m0, float* out) {
+  __m256 acc[MR][2];
+  float off[MR][2];
+  for (int m = 0; m < MR; ++m) {
+    acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    off[m][0] = off[m][1] = 0.f;
+  }
   const bool has_min = qt == Q4_1;
-  const auto step = [&](int64_t b, int p) {
+  const auto step = [&](int64_t b, int p) TOKENMILL_INLINE {
     const uint8_t* blk = row + b * f.bytes;
     const float dw = f16(blk);
-    const __m256i x = x8::load32(xq + b * 32);
-    const __m256 dot = qt == Q8_0 ? x8::dot_s8s8(x8::load32(blk + 2), x) : x8::dot_u8s8(x8::nibbles(blk + (has_min ? 4 : 2)), x);
-    acc[p] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * xd[b]), acc[p]);
-    if (qt != Q8_0) off[p] += (has_min ? f16(blk + 2) : -8.f * dw) * xs[b];
+    const float ow = qt == Q8_0 ? 0.f : has_min ? f16(blk + 2) : -8.f * dw;
+    if (qt == Q8_0) {
+      const __m256i w = x8::load32(blk + 2);
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int m = 0; m < MR; ++m) {
+        const int64_t r = (m0 + m) * x.G + b;
+        const __m256 dot = x8::dot_u8s8(aw, _mm256_sign_epi8(x8::load32(x.q + 32 * r), w));
+        acc[m][p] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * x.d[r]), acc[m][p]);
+      }
+    } else {
+      const __m256i w = x8::nibbles(blk + (has_min ? 4 : 2));
+      for (int m = 0; m < MR; ++m) {
+        const int64_t r = (m0 + m) * x.G + b;
+        const __m256 dot = x8::dot_u8s8(w, x8::load32(x.q + 32 * r));
+        acc[m][p] = _mm256_fmadd_ps(dot, _mm256_set1_ps(dw * x.d[r]), acc[m][p]);
+        off[m][p] = std::fma(ow, x.s[r], off[m][p]);
+      }
+    }
   };
+  const int64_t nb = x.G;
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
     step(b, 0);
     step(b + 1, 1);
   }
   if (b < nb) step(b, 0);
-  return x8::hsum(_mm256_add_ps(acc[0], acc[1])) + (off[0] + off[1]);
+  for (int m = 0; m < MR; ++m) out[m] = x8::hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + (off[m][0] + off[m][1]);
 }
 
-// The same against one split row: the block scales times x's come from one vector pass (sc: nb floats of
-// scratch), the offset from one vector dot; the loop is the integer dot and one FMA per block.
-float split_row_x8(int64_t qt, const uint8_t* row, int64_t nb, const int8_t* xq, const float* xd, const float* xs,
-                   float* sc) {
-  const int64_t base = base_type(qt);
-  f16_row(row, nb, xd, sc);
-  const float off = split_offset(base, row, nb, xs);
-  const uint8_t* qs = row + split_header(qt, nb);
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  const auto step = [&](int64_t b, int p) {
-    const __m256i x = x8::load32(xq + 32 * b);
-    const __m256 dot = base == Q8_0 ? x8::dot_s8s8(x8::load32(qs + 32 * b), x) : x8::dot_u8s8(x8::nibbles(qs + 16 * b), x);
-    acc[p] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(sc + b), acc[p]);
+// sum_i a[i] * b[i] in one fixed order (8 lanes, then the tail), whatever the caller.
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float r = x8::hsum(acc);
+  for (; i < n; ++i) r = std::fma(a[i], b[i], r);
+  return r;
+}
+
+// A split row's block scales d (and Q4_1's mins m) as floats, converted once per weight row and tile, then
+// shared by every row of x: ws[nb], wm[nb] (Q4_1 only).
+inline void split_scales(int64_t qt, const uint8_t* row, int64_t nb, float* ws, float* wm) {
+  f16_row(row, nb, nullptr, ws);
+  if (base_type(qt) == Q4_1) f16_row(row + 2 * nb, nb, nullptr, wm);
+}
+
+// One split row against MR rows of x. Per row of x: the blocks' combined scales d_w * d_x (sc: MR * nb floats
+// of scratch) in one vector pass, the offset term as one dot (Q4_1: sum m xs; Q4_0: -8 sum d xs); the loop is
+// the integer dots and one FMA per block and row.
+// ws == nullptr: the scales are read from the row's f16 header directly (one row of x: nothing to share), with
+// the same products and sums, so both forms give the same bits.
+template <int64_t base, int MR>
+void split_row_x8(const uint8_t* row, const uint8_t* qs, const float* ws, const float* wm, const XQ& x, int64_t m0,
+                  float* sc, float* out) {
+  const int64_t nb = x.G;
+  float off[MR];
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) {
+    const float* xd = x.d + (m0 + m) * nb;
+    const float* xs = x.s + (m0 + m) * nb;
+    float* s = sc + m * nb;
+    if (ws == nullptr) {
+      f16_row(row, nb, xd, s);
+      off[m] = base == Q4_1 ? f16_dot(row + 2 * nb, nb, xs) : base == Q4_0 ? -8.f * f16_dot(row, nb, xs) : 0.f;
+    } else {
+      int64_t i = 0;
+      for (; i + 8 <= nb; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(ws + i), _mm256_loadu_ps(xd + i)));
+      for (; i < nb; ++i) s[i] = ws[i] * xd[i];
+      off[m] = base == Q4_1 ? dot_f32(wm, xs, nb) : base == Q4_0 ? -8.f * dot_f32(ws, xs, nb) : 0.f;
+    }
+    acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  }
+  const auto step = [&](int64_t b, int p) TOKENMILL_INLINE {
+    if (base == Q8_0) {
+      const __m256i w = x8::load32(qs + 32 * b);
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int m = 0; m < MR; ++m) {
+        const __m256 dot = x8::dot_u8s8(aw, _mm256_sign_epi8(x8::load32(x.q + 32 * ((m0 + m) * nb + b)), w));
+        acc[m][p] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(sc + m * nb + b), acc[m][p]);
+      }
+    } else {
+      const __m256i w = x8::nibbles(qs + 16 * b);
+      for (int m = 0; m < MR; ++m) {
+        const __m256 dot = x8::dot_u8s8(w, x8::load32(x.q + 32 * ((m0 + m) * nb + b)));
+        acc[m][p] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(sc + m * nb + b), acc[m][p]);
+      }
+    }
   };
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
@@ -670,7 +748,26 @@ float split_row_x8(int64_t qt, const uint8_t* row, int64_t nb, const int8_t* xq,
     step(b + 1, 1);
   }
   if (b < nb) step(b, 0);
-  return x8::hsum(_mm256_add_ps(acc[0], acc[1])) + off;
+  for (int m = 0; m < MR; ++m) out[m] = x8::hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + off[m];
+}
+
+// split_row_x8 for the row's base type and mr rows of x (compile-time constants: no branch in the block loop).
+template <int64_t base>
+void split_x8_rows(int64_t mr, const uint8_t* row, const uint8_t* qs, const float* ws, const float* wm, const XQ& x,
+                   int64_t m0, float* sc, float* out) {
+  switch (mr) {
+    case 1: return split_row_x8<base, 1>(row, qs, ws, wm, x, m0, sc, out);
+    case 2: return split_row_x8<base, 2>(row, qs, ws, wm, x, m0, sc, out);
+    case 3: return split_row_x8<base, 3>(row, qs, ws, wm, x, m0, sc, out);
+    default: return split_row_x8<base, 4>(row, qs, ws, wm, x, m0, sc, out);
+  }
+}
+
+void split_x8(int64_t base, int64_t mr, const uint8_t* row, const uint8_t* qs, const float* ws, const float* wm,
+              const XQ& x, int64_t m0, float* sc, float* out) {
+  if (base == Q4_0) split_x8_rows<Q4_0>(mr, row, qs, ws, wm, x, m0, sc, out);
+  else if (base == Q4_1) split_x8_rows<Q4_1>(mr, row, qs, ws, wm, x, m0, sc, out);
+  else split_x8_rows<Q8_0>(mr, row, qs, ws, wm, x, m0, sc, out);
 }
 #endif
 
@@ -684,27 +781,57 @@ bool has_x8_kernel(int64_t qt) {
 #endif
 }
 
-// y[1, N] = x W^T with x quantized to int8, parallel over weight rows as decode().
-void decode_x8(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K, const float* xp, float* yp) {
+// y[M, N] = x W^T with every row of x quantized to int8. Parallel over weight rows; a thread walks its rows in
+// tiles of X8_TILE_BYTES (kept in L2) and passes each tile once per X8_ROWS rows of x (kept in L1).
+constexpr int64_t X8_TILE_BYTES = 64 * 1024;
+void gemm_x8(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K, const float* xp, int64_t M,
+             float* yp) {
 #ifdef TOKENMILL_INT8_DOT
   const int64_t G = K / 32;
-  std::vector<int8_t> xq(K);
-  std::vector<float> xd(G);
-  std::vector<float> xs(G);
-  x8::quantize(xp, 1, K, xq.data(), xd.data(), xs.data());
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * G), xs(M * G);
+  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t a, int64_t b) {
+    x8::quantize(xp + a * K, b - a, K, xq.data() + a * K, xd.data() + a * G, xs.data() + a * G);
+  });
+  const XQ x{xq.data(), xd.data(), xs.data(), K, G};
   const int64_t row_bytes = (K / f.block) * f.bytes;
-  const int64_t grain = std::max<int64_t>(16, PARALLEL_MIN_BYTES / row_bytes);
+  const int64_t grain = std::max<int64_t>(16, PARALLEL_MIN_BYTES / (row_bytes * M));
+  const int64_t tile = std::max<int64_t>(1, X8_TILE_BYTES / row_bytes);
+  const bool split = is_split(qt), shared = split && M > 1;  // M == 1: scales straight from the row
+  const int64_t base = base_type(qt);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    if (is_split(qt)) {
-      std::vector<float> sc(G);
-      for (int64_t n = n0; n < n1; ++n)
-        yp[n] = split_row_x8(qt, wp + n * row_bytes, G, xq.data(), xd.data(), xs.data(), sc.data());
-      return;
+    std::vector<float> sc(X8_ROWS * G);
+    std::vector<float> ws(shared ? std::min(tile, n1 - n0) * G : 0), wm(shared && base == Q4_1 ? ws.size() : 0);
+    float out[X8_ROWS];
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+      const int64_t t1 = std::min(n1, t0 + tile);
+      if (shared)
+        for (int64_t n = t0; n < t1; ++n)
+          split_scales(qt, wp + n * row_bytes, G, ws.data() + (n - t0) * G, wm.empty() ? nullptr : wm.data() + (n - t0) * G);
+      for (int64_t m0 = 0; m0 < M; m0 += X8_ROWS) {
+        const int64_t mr = std::min<int64_t>(X8_ROWS, M - m0);
+        for (int64_t n = t0; n < t1; ++n) {
+          const uint8_t* row = wp + n * row_bytes;
+          if (split) {
+            const uint8_t* qs = row + split_header(qt, G);
+            const float* s = shared ? ws.data() + (n - t0) * G : nullptr;
+            const float* mn = wm.empty() ? nullptr : wm.data() + (n - t0) * G;
+            split_x8(base, mr, row, qs, s, mn, x, m0, sc.data(), out);
+          } else {
+            switch (mr) {
+              case 1: row_dot_x8<1>(qt, f, row, x, m0, out); break;
+              case 2: row_dot_x8<2>(qt, f, row, x, m0, out); break;
+              case 3: row_dot_x8<3>(qt, f, row, x, m0, out); break;
+              default: row_dot_x8<4>(qt, f, row, x, m0, out); break;
+            }
+          }
+          for (int64_t m = 0; m < mr; ++m) yp[(m0 + m) * N + n] = out[m];
+        }
+      }
     }
-    for (int64_t n = n0; n < n1; ++n) yp[n] = row_dot_x8(qt, f, wp + n * row_bytes, G, xq.data(), xd.data(), xs.data());
   });
 #else
-  (void)qt, (void)f, (void)wp, (void)N, (void)K, (void)xp, (void)yp;
+  (void)qt, (void)f, (void)wp, (void)N, (void)K, (void)xp, (void)M, (void)yp;
   TORCH_CHECK(false, "gguf: int8 activations need AVX2");
 #endif
 }
@@ -783,8 +910,8 @@ void dequant_rows(int64_t qt, const Format& f, const uint8_t* wp, int64_t n0, in
 }  // namespace
 
 // x [M, K] float (other float dtypes are converted), blocks uint8 [N, row_bytes] of ggml type `qtype`.
-// int8_activations: at one row of x, Q4_0 / Q4_1 / Q8_0 quantize it to int8 (decode_x8; other types, more
-// rows and builds without AVX2 ignore it).
+// int8_activations: Q4_0 / Q4_1 / Q8_0 quantize every row of x to int8 (gemm_x8; other types and builds
+// without AVX2 ignore it).
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
                        const c10::optional<at::Tensor>& bias, bool int8_activations) {
   (void)int8_activations;  // used by the AVX2 build only
@@ -796,11 +923,11 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtyp
   at::Tensor y = at::empty({M, N}, x.options());
   if (M > 0 && N > 0) {
     const uint8_t* wp = w.data_ptr<uint8_t>();
-    if (M < GEMM_MIN_ROWS) {
+    if (int8_activations && has_x8_kernel(qtype)) {
+      gemm_x8(qtype, f, wp, N, K, x.data_ptr<float>(), M, y.data_ptr<float>());
+    } else if (M < GEMM_MIN_ROWS) {
 #ifdef TOKENMILL_GGUF_AVX2
-      if (int8_activations && M == 1 && has_x8_kernel(qtype)) {
-        decode_x8(qtype, f, wp, N, K, x.data_ptr<float>(), y.data_ptr<float>());
-      } else if (M >= 2 && use_dequant_rows()) {
+      if (M >= 2 && use_dequant_rows()) {
         decode_dequant_rows(qtype, f, wp, N, K, x.data_ptr<float>(), M, y.data_ptr<float>());
       } else
 #endif
@@ -844,7 +971,21 @@ at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t K) {
 
 }  // namespace tokenmill
 
+namespace tokenmill {
+// Which integer dot product the int8-activation kernels were built with (int8_dot.h).
+std::string int8_dot_path() {
+#if defined(TOKENMILL_INT8_VNNI)
+  return "avx512-vnni";
+#elif defined(TOKENMILL_INT8_DOT)
+  return "avx2";
+#else
+  return "none";
+#endif
+}
+}  // namespace tokenmill
+
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("int8_dot_path() -> str", &tokenmill::int8_dot_path);
   m.def("gguf_linear(Tensor x, Tensor blocks, int qtype, int K, Tensor? bias, bool int8_activations=False) -> Tensor");
   m.impl("gguf_linear", c10::DispatchKey::CPU, &tokenmill::gguf_linear);
   m.def("gguf_dequantize(Tensor blocks, int qtype, int K) -> Tensor");

@@ -61,9 +61,19 @@ inline __m256i nibbles(const uint8_t* q) {
 }
 
 // 32 unsigned x 32 signed bytes -> 8 float partial sums (|w| <= 128 and |x| <= 127: no 16-bit saturation).
+// With AVX-512 VNNI (and VL) in the build's target — -march=native on such a CPU — one vpdpbusd does the
+// maddubs + madd pair: the same integers (nothing saturates above), one instruction instead of two on the
+// multiply ports. TOKENMILL_INT8_VNNI names the path in use (int8_dot_path()).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TOKENMILL_INT8_VNNI 1
+inline __m256 dot_u8s8(__m256i w, __m256i x) {
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x));
+}
+#else
 inline __m256 dot_u8s8(__m256i w, __m256i x) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
+#endif
 
 // Signed x signed: |w| against x carrying w's sign.
 inline __m256 dot_s8s8(__m256i w, __m256i x) { return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }

@@ -5,7 +5,8 @@
 // - 3-7 rows: tiles of TILE_ROWS weight rows dequantized into an L1-sized buffer, transposed, and multiplied
 //   by a register-blocked broadcast micro-kernel;
 // - 8 rows and more: panels of weight rows dequantized into L2 and multiplied by ATen's SGEMM.
-// Opt-in (--activation-quantization int8): one row of x quantized to int8, integer dot products (int8_dot.h).
+// Opt-in (--activation-quantization int8): every row of x quantized to int8, integer dot products (int8_dot.h),
+// any number of rows, each row's result independent of the others (gemm_x8).
 #include "vec.h"
 #include "int8_dot.h"
 
@@ -19,6 +20,8 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace tokenmill {
@@ -258,62 +261,132 @@ void int4_gemv_avx2(const float* xe, const float* xo, const float* xsum, int64_t
 #endif
 
 #ifdef TOKENMILL_INT8_DOT
-// ---- int8 activations (--activation-quantization int8, int8_dot.h): one row of x, K a multiple of 32 ------
-// int8 rows: per 32 weights one signed maddubs against x's int8 block, scaled by x's block scale; the row's
-// scale multiplies the sum.
-void int8_gemv_x8(const int8_t* xq, const float* xd, int64_t K, const int8_t* w, const float* scale, float* y,
-                  int64_t n0, int64_t nb) {
+// ---- int8 activations (--activation-quantization int8, int8_dot.h): any number of rows of x -----------------
+// Every row of x is quantized on its own (per 32 columns) and each output is summed in one fixed order, so a
+// row's result does not depend on how many other rows share the call, nor on the thread count: a request's
+// greedy output is the same alone, batched or prefilled in chunks. MR rows of x share each weight block's load
+// (and |w|, or the nibbles' unpacking); each row keeps its own accumulators and the same sequence of ops for
+// every MR. Scalar sums are explicit fmas: a contracted `a += b * c` could round differently per instantiation.
+constexpr int X8_ROWS = 4;                     // rows of x per pass over a weight row: 8 accumulators
+constexpr int64_t X8_TILE_BYTES = 64 * 1024;  // one thread's weight rows per tile: stays in L2
+
+// int8 weight row (K columns) against MR rows of quantized x (xq: K apart, xd: K / 32 apart). Per 32 weights
+// one signed dot (|w| against x carrying w's sign, |w| computed once for the MR rows) times x's block scale;
+// even and odd blocks in two accumulators. out: the unscaled sums.
+template <int MR>
+void int8_row_x8(const int8_t* wr, const int8_t* xq, const float* xd, int64_t K, float* out) {
   const int64_t G = K / 32;
-  for (int64_t r = 0; r < nb; ++r) {
-    const int8_t* wr = w + (n0 + r) * K;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 2 <= G; g += 2) {
-      a0 = _mm256_fmadd_ps(x8::dot_s8s8(x8::load32(wr + 32 * g), x8::load32(xq + 32 * g)), _mm256_set1_ps(xd[g]), a0);
-      a1 = _mm256_fmadd_ps(x8::dot_s8s8(x8::load32(wr + 32 * g + 32), x8::load32(xq + 32 * g + 32)),
-                           _mm256_set1_ps(xd[g + 1]), a1);
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const auto step = [&](int64_t g, int p) TOKENMILL_INLINE {
+    const __m256i w = x8::load32(wr + 32 * g);
+    const __m256i aw = _mm256_sign_epi8(w, w);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 dot = x8::dot_u8s8(aw, _mm256_sign_epi8(x8::load32(xq + m * K + 32 * g), w));
+      acc[m][p] = _mm256_fmadd_ps(dot, _mm256_set1_ps(xd[m * G + g]), acc[m][p]);
     }
-    if (g < G) a0 = _mm256_fmadd_ps(x8::dot_s8s8(x8::load32(wr + 32 * g), x8::load32(xq + 32 * g)), _mm256_set1_ps(xd[g]), a0);
-    y[n0 + r] = x8::hsum(_mm256_add_ps(a0, a1)) * scale[n0 + r];
+  };
+  int64_t g = 0;
+  for (; g + 2 <= G; g += 2) {
+    step(g, 0);
+    step(g + 1, 1);
   }
+  if (g < G) step(g, 0);
+  for (int m = 0; m < MR; ++m) out[m] = x8::hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
 }
 
-// int4 groups (a multiple of 32 columns): byte i of a 32-column block holds columns 2i (low nibble) and 2i + 1
-// (high), so x is quantized with each block's even columns first, then its odd ones (xq), matching the
-// nibbles' order. Per block s * d_x * dot; the zero point's share s * z * sum(x) per group, as int4_gemv_avx2,
-// with the quantized x's sums (xsum), so that the result is exactly x_quantized . W.
-void int4_gemv_x8(const int8_t* xq, const float* xd, const float* xsum, int64_t K, int64_t group, const uint8_t* w,
-                  const float* scale, const float* zero, float* y, int64_t n0, int64_t nb) {
+// int4 weight row (groups of a multiple of 32 columns): byte i of a 32-column block holds columns 2i (low
+// nibble) and 2i + 1 (high), so each row of x is quantized with each block's even columns first, then its odd
+// ones (xq), matching the nibbles' order. Per block s * d_x * dot; the zero point's share s * z * sum(x) per
+// group, as int4_gemv_avx2, with the quantized x's group sums (xsum: K / group apart), so that the result is
+// exactly x_quantized . W.
+template <int MR>
+void int4_row_x8(const uint8_t* wr, const float* sr, const float* zr, const int8_t* xq, const float* xd,
+                 const float* xsum, int64_t K, int64_t group, float* out) {
   const int64_t G = K / group, B = K / 32;
   const int shift = group == 32 ? 0 : group == 64 ? 1 : group == 128 ? 2 : -1;  // blocks per group, as a shift
-  for (int64_t r = 0; r < nb; ++r) {
-    const uint8_t* wr = w + (n0 + r) * (K / 2);
-    const float* sr = scale + (n0 + r) * G;
-    const float* zr = zero + (n0 + r) * G;
-    const auto sc = [&](int64_t b) { return sr[shift >= 0 ? b >> shift : b * 32 / group]; };
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= B; b += 2) {
-      a0 = _mm256_fmadd_ps(x8::dot_u8s8(x8::nibbles(wr + 16 * b), x8::load32(xq + 32 * b)),
-                           _mm256_set1_ps(sc(b) * xd[b]), a0);
-      a1 = _mm256_fmadd_ps(x8::dot_u8s8(x8::nibbles(wr + 16 * b + 16), x8::load32(xq + 32 * b + 32)),
-                           _mm256_set1_ps(sc(b + 1) * xd[b + 1]), a1);
+  const auto sc = [&](int64_t b) { return sr[shift >= 0 ? b >> shift : b * 32 / group]; };
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const auto step = [&](int64_t b, int p) TOKENMILL_INLINE {
+    const __m256i w = x8::nibbles(wr + 16 * b);
+    const float s = sc(b);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 dot = x8::dot_u8s8(w, x8::load32(xq + m * K + 32 * b));
+      acc[m][p] = _mm256_fmadd_ps(dot, _mm256_set1_ps(s * xd[m * B + b]), acc[m][p]);
     }
-    if (b < B)
-      a0 = _mm256_fmadd_ps(x8::dot_u8s8(x8::nibbles(wr + 16 * b), x8::load32(xq + 32 * b)),
-                           _mm256_set1_ps(sc(b) * xd[b]), a0);
-    float off = 0.f;
-    for (int64_t g = 0; g < G; ++g) off += sr[g] * zr[g] * xsum[g];
-    y[n0 + r] = x8::hsum(_mm256_add_ps(a0, a1)) - off;
+  };
+  int64_t b = 0;
+  for (; b + 2 <= B; b += 2) {
+    step(b, 0);
+    step(b + 1, 1);
   }
+  if (b < B) step(b, 0);
+  float off[MR];
+  for (int m = 0; m < MR; ++m) off[m] = 0.f;
+  for (int64_t g = 0; g < G; ++g) {
+    const float sz = sr[g] * zr[g];
+    for (int m = 0; m < MR; ++m) off[m] = std::fma(sz, xsum[m * G + g], off[m]);
+  }
+  for (int m = 0; m < MR; ++m) out[m] = x8::hsum(_mm256_add_ps(acc[m][0], acc[m][1])) - off[m];
+}
+
+// y[M, N] over quantized x: parallel over weight rows (row_bytes each); a thread walks its rows in tiles of
+// X8_TILE_BYTES (kept in L2) and passes each tile once per X8_ROWS rows of x (kept in L1), so a prefill reads
+// the weights from memory once, not once per row. row(MR, n, m0, out) computes y[m0 .. m0 + MR, n]; MR is an
+// std::integral_constant, for the kernels' template argument.
+template <typename Row>
+void gemm_x8(int64_t N, int64_t M, int64_t row_bytes, float* yp, Row row) {
+  const int64_t tile = std::max<int64_t>(1, X8_TILE_BYTES / row_bytes);
+  const int64_t grain = std::max<int64_t>(1, DECODE_ROWS / M);  // a decode's items as over_rows'
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    float out[X8_ROWS];
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+      const int64_t t1 = std::min(n1, t0 + tile);
+      for (int64_t m0 = 0; m0 < M; m0 += X8_ROWS) {
+        const int64_t mr = std::min<int64_t>(X8_ROWS, M - m0);
+        for (int64_t n = t0; n < t1; ++n) {
+          switch (mr) {
+            case 1: row(std::integral_constant<int, 1>(), n, m0, out); break;
+            case 2: row(std::integral_constant<int, 2>(), n, m0, out); break;
+            case 3: row(std::integral_constant<int, 3>(), n, m0, out); break;
+            default: row(std::integral_constant<int, X8_ROWS>(), n, m0, out); break;
+          }
+          for (int64_t m = 0; m < mr; ++m) yp[(m0 + m) * N + n] = out[m];
+        }
+      }
+    }
+  });
+}
+
+// y = x W^T with every row of x quantized to int8: x and y as packed_linear's, then run(xp, M, yp) (quantizes
+// x, once per call, and calls gemm_x8), then the bias, as there.
+template <typename Run>
+at::Tensor linear_x8(const at::Tensor& x_in, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias, Run run) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "x must be [M, ", K, "], got ", x_in.sizes());
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  run(x.data_ptr<float>(), M, y.data_ptr<float>());
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  return y;
+}
+
+// Calls fn(m0, m1) over the rows of x (each row is quantized on its own), in parallel from X8_QUANT_FLOATS floats
+// a thread on: quantizing is a few instructions a value, a decode batch's x is not worth waking the threads for.
+constexpr int64_t X8_QUANT_FLOATS = 64 * 1024;
+template <typename Fn>
+void over_x_rows(int64_t M, int64_t K, Fn fn) {
+  at::parallel_for(0, M, std::max<int64_t>(1, X8_QUANT_FLOATS / K), fn);
 }
 #endif
 
 }  // namespace
 
 // x [M, K] float, w [N, K] int8, scale [N] float (per output row, symmetric).
-// int8_activations: one row of x (K a multiple of 32) is quantized to int8 and multiplied with integer dot
-// products (int8_gemv_x8); otherwise ignored.
+// int8_activations: with K a multiple of 32, every row of x is quantized to int8 and multiplied with integer
+// dot products (int8_row_x8, gemm_x8); otherwise (or without AVX2) ignored.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, bool int8_activations) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K]");
@@ -332,21 +405,25 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     }
   };
 #ifdef TOKENMILL_INT8_DOT
-  const bool x8 = int8_activations && x.dim() == 2 && x.size(0) == 1 && K % 32 == 0;
+  if (int8_activations && K % 32 == 0) {
+    return linear_x8(x, N, K, bias, [&](const float* xp, int64_t M, float* yp) {
+      const int64_t B = K / 32;
+      std::vector<int8_t> xq(M * K);
+      std::vector<float> xd(M * B);
+      over_x_rows(M, K, [&](int64_t m0, int64_t m1) {
+        x8::quantize(xp + m0 * K, m1 - m0, K, xq.data() + m0 * K, xd.data() + m0 * B);
+      });
+      gemm_x8(N, M, K, yp, [&](auto mr, int64_t n, int64_t m0, float* out) {
+        constexpr int MR = decltype(mr)::value;
+        int8_row_x8<MR>(wp + n * K, xq.data() + m0 * K, xd.data() + m0 * B, K, out);
+        for (int m = 0; m < MR; ++m) out[m] *= sp[n];
+      });
+    });
+  }
 #else
   (void)int8_activations;
-  const bool x8 = false;
 #endif
-  std::vector<int8_t> xq(x8 ? K : 0);
-  std::vector<float> xd(x8 ? K / 32 : 0);
   return packed_linear(x, N, K, bias, dequant, [&](const float* xm, float* ym) {
-#ifdef TOKENMILL_INT8_DOT
-    if (x8) {
-      x8::quantize(xm, 1, K, xq.data(), xd.data());
-      over_rows(N, [&](int64_t n0, int64_t nb) { int8_gemv_x8(xq.data(), xd.data(), K, wp, sp, ym, n0, nb); });
-      return;
-    }
-#endif
     over_rows(N, [&](int64_t n0, int64_t nb) {
 #ifdef TOKENMILL_AVX2_INTRINSICS
       return int8_gemv_avx2(xm, K, wp, sp, ym, n0, nb);
@@ -358,7 +435,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 // x [M, K] float; w [N, K / 2] uint8, two 4-bit values per byte (low nibble first, k even); per group of
 // `group` columns a float scale and zero point ([N, K / group] each): value = (q - zero) * scale.
-// int8_activations: one row of x with groups of a multiple of 32 columns takes int4_gemv_x8; otherwise ignored.
+// int8_activations: with groups of a multiple of 32 columns, every row of x is quantized to int8 (int4_row_x8,
+// gemm_x8); otherwise (or without AVX2) ignored.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& zero,
                        int64_t group, const c10::optional<at::Tensor>& bias, bool int8_activations) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be contiguous uint8 [N, K/2]");
@@ -390,39 +468,44 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       }
     }
   };
-  std::vector<float> xe(K / 2), xo(K / 2), xsum(G);
 #ifdef TOKENMILL_INT8_DOT
-  const bool x8 = int8_activations && x.dim() == 2 && x.size(0) == 1 && group % 32 == 0;
+  if (int8_activations && group % 32 == 0) {
+    return linear_x8(x, N, K, bias, [&](const float* xp, int64_t M, float* yp) {
+      const int64_t B = K / 32;
+      std::vector<int8_t> xq(M * K);
+      std::vector<float> xd(M * B), xsum(M * G);
+      over_x_rows(M, K, [&](int64_t m0, int64_t m1) {
+        std::vector<float> xperm(K), xbs(B);
+        for (int64_t m = m0; m < m1; ++m) {
+          const float* xm = xp + m * K;
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t i = 0; i < 16; ++i) {
+              xperm[32 * b + i] = xm[32 * b + 2 * i];
+              xperm[32 * b + 16 + i] = xm[32 * b + 2 * i + 1];
+            }
+          x8::quantize(xperm.data(), 1, K, xq.data() + m * K, xd.data() + m * B, xbs.data());
+          for (int64_t g = 0; g < G; ++g) {
+            float t = 0.f;
+            for (int64_t b = g * group / 32; b < (g + 1) * group / 32; ++b) t += xbs[b];
+            xsum[m * G + g] = t;
+          }
+        }
+      });
+      gemm_x8(N, M, K / 2 + 8 * G, yp, [&](auto mr, int64_t n, int64_t m0, float* out) {
+        int4_row_x8<decltype(mr)::value>(wp + n * (K / 2), sp + n * G, zp + n * G, xq.data() + m0 * K,
+                                         xd.data() + m0 * B, xsum.data() + m0 * G, K, group, out);
+      });
+    });
+  }
 #else
   (void)int8_activations;
-  const bool x8 = false;
 #endif
-  std::vector<float> xperm(x8 ? K : 0), xd(x8 ? K / 32 : 0), xbs(x8 ? K / 32 : 0);
-  std::vector<int8_t> xq(x8 ? K : 0);
+  std::vector<float> xe(K / 2), xo(K / 2), xsum(G);
   return packed_linear(x, N, K, bias, dequant, [&](const float* xm, float* ym) {
     for (int64_t i = 0; i < K / 2; ++i) {
       xe[i] = xm[2 * i];
       xo[i] = xm[2 * i + 1];
     }
-#ifdef TOKENMILL_INT8_DOT
-    if (x8) {
-      for (int64_t b = 0; b < K / 32; ++b)
-        for (int64_t i = 0; i < 16; ++i) {
-          xperm[32 * b + i] = xe[16 * b + i];
-          xperm[32 * b + 16 + i] = xo[16 * b + i];
-        }
-      x8::quantize(xperm.data(), 1, K, xq.data(), xd.data(), xbs.data());
-      for (int64_t g = 0; g < G; ++g) {
-        float t = 0.f;
-        for (int64_t b = g * group / 32; b < (g + 1) * group / 32; ++b) t += xbs[b];
-        xsum[g] = t;
-      }
-      over_rows(N, [&](int64_t n0, int64_t nb) {
-        int4_gemv_x8(xq.data(), xd.data(), xsum.data(), K, group, wp, sp, zp, ym, n0, nb);
-      });
-      return;
-    }
-#endif
     for (int64_t g = 0; g < G; ++g) {
       float t = 0.f;
       for (int64_t k = g * group; k < (g + 1) * group; ++k) t += xm[k];

@@ -127,11 +127,12 @@ class Worker:
                                                                pp_rank=self.rank // tp,
                                                                pp_size=self.config.parallel.pipeline_parallel_size)
         quant = getattr(model, "quant_config", quant)  # a pre-quantized checkpoint's, found in its config.json
+        from tokenmill import native
         from tokenmill.diagnostics import resident_weight_bytes
 
         x8 = bool(getattr(quant, "int8_activations", False))
         log.info("weights: %.1f MiB resident%s", resident_weight_bytes(model) / 2**20,
-                 f" ({quant.name}{', int8 activations at batch 1' if x8 else ''})" if quant else "")
+                 f" ({quant.name}{', int8 activations: ' + str(native.int8_dot_path()) if x8 else ''})" if quant else "")
         if mc.activation_quantization == "int8" and not x8:
             log.warning("--activation-quantization int8 acts on gguf, int8 and int4 weights; with %s weights "
                         "activations stay float32", quant.name if quant else "float")

@@ -156,7 +156,8 @@ def build_spec_decoder(config: EngineConfig, target: torch.nn.Module, backend_cl
 
         path = mc.model if spec.method == "quantized_self" else spec.model
         method = spec.quantization or ("int4" if spec.method == "quantized_self" else None)
-        quant = get_quantization_config(method, mc.quantization_group_size, model=path, device=str(device))
+        quant = get_quantization_config(method, mc.quantization_group_size, model=path, device=str(device),
+                                        activations=mc.activation_quantization)
         module, draft_cfg, _ = load_model(path, mc.dtype, max_model_len, str(device), quant_config=quant)
         draft_vocab = int(draft_cfg.vocab_size)
         if draft_vocab < vocab_size and spec.method == "draft_model":

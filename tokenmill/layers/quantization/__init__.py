@@ -24,8 +24,8 @@ def get_quantization_config(name: str | None, group_size: int = 32, symmetric: b
     A .gguf `model` with no method named gets "gguf" (its blocks kept) where the block kernels run (the CPU
     with tokenmill's native kernels built); elsewhere, and with "none", it is dequantized at load: the
     kernel-less path of "gguf" dequantizes the weights at every call, the reference, not a default.
-    `activations` "int8" asks the packed-weight kernels for int8 activations at batch 1 (GGUF, int8, int4);
-    other methods ignore it. A pre-quantized format's name (gptq, awq, fp8) gives a CheckpointFormat:
+    `activations` "int8" asks the packed-weight kernels for int8 activations (GGUF, int8, int4); other methods
+    ignore it. A pre-quantized format's name (gptq, awq, fp8) gives a CheckpointFormat:
     load_model reads the rest from config.json."""
     from tokenmill.config import ACTIVATION_QUANTIZATIONS
 
