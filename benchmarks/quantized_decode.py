@@ -37,8 +37,10 @@ CONFIGS = {
     "int4-g32": dict(quantization="int4", quantization_group_size=32),
     "int4-g64": dict(quantization="int4", quantization_group_size=64),  # g128 does not divide SmolLM2's 576
     "gguf": dict(),
-    # --activation-quantization int8: batch-1 kernels with int8 activations (llama.cpp's numerics)
+    # --activation-quantization int8: int8 activations per 32 columns, every row (llama.cpp's numerics)
     "int8-x8": dict(quantization="int8", activation_quantization="int8"),
+    # int8_per_token: W8A8, one scale per row of x, exact int32 products (torch._int_mm)
+    "int8-w8a8": dict(quantization="int8", activation_quantization="int8_per_token"),
     "int4-g32-x8": dict(quantization="int4", quantization_group_size=32, activation_quantization="int8"),
     "gguf-x8": dict(activation_quantization="int8"),
 }

@@ -50,7 +50,8 @@ def _same(monkeypatch, path, **kw):
     ("llama", {"quantization": "int8"}),
     ("llama", {"quantization": "int4"}),
     ("llama", {"kv_cache_dtype": "bfloat16"}),
-], ids=["llama", "qwen2-bias", "qwen3-qknorm", "int8", "int4", "bf16-cache"])
+    ("qwen2", {"quantization": "int8", "activation_quantization": "int8_per_token"}),  # W8A8, with qkv bias
+], ids=["llama", "qwen2-bias", "qwen3-qknorm", "int8", "int4", "bf16-cache", "int8-w8a8"])
 def test_same_output_as_python_layers(tmp_path, monkeypatch, arch, kw):
     _same(monkeypatch, make_tiny_model(tmp_path / arch, arch), **kw)
 

@@ -7,7 +7,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV cache: the float dtypes, or quantized (vLLM names; fp8 = fp8_e4m3), see attention_backends/kv_quant.py.
 KV_CACHE_DTYPES = DTYPES + ("int8", "fp8", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-ACTIVATION_QUANTIZATIONS = ("none", "int8")
+ACTIVATION_QUANTIZATIONS = ("none", "int8", "int8_per_token")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # Speculative decoding proposers (vLLM's names; "deepseek_mtp" is taken as "mtp").
 SPEC_METHODS = ("ngram", "draft_model", "quantized_self", "eagle", "eagle3", "mtp")
@@ -24,7 +24,8 @@ class ModelConfig:
     quantization: str | None = None  # int8 | int4: quantize at load; gptq | awq | fp8: pre-quantized checkpoint
     quantization_group_size: int = 32  # int4: input columns per scale/zero (32, 64, 128)
     # int8: the kernels of packed weights (GGUF Q4_0/Q4_1/Q8_0, int4, int8) quantize each row of x to int8 per
-    # 32 columns, as llama.cpp; none: float32 activations (exact against transformers)
+    # 32 columns, as llama.cpp; int8_per_token: int8 weights take one scale per row and torch._int_mm (W8A8,
+    # vLLM's dynamic per-token), the others as int8; none: float32 activations (exact against transformers)
     activation_quantization: str = "none"
 
 

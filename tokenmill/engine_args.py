@@ -78,7 +78,10 @@ class EngineArgs:
         "int4, int8) quantize each row of activations to int8 per 32 columns and take integer dot products, as "
         "llama.cpp does: faster where the kernels are compute-bound, results differ from float activations by "
         "that rounding (~0.5 %% of each block's largest value; a row's result never depends on the rest of the "
-        "batch). none keeps float32 activations, exact against transformers (default: %(default)s).", choices=ACTIVATION_QUANTIZATIONS)
+        "batch). int8_per_token: the same, except that int8 weights take one scale per row of activations and an "
+        "exact int32 product (torch._int_mm: oneDNN's VNNI/AMX kernels; W8A8 as vLLM's dynamic per-token), "
+        "4-5x float32 from 16 rows where the CPU has VNNI. none keeps float32 activations, exact against "
+        "transformers (default: %(default)s).", choices=ACTIVATION_QUANTIZATIONS)
     device: str = _arg(EngineConfig.device, "Torch device, e.g. cpu or cuda (default: %(default)s).")
     attention_backend: str | None = _arg(
         EngineConfig.attention_backend, "Attention backend by registry name, e.g. torch_sdpa (default: the "

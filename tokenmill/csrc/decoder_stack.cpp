@@ -70,7 +70,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 }
 
 // ---- linear layers --------------------------------------------------------------------------------
-enum class Kind : int64_t { Dense = 0, GGUF = 1, Int8 = 2, Int4 = 3 };
+enum class Kind : int64_t { Dense = 0, GGUF = 1, Int8 = 2, Int4 = 3, Int8PerToken = 4 };
 
 struct Linear {
   Kind kind;
@@ -96,6 +96,11 @@ struct Linear {
                                               bool)>();
         return h.call(x, w, scale, bias, x8);
       }
+      case Kind::Int8PerToken: {
+        static auto h = op("tokenmill::int8_linear_per_token")
+                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&)>();
+        return h.call(x, w, scale, bias);
+      }
       case Kind::Int4: {
         static auto h = op("tokenmill::int4_linear")
                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -112,7 +117,8 @@ Kind kind_of(const std::string& name) {
   if (name == "gguf") return Kind::GGUF;
   if (name == "int8") return Kind::Int8;
   if (name == "int4") return Kind::Int4;
-  TORCH_CHECK(false, "decoder_stack: unknown linear kind '", name, "' (dense, gguf, int8, int4)");
+  if (name == "int8_per_token") return Kind::Int8PerToken;
+  TORCH_CHECK(false, "decoder_stack: unknown linear kind '", name, "' (dense, gguf, int8, int4, int8_per_token)");
 }
 
 at::Tensor or_empty(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
@@ -141,7 +147,8 @@ struct DecoderStack : torch::CustomClassHolder {
     TORCH_CHECK(w.device().is_cpu(), "decoder_stack: CPU weights only");
     if (l.kind == Kind::Dense) TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "decoder_stack: dense "
                                            "weights must be float32 [N, K]");
-    if (l.kind == Kind::Int8) TORCH_CHECK(l.scale.defined(), "decoder_stack: int8 needs its scales");
+    if (l.kind == Kind::Int8 || l.kind == Kind::Int8PerToken)
+      TORCH_CHECK(l.scale.defined(), "decoder_stack: int8 needs its scales");
     if (l.kind == Kind::Int4) TORCH_CHECK(l.scale.defined() && l.zero.defined() && group > 0,
                                           "decoder_stack: int4 needs scales, zeros and a group size");
     linears.push_back(std::move(l));

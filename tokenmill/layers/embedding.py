@@ -60,6 +60,7 @@ class Int8Rows(EmbeddingMethod):
     """`qweight` int8 [vocab, hidden] with a float32 `scale` per row (ParallelLMHead.quantize_int8)."""
 
     int8_activations: bool = False
+    per_token: bool = False  # int8_per_token: W8A8 logits (weight_only.int8_per_token_matmul)
 
     def lookup(self, module: "VocabParallelEmbedding", input_ids: torch.Tensor) -> torch.Tensor:
         return module.qweight[input_ids].float() * module.scale[input_ids].unsqueeze(-1)
@@ -67,7 +68,8 @@ class Int8Rows(EmbeddingMethod):
     def logits(self, module: "ParallelLMHead", hidden: torch.Tensor) -> torch.Tensor:
         from tokenmill.layers.quantization.weight_only import int8_matmul
 
-        return int8_matmul(hidden, module.qweight, module.scale, int8_activations=self.int8_activations).float()
+        return int8_matmul(hidden, module.qweight, module.scale, int8_activations=self.int8_activations,
+                           per_token=self.per_token).float()
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
         return self
 
-    def quantize_int8(self, tied: VocabParallelEmbedding | None = None, int8_activations: bool = False) -> None:
+    def quantize_int8(self, tied: VocabParallelEmbedding | None = None, int8_activations: bool = False,
+                      per_token: bool = False) -> None:
         """Keep the head as int8 rows with a scale each (`--quantization`): at batch 1 the head is the largest
         matrix read per token (SmolLM2: 113 of 513 MB in float32). A tied embedding looks its rows up in the
         same int8 table, so the float table is freed."""
@@ -158,7 +161,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied is not None:
             tied.qweight, tied.scale = self.qweight, self.scale  # one table, not two copies
             tied.table_method = Int8Rows()  # a lookup has no activations
-        self.table_method = Int8Rows(int8_activations)
+        self.table_method = Int8Rows(int8_activations, per_token)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.table_method.logits(self, hidden)

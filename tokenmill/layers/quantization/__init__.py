@@ -24,8 +24,9 @@ def get_quantization_config(name: str | None, group_size: int = 32, symmetric: b
     A .gguf `model` with no method named gets "gguf" (its blocks kept) where the block kernels run (the CPU
     with tokenmill's native kernels built); elsewhere, and with "none", it is dequantized at load: the
     kernel-less path of "gguf" dequantizes the weights at every call, the reference, not a default.
-    `activations` "int8" asks the packed-weight kernels for int8 activations (GGUF, int8, int4); other methods
-    ignore it. A pre-quantized format's name (gptq, awq, fp8) gives a CheckpointFormat:
+    `activations` "int8" asks the packed-weight kernels for int8 activations (GGUF, int8, int4) per 32 columns;
+    "int8_per_token" the same, but int8 weights take one scale per row of x and torch._int_mm (W8A8); other
+    methods ignore it. A pre-quantized format's name (gptq, awq, fp8) gives a CheckpointFormat:
     load_model reads the rest from config.json."""
     from tokenmill.config import ACTIVATION_QUANTIZATIONS
 
@@ -35,7 +36,8 @@ def get_quantization_config(name: str | None, group_size: int = 32, symmetric: b
         name = "gguf"
     if name is None or name in ("", "none"):
         return None
-    options = QuantOptions(group_size, symmetric, int8_activations=activations == "int8")
+    options = QuantOptions(group_size, symmetric, int8_activations=activations in ("int8", "int8_per_token"),
+                           per_token_activations=activations == "int8_per_token")
     return registry.get_method(name).from_options(options)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 @dataclass(frozen=True)
 class NativeLinear:
     """A linear layer as the native decoder stack runs it (csrc/decoder_stack.cpp, model/native_stack.py):
-    which kernel (`kind`: dense, gguf, int8, int4) and its operands, the same the method's `apply` passes."""
+    which kernel (`kind`: dense, gguf, int8, int4, int8_per_token) and its operands, the same the method's `apply` passes."""
 
     kind: str
     weight: torch.Tensor

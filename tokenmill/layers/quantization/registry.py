@@ -27,6 +27,7 @@ class QuantOptions:
     group_size: int = 32
     symmetric: bool = False
     int8_activations: bool = False
+    per_token_activations: bool = False  # int8_per_token: int8 weights take one activation scale per row (W8A8)
 
 
 @dataclass(frozen=True)

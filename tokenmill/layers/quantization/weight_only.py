@@ -133,9 +133,47 @@ def packed_matmul(x: torch.Tensor, native, dequantize, bias: torch.Tensor | None
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                int8_activations: bool = False) -> torch.Tensor:
+                int8_activations: bool = False, per_token: bool = False) -> torch.Tensor:
+    if per_token:
+        return int8_per_token_matmul(x, q, scale, bias)
     return packed_matmul(x, lambda x2, b: torch.ops.tokenmill.int8_linear(x2, q, scale, b, int8_activations),
                          lambda: dequantize_int8(q, scale), bias)
+
+
+def _per_token_op() -> bool:
+    from tokenmill import native
+
+    return native.has_op("int8_linear_per_token")
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> int8 [M, K] and one scale per row [M, 1] (max|row| / 127; 0 for an all-zero row)."""
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(x * inv).clamp_(-127, 127).to(torch.int8), amax / 127.0
+
+
+def int8_per_token_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 (`--activation-quantization int8_per_token` on int8 weights, vLLM's dynamic per-token scheme): each
+    row of x quantized to int8 with one scale, multiplied with the int8 weight rows in exact int32
+    (`torch._int_mm`: oneDNN's VNNI / AMX kernels on CPU, 4-5x float32 from 16 rows on an AVX-512 VNNI core),
+    then scaled by the row's and the weight row's scales. The integer sums are exact, whatever kernel or blocking
+    the library picks for this M, so a row's result never depends on the rest of the batch."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.device.type == "cpu" and _per_token_op():
+        y = torch.ops.tokenmill.int8_linear_per_token(x2, q, scale, bias)  # csrc/w8a8_linear.cpp: the same, fused
+        return y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
+    x2 = x2.float()
+    xq, sx = quantize_rows_int8(x2)
+    if x2.device.type == "cpu":
+        acc = torch._int_mm(xq, q.t()).float()
+    else:  # torch._int_mm's CUDA kernel wants M > 16: the same integers, summed in float
+        acc = xq.float() @ q.t().float()
+    y = acc * sx * scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
 
 
 class _WeightOnlyMethod(UnquantizedLinearMethod):
@@ -149,8 +187,14 @@ class _WeightOnlyMethod(UnquantizedLinearMethod):
 
 
 class Int8LinearMethod(_WeightOnlyMethod):
-    def __init__(self, int8_activations: bool = False) -> None:
+    def __init__(self, int8_activations: bool = False, per_token: bool = False) -> None:
         self.int8_activations = int8_activations
+        self.per_token = per_token  # int8_per_token: W8A8 through torch._int_mm (int8_per_token_matmul)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.per_token:
+            return int8_per_token_matmul(x, layer.qweight, layer.scale, bias)
+        return super().apply(layer, x, bias)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q, scale = quantize_int8(layer.weight.data)
@@ -163,6 +207,8 @@ class Int8LinearMethod(_WeightOnlyMethod):
         return torch.ops.tokenmill.int8_linear(x, layer.qweight, layer.scale, bias, self.int8_activations)
 
     def native_linear(self, layer: nn.Module) -> NativeLinear | None:
+        if self.per_token:
+            return NativeLinear("int8_per_token", layer.qweight, layer.bias, scale=layer.scale)
         return NativeLinear("int8", layer.qweight, layer.bias, scale=layer.scale,
                             int8_activations=self.int8_activations)
 
@@ -201,7 +247,7 @@ class WeightOnlyConfig(QuantizationConfig):
     """Every linear layer of the decoder (not the embedding or LM head) quantized at load."""
 
     def __init__(self, name: str, group_size: int = 32, symmetric: bool = False,
-                 int8_activations: bool = False) -> None:
+                 int8_activations: bool = False, per_token_activations: bool = False) -> None:
         if name not in ("int8", "int4"):
             raise ValueError(f"unknown weight-only quantization {name!r}")
         if name == "int4" and group_size not in INT4_GROUP_SIZES:
@@ -210,18 +256,20 @@ class WeightOnlyConfig(QuantizationConfig):
         self.group_size = group_size
         self.symmetric = symmetric
         self.int8_activations = int8_activations  # --activation-quantization int8
+        self.per_token_activations = per_token_activations and name == "int8"  # int8_per_token: W8A8
         # The LM head (and a tied embedding) as int8 rows: the largest matrix read per token at batch 1.
         self.quantize_lm_head = True
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if self.name == "int8":
-            return Int8LinearMethod(self.int8_activations)
+            return Int8LinearMethod(self.int8_activations, self.per_token_activations)
         return Int4LinearMethod(self.group_size, self.symmetric, self.int8_activations)
 
 
 @quantize_at_load("int8")
 def int8_config(options: QuantOptions) -> WeightOnlyConfig:
-    return WeightOnlyConfig("int8", options.group_size, options.symmetric, options.int8_activations)
+    return WeightOnlyConfig("int8", options.group_size, options.symmetric, options.int8_activations,
+                            options.per_token_activations)
 
 
 @quantize_at_load("int4")
