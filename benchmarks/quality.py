@@ -31,6 +31,8 @@ CONFIGS = {
     "gguf-q4_1": (dict(), None),
     # int8 activations: every row of x, prefill chunks included
     "gguf-q4_1-x8": (dict(activation_quantization="int8"), None),
+    "int8-x8": (dict(quantization="int8", activation_quantization="int8"), None),
+    "int8-w8a8": (dict(quantization="int8", activation_quantization="int8_per_token"), None),
     "int4-g32-x8": (dict(quantization="int4", quantization_group_size=32, activation_quantization="int8"), None),
     "kv-int8": (dict(quantization="none", kv_cache_dtype="int8"), 0.005),
     "kv-fp8": (dict(quantization="none", kv_cache_dtype="fp8_e4m3"), None),
