@@ -82,8 +82,11 @@ struct Linear {
 
   at::Tensor operator()(const at::Tensor& x) const {
     switch (kind) {
-      case Kind::Dense:
-        return at::linear(x, w, bias);
+      case Kind::Dense: {  // csrc/dense_linear.cpp: its own kernel for few rows, else at::linear
+        static auto h = op("tokenmill::dense_linear")
+                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>();
+        return h.call(x, w, bias);
+      }
       case Kind::GGUF: {
         static auto h = op("tokenmill::gguf_linear")
                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const OptTensor&,

@@ -47,9 +47,11 @@ class FloatTable(EmbeddingMethod):
         return out
 
     def logits(self, module: "ParallelLMHead", hidden: torch.Tensor) -> torch.Tensor:
-        w = module.weight
-        # Same numerics as a dense head: the GEMM in the hidden states' dtype, then float32.
-        logits = F.linear(hidden, w if w.dtype == hidden.dtype else w.to(hidden.dtype))
+        from tokenmill.layers.quantization.unquantized import dense_matmul
+
+        # Same numerics as a dense head: the product in the hidden states' dtype (the native dense_linear for
+        # float32 rows on the CPU, as the linear layers), then float32.
+        logits = dense_matmul(hidden, module.weight)
         if module.tp_size > 1:
             logits = collectives.all_gather_last(logits, module.tp_size)[..., : module.num_embeddings]
         return logits.float()

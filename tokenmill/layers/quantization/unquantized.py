@@ -4,14 +4,45 @@ Weights stay in the dtype they were loaded in. When that storage dtype differs f
 (bf16 storage on a CPU without bf16 math), `apply` upcasts the weight per call, as the dense layers
 always did: upcasting once at load would double the memory the user chose bf16 to save, and the
 native kernels (csrc) are where a fused dequantize-in-registers GEMM belongs. When storage and compute
-agree (the default fp32 path) it is one F.linear on the stored tensor, with no copy."""
+agree (the default fp32 path) it is one linear on the stored tensor, with no copy.
+
+2-D float32 inputs on the CPU go to the native `dense_linear` (csrc/dense_linear.cpp) when the kernels
+have it: for few rows it streams the weights near memory bandwidth, where SGEMM reaches a third of it,
+and each row's result does not depend on the other rows; more rows go to at::linear inside the op.
+TOKENMILL_DENSE_LINEAR=0 (read once) keeps F.linear."""
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import native
 from tokenmill.layers.quantization.base import NativeLinear, QuantizeMethodBase, set_weight_attrs
+
+
+@functools.cache
+def _dense_linear_op():
+    """torch.ops.tokenmill.dense_linear, or None without the kernel or with TOKENMILL_DENSE_LINEAR=0 (once)."""
+    if os.environ.get("TOKENMILL_DENSE_LINEAR") == "0" or not native.has_op("dense_linear"):
+        return None
+    return torch.ops.tokenmill.dense_linear.default
+
+
+def dense_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T (+ bias) in x's dtype: dense_linear for 2-D float32 on the CPU, else F.linear (w upcast per call
+    when stored in another dtype)."""
+    if x.dtype is torch.float32 and w.dtype is torch.float32 and x.dim() == 2 and x.is_cpu:
+        op = _dense_linear_op()
+        if op is not None:
+            return op(x, w, bias)
+    if w.dtype != x.dtype:
+        w = w.to(x.dtype)
+        if bias is not None:
+            bias = bias.to(x.dtype)
+    return F.linear(x, w, bias)
 
 
 class UnquantizedLinearMethod(QuantizeMethodBase):
@@ -24,12 +55,7 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        w = layer.weight
-        if w.dtype != x.dtype:
-            w = w.to(x.dtype)
-            if bias is not None:
-                bias = bias.to(x.dtype)
-        return F.linear(x, w, bias)
+        return dense_matmul(x, layer.weight, bias)
 
     def native_linear(self, layer: nn.Module) -> NativeLinear | None:
         w, b = layer.weight, layer.bias
