@@ -923,8 +923,15 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtyp
   at::Tensor y = at::empty({M, N}, x.options());
   if (M > 0 && N > 0) {
     const uint8_t* wp = w.data_ptr<uint8_t>();
-    if (int8_activations && has_x8_kernel(qtype)) {
+#ifdef TOKENMILL_GGUF_AVX2
+    const bool x8 = int8_activations && has_x8_kernel(qtype);
+#else
+    const bool x8 = false;  // no int8 kernels without AVX2: float activations
+#endif
+    if (x8) {
+#ifdef TOKENMILL_GGUF_AVX2
       gemm_x8(qtype, f, wp, N, K, x.data_ptr<float>(), M, y.data_ptr<float>());
+#endif
     } else if (M < GEMM_MIN_ROWS) {
 #ifdef TOKENMILL_GGUF_AVX2
       if (M >= 2 && use_dequant_rows()) {
