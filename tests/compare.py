@@ -16,3 +16,10 @@ def assert_same_outputs(a, b, label: str, atol: float = 1e-4) -> None:
                 if tid in ey:
                     assert abs(lp.logprob - ey[tid].logprob) < atol, \
                         f"{label}: prompt {i} step {step} token {tid}: {lp.logprob} vs {ey[tid].logprob}"
+
+
+def greedy_with_logprobs(llm, prompts: list[list[int]], sp) -> list[tuple[list[int], list[float]]]:
+    """Each prompt's (token ids, chosen tokens' logprobs), `sp` asking for logprobs=0."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]

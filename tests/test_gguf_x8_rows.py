@@ -12,34 +12,20 @@ import numpy as np
 import pytest
 import torch
 
+from compare import greedy_with_logprobs
 from gguf_tiny import write_gguf
+from int8_ref import needs_int8_dot, quantize_x
 from tiny import make_tiny_model
-from tokenmill import LLM, SamplingParams, native
+from tokenmill import LLM, SamplingParams
 from tokenmill.layers.quantization import gguf as gq
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
 
-needs_x8 = pytest.mark.skipif(
-    not (native.available() and hasattr(torch.ops.tokenmill, "gguf_linear")
-         and native.cpu_capability() in ("AVX2", "AVX512")),
-    reason="tokenmill._C not built, or built without AVX2 (int8 activations need it)")
-
 ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 65)
 
 
-def quantize_x(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> its int8 rounding per 32 columns, as floats (the kernel's: d = max|x| / 127, half to even)."""
-    M, K = x.shape
-    blocks = x.double().reshape(M, K // 32, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    d = (amax.float() / 127.0).double()  # the kernel's scale is a float
-    inv = torch.where(amax > 0, (127.0 / amax.float()).double(), torch.zeros_like(amax))
-    q = torch.round(blocks.float().double() * inv.float().double()).clamp(-127, 127)
-    return (q * d).reshape(M, K)
-
-
-@needs_x8
+@needs_int8_dot
 @pytest.mark.parametrize("split", [False, True], ids=["file", "split"])
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
 def test_rows_equal_single_row_and_reference(qtype, split):
@@ -68,7 +54,7 @@ def test_rows_equal_single_row_and_reference(qtype, split):
         torch.set_num_threads(threads)
 
 
-@needs_x8
+@needs_int8_dot
 def test_greedy_output_independent_of_batch(tmp_path):
     """int8 activations on a GGUF model: each prompt decoded alone equals the same prompts batched together with
     chunked prefill, and the switch is really on (the output differs from float activations somewhere)."""
@@ -84,9 +70,7 @@ def test_greedy_output_independent_of_batch(tmp_path):
     sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0)
 
     def run(model: LLM, ps):
-        outs = model.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
-        return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-                for o in outs]
+        return greedy_with_logprobs(model, ps, sp)
 
     alone = [run(llm, [p])[0] for p in prompts]
     batched = run(llm, prompts)

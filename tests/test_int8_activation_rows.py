@@ -10,27 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill import native
+from int8_ref import needs_int8_dot, quantize_x
 from tokenmill.layers.quantization.weight_only import dequantize_int4, quantize_int4, quantize_int8
-
-needs_native = pytest.mark.skipif(
-    not (native.has_op("int8_linear") and native.has_op("int4_linear")
-         and native.cpu_capability() in ("AVX2", "AVX512")),
-    reason="tokenmill._C not built, or built without AVX2 (int8 activations need it)")
 
 ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 65)
 THREADS = (1, 2)
-
-
-def quantize_x(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> its int8 rounding per 32 columns as float64, in the kernel's float32 steps: d = max|x| / 127,
-    q = round(x * (127 / max|x|)) (half to even)."""
-    M, K = x.shape
-    blocks = x.float().reshape(M, K // 32, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(blocks * inv)
-    return (q.double() * (amax / 127.0).double()).reshape(M, K)
 
 
 def make_x(M: int, K: int, g: torch.Generator) -> torch.Tensor:
@@ -62,7 +46,7 @@ def check_rows(op, x: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, labe
         torch.set_num_threads(threads)
 
 
-@needs_native
+@needs_int8_dot
 @pytest.mark.parametrize("N,K", [(17, 32), (257, 96), (33, 576), (257, 1024)])
 def test_int8_rows_independent_and_exact(N, K):
     g = torch.Generator().manual_seed(N * K)
@@ -83,7 +67,7 @@ def test_int8_rows_independent_and_exact(N, K):
                            torch.ops.tokenmill.int8_linear(x, q, s, None))
 
 
-@needs_native
+@needs_int8_dot
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("N,blocks", [(17, 1), (257, 3), (33, 8)], ids=["N17", "N257", "N33"])
 @pytest.mark.parametrize("symmetric", [False, True], ids=["asym", "sym"])
@@ -111,7 +95,7 @@ def test_int4_rows_independent_and_exact(group, N, blocks, symmetric):
                            torch.ops.tokenmill.int4_linear(x, packed, s, z, group, None))
 
 
-@needs_native
+@needs_int8_dot
 def test_shapes_without_int8_kernel_take_the_float_path():
     """K not a multiple of 32 (int8), or groups of 16 columns (int4): the switch changes nothing, at any M."""
     g = torch.Generator().manual_seed(11)
@@ -126,7 +110,7 @@ def test_shapes_without_int8_kernel_take_the_float_path():
                            torch.ops.tokenmill.int4_linear(x, packed, s4, z4, 16, None))
 
 
-@needs_native
+@needs_int8_dot
 def test_other_dtypes_and_empty():
     g = torch.Generator().manual_seed(12)
     q, s = quantize_int8(torch.randn(20, 64, generator=g))

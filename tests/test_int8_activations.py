@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from gguf_tiny import quantize, write_gguf
+from int8_ref import needs_int8_dot, quantize_x
 from tiny import make_tiny_model
-from tokenmill import LLM, SamplingParams, native
+from tokenmill import LLM, SamplingParams
 from tokenmill.engine_args import EngineArgs
 from tokenmill.layers.quantization import get_quantization_config
 from tokenmill.layers.quantization.weight_only import dequantize_int4, quantize_int4, quantize_int8
@@ -25,28 +26,12 @@ from tokenmill.layers.quantization.weight_only import dequantize_int4, quantize_
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
 
-needs_native = pytest.mark.skipif(
-    not (native.available() and hasattr(torch.ops.tokenmill, "gguf_linear")
-         and native.cpu_capability() in ("AVX2", "AVX512")),
-    reason="tokenmill._C not built, or built without AVX2 (int8 activations need it)")
-
-
-def quantize_x(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> its int8 rounding per 32 columns, as floats: round(x * 127 / amax) * amax / 127."""
-    M, K = x.shape
-    blocks = x.reshape(M, K // 32, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(blocks * inv).clamp(-127, 127)  # half to even, as the kernel's conversion
-    return (q * (amax / 127.0)).reshape(M, K)
-
-
 def _close(y: torch.Tensor, ref: torch.Tensor, K: int, label: str) -> None:
     torch.testing.assert_close(y, ref.float(), rtol=1e-4, atol=1e-4 * math.sqrt(K) * ref.abs().max().item(),
                                msg=lambda m: f"{label}: {m}")
 
 
-@needs_native
+@needs_int8_dot
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
 def test_gguf_kernel_equals_quantized_x_reference(qtype):
     g = torch.Generator().manual_seed(int(qtype))
@@ -73,7 +58,7 @@ def test_gguf_kernel_equals_quantized_x_reference(qtype):
         torch.set_num_threads(threads)
 
 
-@needs_native
+@needs_int8_dot
 def test_gguf_switch_changes_nothing_else():
     """Types without an int8 kernel (K-quants) take the float path bit for bit at every number of rows; the
     kernel types take the int8 path at every number of rows (tests/test_gguf_x8_rows.py checks those)."""
@@ -88,7 +73,7 @@ def test_gguf_switch_changes_nothing_else():
             assert same == (qtype in (T.Q4_K, T.Q6_K)), (qtype.name, M)
 
 
-@needs_native
+@needs_int8_dot
 def test_int8_kernel_equals_quantized_x_reference():
     g = torch.Generator().manual_seed(7)
     for N, K in ((5, 32), (100, 576), (33, 1536)):
@@ -113,7 +98,7 @@ def test_int8_kernel_equals_quantized_x_reference():
     assert torch.equal(torch.ops.tokenmill.int8_linear(x, q, s, None, True), torch.ops.tokenmill.int8_linear(x, q, s, None))
 
 
-@needs_native
+@needs_int8_dot
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("symmetric", [False, True], ids=["asym", "sym"])
 def test_int4_kernel_equals_quantized_x_reference(group, symmetric):
@@ -178,7 +163,7 @@ def _compare(a, b, label: str, tol: float = 0.05) -> tuple[int, int, float]:
     return common, total, sum(deltas) / len(deltas)
 
 
-@needs_native
+@needs_int8_dot
 def test_gguf_model_with_int8_activations(tmp_path, capsys):
     folder = make_tiny_model(tmp_path / "m", "llama", tie_word_embeddings=True)
     types = {"token_embd.weight": T.Q8_0}
@@ -197,7 +182,7 @@ def test_gguf_model_with_int8_activations(tmp_path, capsys):
               f"mean |logprob difference| {mean:.4f}", end="")
 
 
-@needs_native
+@needs_int8_dot
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_packed_model_with_int8_activations(tmp_path, quant, capsys):
     folder = make_tiny_model(tmp_path / "m", "llama")
@@ -216,7 +201,7 @@ def test_packed_model_with_int8_activations(tmp_path, quant, capsys):
 
 
 @pytest.mark.slow
-@needs_native
+@needs_int8_dot
 def test_smollm2_gguf_with_int8_activations(capsys):
     from tokenmill.model.default import default_model_path
 

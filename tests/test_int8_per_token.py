@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compare import greedy_with_logprobs
 from tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams, native
 from tokenmill.engine_args import EngineArgs
@@ -70,9 +71,7 @@ def test_model_close_to_float_activations_and_batch_invariant(tmp_path):
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
 
     def run(m: LLM, ps):
-        outs = m.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
-        return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-                for o in outs]
+        return greedy_with_logprobs(m, ps, sp)
 
     alone = [run(llm, [p])[0] for p in prompts]
     assert run(llm, prompts) == alone  # tokens and logprobs, bit for bit
