@@ -93,33 +93,32 @@ def build_batch1(gguf: str, labels: list[str]) -> dict:
     return llms
 
 
+def best_of_rounds(rounds: int, names: list[str], measure, what: str = "") -> dict[str, float]:
+    """Rounds interleaving `names` (measure(name) -> tok/s), each name's best; every reading printed."""
+    best: dict[str, float] = {}
+    for r in range(rounds):
+        for name in names:
+            v = measure(name)
+            best[name] = max(best.get(name, 0.0), v)
+            print(f"round {r}: {name:>10} {what}{v:7.1f} tok/s {env_str()}", flush=True)
+    return best
+
+
 def main_batch1(args, gguf: str) -> None:
     labels = args.batch1_configs.split(",")
     llms = build_batch1(gguf, labels)
-    best: dict[str, float] = {}
-    for r in range(args.rounds):
-        for name in ["llama.cpp", *labels]:
-            if name == "llama.cpp":
-                v = llama_bench(args.llama_cpp, gguf, args.tokens, args.threads, 3)
-            else:
-                v = tokenmill_batch1(llms, name, args.tokens)
-            best[name] = max(best.get(name, 0.0), v)
-            print(f"round {r}: {name:>10} {v:7.1f} tok/s {env_str()}", flush=True)
+    best = best_of_rounds(args.rounds, ["llama.cpp", *labels], lambda name: (
+        llama_bench(args.llama_cpp, gguf, args.tokens, args.threads, 3) if name == "llama.cpp"
+        else tokenmill_batch1(llms, name, args.tokens)))
     print(f"\nbatch-1 decode, {args.tokens} tokens, {args.threads} threads, best of {args.rounds} rounds:")
     for name in labels:
         print(f"  tokenmill {name:<8} {best[name]:7.1f} tok/s  = {best[name] / best['llama.cpp']:.2f}x "
               f"llama.cpp ({best['llama.cpp']:.1f}) {env_str()}")
     if not args.prefill:
         return
-    pp: dict[str, float] = {}
-    for r in range(args.rounds):
-        for name in ["llama.cpp", *labels]:
-            if name == "llama.cpp":
-                v = llama_bench(args.llama_cpp, gguf, 0, args.threads, 2, prompt=args.prefill)
-            else:
-                v = tokenmill_prefill(llms, name, args.prefill)
-            pp[name] = max(pp.get(name, 0.0), v)
-            print(f"round {r}: {name:>10} prefill {v:7.1f} tok/s {env_str()}", flush=True)
+    pp = best_of_rounds(args.rounds, ["llama.cpp", *labels], lambda name: (
+        llama_bench(args.llama_cpp, gguf, 0, args.threads, 2, prompt=args.prefill) if name == "llama.cpp"
+        else tokenmill_prefill(llms, name, args.prefill)), "prefill ")
     print(f"\nprompt processing, {args.prefill} tokens, batch 1, {args.threads} threads, best of {args.rounds} rounds:")
     for name in labels:
         print(f"  tokenmill {name:<8} {pp[name]:7.1f} tok/s  = {pp[name] / pp['llama.cpp']:.2f}x "

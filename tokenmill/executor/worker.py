@@ -131,12 +131,15 @@ class Worker:
         from tokenmill.diagnostics import resident_weight_bytes
 
         x8 = bool(getattr(quant, "int8_activations", False))
-        how = "per token, torch._int_mm" if getattr(quant, "per_token_activations", False) else native.int8_dot_path()
+        how = ""
+        if x8:
+            per_token = getattr(quant, "per_token_activations", False)
+            how = f", int8 activations: {'per token, torch._int_mm' if per_token else native.int8_dot_path()}"
         log.info("weights: %.1f MiB resident%s", resident_weight_bytes(model) / 2**20,
-                 f" ({quant.name}{', int8 activations: ' + str(how) if x8 else ''})" if quant else "")
+                 f" ({quant.name}{how})" if quant else "")
         if mc.activation_quantization != "none" and not x8:
-            log.warning("--activation-quantization int8 acts on gguf, int8 and int4 weights; with %s weights "
-                        "activations stay float32", quant.name if quant else "float")
+            log.warning("--activation-quantization %s acts on gguf, int8 and int4 weights; with %s weights "
+                        "activations stay float32", mc.activation_quantization, quant.name if quant else "float")
         backend_cls = get_attention_backend(getattr(self.config, "attention_backend", None), self.device)
         vocab = int(self.hf_config.vocab_size)
         from tokenmill.spec_decode.decoder import build_spec_decoder

@@ -15,6 +15,8 @@ against, and the path for devices without one.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -140,6 +142,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
                          lambda: dequantize_int8(q, scale), bias)
 
 
+@functools.cache
 def _per_token_op() -> bool:
     from tokenmill import native
 
@@ -163,16 +166,13 @@ def int8_per_token_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     x2 = x.reshape(-1, x.shape[-1])
     if x2.device.type == "cpu" and _per_token_op():
         y = torch.ops.tokenmill.int8_linear_per_token(x2, q, scale, bias)  # csrc/w8a8_linear.cpp: the same, fused
-        return y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
-    x2 = x2.float()
-    xq, sx = quantize_rows_int8(x2)
-    if x2.device.type == "cpu":
-        acc = torch._int_mm(xq, q.t()).float()
-    else:  # torch._int_mm's CUDA kernel wants M > 16: the same integers, summed in float
-        acc = xq.float() @ q.t().float()
-    y = acc * sx * scale
-    if bias is not None:
-        y = y + bias.float()
+    else:
+        xq, sx = quantize_rows_int8(x2.float())
+        # torch._int_mm's CUDA kernel wants M > 16: elsewhere the same integers, summed in float
+        acc = torch._int_mm(xq, q.t()).float() if x2.device.type == "cpu" else xq.float() @ q.t().float()
+        y = acc * sx * scale
+        if bias is not None:
+            y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
 
 
