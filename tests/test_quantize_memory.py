@@ -192,3 +192,50 @@ def test_released_pages_spare_live_tensors(tmp_path):
     assert pages.release(module) == 0  # "b" stays tracked while it is live
     del module.keep
     assert pages.release(module) > 0
+
+
+def test_release_skips_ranges_whose_file_was_unmapped(tmp_path):
+    """Once no tensor views the file it is unmapped and its addresses may be reused (an allocation, a JIT's
+    code): release must leave such ranges alone, not zero whatever lies there now."""
+    import ctypes
+    import gc
+    import mmap
+
+    from safetensors.torch import save_file
+    from torch import nn
+
+    from tokenmill.model.loader import iter_safetensors
+    from tokenmill.model.mapped_pages import MappedPages, _file_mappings
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.arange(300_000, dtype=torch.float32)}, str(path))
+    pages = MappedPages()
+    got = dict(iter_safetensors(str(tmp_path), None, pages))
+    if not pages._pending:
+        pytest.skip("this safetensors copies tensors instead of mapping the file")
+    assert len(pages._pending) == 1
+    start, end = pages._pending[0][:2]
+    del got
+    gc.collect()
+    if _file_mappings(str(path)):
+        pytest.skip("the mapping outlived its tensors here")
+    # Anonymous memory placed exactly where the file was, as an allocator or a JIT would, with a marker in it.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page = mmap.PAGESIZE
+    a = start // page * page
+    n = -(-end // page) * page - a
+    map_fixed_noreplace = 0x100000  # Linux >= 4.17: fails instead of replacing a mapping
+    got_at = libc.mmap(a, n, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | map_fixed_noreplace,
+                       -1, 0)
+    if got_at != a:
+        pytest.skip("could not map memory at the freed addresses")
+    try:
+        ctypes.memset(a, 0x7F, n)
+        assert pages.release(nn.Module()) == 0  # nothing released: the file is gone
+        assert pages._pending == []
+        assert ctypes.string_at(a, n) == b"\x7f" * n  # and the memory now there is untouched
+    finally:
+        libc.munmap(a, n)

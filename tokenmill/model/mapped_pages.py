@@ -62,7 +62,7 @@ def _file_mappings(path: str) -> list[tuple[int, int]]:
 
 
 def _storage_range(t: torch.Tensor) -> tuple[int, int] | None:
-    if t.device.type != "cpu":
+    if t.device.type != "cpu" or t.is_mkldnn:  # oneDNN-packed weights (onednn_pack.py): own memory, no mapping
         return None
     s = t.untyped_storage()
     n = s.nbytes()
@@ -88,7 +88,7 @@ class MappedPages:
 
     def __init__(self) -> None:
         self._maps: dict[str, list[tuple[int, int]]] = {}  # file -> its mappings, from /proc/self/maps
-        self._pending: list[tuple[int, int]] = []  # tensor ranges not yet released
+        self._pending: list[tuple[int, int, str]] = []  # tensor ranges not yet released, and their file
         self.released_bytes = 0
         self._since_release = 0
 
@@ -103,7 +103,7 @@ class MappedPages:
         if maps is None:  # read once per file: safe_open mapped it before handing out any tensor
             maps = self._maps[path] = _file_mappings(path)
         if _inside(r, maps):
-            self._pending.append(r)
+            self._pending.append((*r, path))
             self._since_release += r[1] - r[0]
 
     def due(self) -> bool:
@@ -123,9 +123,17 @@ class MappedPages:
             m = max(m, e)
             reach.append(m)
         dead, keep = [], []
-        for s, e in self._pending:
+        # A file is unmapped once no tensor views it; its addresses may then hold anything (an allocation, a
+        # JIT's code): only ranges still inside a mapping of their file, re-read now, are ever released.
+        mapped = {path: _file_mappings(path) for path in {p for _, _, p in self._pending}}
+        for s, e, path in self._pending:
+            if not _inside((s, e), mapped[path]):
+                continue  # unmapped since it was tracked: nothing of ours is there any more
             i = bisect.bisect_left(starts, e)  # live ranges that start before this one ends
-            (keep if i and reach[i - 1] > s else dead).append((s, e))
+            if i and reach[i - 1] > s:
+                keep.append((s, e, path))
+            else:
+                dead.append((s, e))
         self._pending = keep
         released = 0
         for s, e in _merge(dead):
