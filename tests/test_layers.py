@@ -215,7 +215,14 @@ def test_unquantized_method_contract():
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, F.linear(x, src.float(), b.float()), rtol=0, atol=0)
     method.process_weights_after_loading(layer)
-    assert layer.weight is w  # kept as loaded
+    from tokenmill.layers.quantization import onednn_pack
+
+    if onednn_pack.packable(w):  # bf16 math on this CPU: packed once for oneDNN, same values, same attributes
+        assert layer.weight.is_mkldnn and torch.equal(layer.weight.to_dense(), src)
+        assert (layer.weight.input_dim, layer.weight.output_dim, layer.weight.weight_loader) == (1, 0, marker)
+        torch.testing.assert_close(method.apply(layer, x, b), F.linear(x, src.float(), b.float()), rtol=0, atol=0)
+    else:
+        assert layer.weight is w  # kept as loaded
 
 
 class RecordingMethod(UnquantizedLinearMethod):

@@ -182,17 +182,20 @@ class Worker:
         from tokenmill.model.mapped_pages import process_memory, resident_bytes
 
         MiB = 2**20
-        blocks = packed = floats = 0
+        blocks = packed = floats = onednn = 0
         for p in model.parameters():
             n = p.numel() * p.element_size()
             if hasattr(p, "gguf_qtype"):
                 blocks += n
+            elif p.is_mkldnn:
+                onednn += n  # bf16/fp16 weights in oneDNN's layout (layers/quantization/onednn_pack.py)
             elif p.is_floating_point():
                 floats += n
             else:
                 packed += n  # int8 / int4 / GPTQ / AWQ / fp8 words
         kinds = [f"GGUF blocks {blocks / MiB:.1f}"] if blocks else []
         kinds += [f"packed {packed / MiB:.1f}"] if packed else []
+        kinds += [f"float packed for oneDNN {onednn / MiB:.1f}"] if onednn else []
         if is_gguf(self.config.model.model):
             from tokenmill.model.gguf_loader import dequantized_at_load
 
@@ -215,7 +218,7 @@ class Worker:
         rss = (f"process RSS {mem['rss'] / MiB:.0f} MiB (anonymous {mem['anonymous'] / MiB:.0f}, "
                f"file-backed {mem['file'] / MiB:.0f})" if mem else "process RSS unknown")
         log.info("resident: weights %.1f MiB on %s (%s), buffers %.1f MiB; %s; %s",
-                 (blocks + packed + floats) / MiB, self.device, ", ".join(kinds), buffers / MiB, kv, rss)
+                 (blocks + packed + floats + onednn) / MiB, self.device, ", ".join(kinds), buffers / MiB, kv, rss)
 
     def model_cost(self):
         from tokenmill.diagnostics import ModelCost

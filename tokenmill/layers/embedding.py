@@ -58,6 +58,17 @@ class FloatTable(EmbeddingMethod):
 
 
 @dataclass(frozen=True)
+class PackedFloatHead(FloatTable):
+    """An LM head whose table is also (tied) or only (untied) held packed for oneDNN as `packed_weight`
+    (ParallelLMHead.pack_for_onednn): bf16/fp16 logits without oneDNN's per-call reorder of the table."""
+
+    def logits(self, module: "ParallelLMHead", hidden: torch.Tensor) -> torch.Tensor:
+        from tokenmill.layers.quantization.onednn_pack import packed_linear
+
+        return packed_linear(hidden, module.packed_weight).float()
+
+
+@dataclass(frozen=True)
 class Int8Rows(EmbeddingMethod):
     """`qweight` int8 [vocab, hidden] with a float32 `scale` per row (ParallelLMHead.quantize_int8)."""
 
@@ -164,6 +175,22 @@ class ParallelLMHead(VocabParallelEmbedding):
             tied.qweight, tied.scale = self.qweight, self.scale  # one table, not two copies
             tied.table_method = Int8Rows()  # a lookup has no activations
         self.table_method = Int8Rows(int8_activations, per_token)
+
+    def pack_for_onednn(self, tied: bool) -> bool:
+        """Hold the float table packed for oneDNN's GEMM (layers/quantization/onednn_pack.py) where it multiplies
+        this dtype natively. A tied table stays plain too, for the embedding's row lookups (a second copy of
+        the table: the head is the largest matrix of a small model's step); an untied one is replaced.
+        False (nothing done) for other tables, sharded heads, or with packing off."""
+        from tokenmill.layers.quantization import onednn_pack
+
+        if self.tp_size != 1 or type(self.table_method) is not FloatTable or not onednn_pack.packable(self.weight):
+            return False
+        self.register_parameter("packed_weight",
+                                nn.Parameter(onednn_pack.pack(self.weight.data), requires_grad=False))
+        if not tied:
+            del self.weight
+        self.table_method = PackedFloatHead()
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.table_method.logits(self, hidden)

@@ -132,6 +132,8 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
         lm_head.quantize_int8(model.embed_tokens if getattr(model, "tie_word_embeddings", False) else None,
                               int8_activations=getattr(quant_config, "int8_activations", False),
                               per_token=getattr(quant_config, "per_token_activations", False))
+    elif model.lm_head is not None:
+        model.lm_head.pack_for_onednn(tied=getattr(model, "tie_word_embeddings", False))
     if pages is not None:
         # The float weights packed at load: their file pages (model/mapped_pages.py) and freed heap go back.
         pages.release(model)

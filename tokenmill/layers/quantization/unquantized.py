@@ -9,7 +9,10 @@ agree (the default fp32 path) it is one linear on the stored tensor, with no cop
 2-D float32 inputs on the CPU go to the native `dense_linear` (csrc/dense_linear.cpp) when the kernels
 have it: for few rows it streams the weights near memory bandwidth, where SGEMM reaches a third of it,
 and each row's result does not depend on the other rows; more rows go to at::linear inside the op.
-TOKENMILL_DENSE_LINEAR=0 (read once) keeps F.linear."""
+TOKENMILL_DENSE_LINEAR=0 (read once) keeps F.linear.
+
+bf16 / fp16 weights on a CPU with native math for them are packed once for oneDNN after loading
+(onednn_pack.py): the layer's `weight` becomes the packed tensor and `apply` calls oneDNN on it."""
 from __future__ import annotations
 
 import functools
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import native
+from tokenmill.layers.quantization import onednn_pack
 from tokenmill.layers.quantization.base import NativeLinear, QuantizeMethodBase, set_weight_attrs
 
 
@@ -33,7 +37,9 @@ def _dense_linear_op():
 
 def dense_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w^T (+ bias) in x's dtype: dense_linear for 2-D float32 on the CPU, else F.linear (w upcast per call
-    when stored in another dtype)."""
+    when stored in another dtype); a weight packed for oneDNN (onednn_pack.py) goes to oneDNN."""
+    if w.is_mkldnn:
+        return onednn_pack.packed_linear(x, w, bias)
     if x.dtype is torch.float32 and w.dtype is torch.float32 and x.dim() == 2 and x.is_cpu:
         op = _dense_linear_op()
         if op is not None:
@@ -53,6 +59,14 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
         set_weight_attrs(weight, extra_weight_attrs)
         layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight
+        if not onednn_pack.packable(w):
+            return
+        packed = nn.Parameter(onednn_pack.pack(w), requires_grad=False)
+        set_weight_attrs(packed, vars(w))
+        layer.weight = packed  # the plain weight is freed: one copy, not two
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return dense_matmul(x, layer.weight, bias)
