@@ -4,7 +4,9 @@
 // - rotary: rotate-half rotary embedding of q and k read through their strides (views of the fused qkv
 //   output), written contiguous;
 // - silu_and_mul / gelu_tanh_and_mul: act(gate) * up over the fused gate_up output.
-// float32 only; the Python callers fall back to torch ops for other dtypes and when this is not built.
+// float32 and bfloat16 (rows read into float32, computed there, rounded once to bf16 on the way out; the
+// residual sum of add_rms_norm is rounded to bf16 before the norm reads it, as in the torch reference);
+// the Python callers fall back to torch ops for other dtypes and when this is not built.
 #include "vec.h"
 
 #include <ATen/ATen.h>
@@ -13,16 +15,51 @@
 
 #include <cmath>
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
 namespace tokenmill {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+using BF16 = at::BFloat16;
 constexpr int64_t ROWS_PER_TASK = 16;  // rows of a [T, D] op per parallel work item
 
-void check_float_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
+// float32 rows are used in place; bf16 rows go through float32 scratch (a work item's own buffer).
+template <typename T>
+constexpr bool is_f32 = std::is_same_v<T, float>;
+
+template <typename T>
+inline const float* as_float(const T* src, float* scratch, int64_t n) {
+  if constexpr (is_f32<T>) {
+    return src;
+  } else {
+    at::vec::convert(src, scratch, n);
+    return scratch;
+  }
+}
+template <typename T>
+inline float* out_float(T* dst, float* scratch) {
+  if constexpr (is_f32<T>) return dst; else return scratch;
+}
+template <typename T>
+inline void finish(const float* scratch, T* dst, int64_t n) {
+  if constexpr (!is_f32<T>) at::vec::convert(scratch, dst, n);
+}
+template <typename T>
+std::vector<float> scratch(int64_t n) { return std::vector<float>(is_f32<T> ? 0 : n); }
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, dim] with a contiguous last dim");
+}
+
+// fn<T>() for the float32 or bf16 `dtype` (checked by the caller).
+template <typename F>
+decltype(auto) dispatch(at::ScalarType dtype, const F& fn) {
+  if (dtype == at::kBFloat16) return fn(BF16{});
+  return fn(float{});
 }
 
 inline float sum_squares(const float* x, int64_t D) {
@@ -47,88 +84,112 @@ inline void scale_row(const float* x, const float* w, float inv, float offset, i
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
-  check_float_rows(x, "x");
+  check_rows(x, "x");
   const int64_t T = x.size(0), D = x.size(1);
   auto w = weight.contiguous().to(at::kFloat);
   TORCH_CHECK(w.numel() == D, "weight has ", w.numel(), " elements, x rows have ", D);
   auto out = at::empty({T, D}, x.options());
-  const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const int64_t ld = x.stride(0);
-  at::parallel_for(0, T, ROWS_PER_TASK, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const float* row = xp + t * ld;
-      const float inv = 1.f / std::sqrt(sum_squares(row, D) / D + (float)eps);
-      scale_row(row, wp, inv, (float)offset, D, op + t * D);
-    }
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using S = decltype(tag);
+    const S* xp = x.data_ptr<S>();
+    S* op = out.data_ptr<S>();
+    at::parallel_for(0, T, ROWS_PER_TASK, [&](int64_t b, int64_t e) {
+      auto buf = scratch<S>(2 * D);
+      for (int64_t t = b; t < e; ++t) {
+        const float* row = as_float(xp + t * ld, buf.data(), D);
+        float* o = out_float(op + t * D, buf.data() + D);
+        const float inv = 1.f / std::sqrt(sum_squares(row, D) / D + (float)eps);
+        scale_row(row, wp, inv, (float)offset, D, o);
+        finish(o, op + t * D, D);
+      }
+    });
   });
   return out;
 }
 
-// s = x + h; returns (s, rms_norm(s)).
+// s = x + h (rounded to x's dtype); returns (s, rms_norm(s)).
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& h, const at::Tensor& weight,
                                                 double eps, double offset) {
-  check_float_rows(x, "x");
-  check_float_rows(h, "h");
+  check_rows(x, "x");
+  check_rows(h, "h");
   TORCH_CHECK(x.sizes() == h.sizes(), "x and h differ in shape");
+  TORCH_CHECK(x.scalar_type() == h.scalar_type(), "x and h differ in dtype");
   const int64_t T = x.size(0), D = x.size(1);
   auto w = weight.contiguous().to(at::kFloat);
   TORCH_CHECK(w.numel() == D, "weight has ", w.numel(), " elements, x rows have ", D);
   auto sum = at::empty({T, D}, x.options());
   auto out = at::empty({T, D}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* hp = h.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  float* sp = sum.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldh = h.stride(0);
-  at::parallel_for(0, T, ROWS_PER_TASK, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const float* xr = xp + t * ldx;
-      const float* hr = hp + t * ldh;
-      float* sr = sp + t * D;
-      int64_t d = 0;
-      for (; d + Vec::size() <= D; d += Vec::size()) (Vec::loadu(xr + d) + Vec::loadu(hr + d)).store(sr + d);
-      for (; d < D; ++d) sr[d] = xr[d] + hr[d];
-      const float inv = 1.f / std::sqrt(sum_squares(sr, D) / D + (float)eps);
-      scale_row(sr, wp, inv, (float)offset, D, op + t * D);
-    }
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using S = decltype(tag);
+    const S* xp = x.data_ptr<S>();
+    const S* hp = h.data_ptr<S>();
+    S* sp = sum.data_ptr<S>();
+    S* op = out.data_ptr<S>();
+    at::parallel_for(0, T, ROWS_PER_TASK, [&](int64_t b, int64_t e) {
+      auto buf = scratch<S>(4 * D);
+      for (int64_t t = b; t < e; ++t) {
+        const float* xr = as_float(xp + t * ldx, buf.data(), D);
+        const float* hr = as_float(hp + t * ldh, buf.data() + D, D);
+        float* sr = out_float(sp + t * D, buf.data() + 2 * D);
+        int64_t d = 0;
+        for (; d + Vec::size() <= D; d += Vec::size()) (Vec::loadu(xr + d) + Vec::loadu(hr + d)).store(sr + d);
+        for (; d < D; ++d) sr[d] = xr[d] + hr[d];
+        if constexpr (!is_f32<S>) {  // the norm reads the sum as stored (rounded), as the reference does
+          finish(sr, sp + t * D, D);
+          sr = buf.data() + 2 * D;
+          at::vec::convert(sp + t * D, sr, D);
+        }
+        float* o = out_float(op + t * D, buf.data() + 3 * D);
+        const float inv = 1.f / std::sqrt(sum_squares(sr, D) / D + (float)eps);
+        scale_row(sr, wp, inv, (float)offset, D, o);
+        finish(o, op + t * D, D);
+      }
+    });
   });
   return {sum, out};
 }
 
 // x: [T, H, D] with the last dim contiguous; cos/sin: [P, D] (each half repeated, as the Python table).
 at::Tensor rotate(const at::Tensor& x, const int64_t* pos, const float* cos, const float* sin, int64_t P) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1,
-              "rotary: q/k must be float32 [T, H, D] with a contiguous last dim");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.dim() == 3 &&
+                  x.stride(2) == 1,
+              "rotary: q/k must be float32 or bfloat16 [T, H, D] with a contiguous last dim");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
   TORCH_CHECK(D % 2 == 0, "rotary: head dim must be even");
   auto out = at::empty({T, H, D}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "rotary: position ", pos[t], " out of range");
-  at::parallel_for(0, T, ROWS_PER_TASK, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const float* c = cos + pos[t] * D;
-      const float* s = sin + pos[t] * D;
-      for (int64_t h = 0; h < H; ++h) {
-        const float* in = xp + t * s0 + h * s1;
-        float* o = op + (t * H + h) * D;
-        int64_t d = 0;
-        for (; d + Vec::size() <= half; d += Vec::size()) {
-          Vec x1 = Vec::loadu(in + d), x2 = Vec::loadu(in + half + d);
-          (x1 * Vec::loadu(c + d) - x2 * Vec::loadu(s + d)).store(o + d);
-          (x2 * Vec::loadu(c + half + d) + x1 * Vec::loadu(s + half + d)).store(o + half + d);
-        }
-        for (; d < half; ++d) {
-          const float x1 = in[d], x2 = in[half + d];
-          o[d] = x1 * c[d] - x2 * s[d];
-          o[half + d] = x2 * c[half + d] + x1 * s[half + d];
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using S = decltype(tag);
+    const S* xp = x.data_ptr<S>();
+    S* op = out.data_ptr<S>();
+    at::parallel_for(0, T, ROWS_PER_TASK, [&](int64_t b, int64_t e) {
+      auto buf = scratch<S>(2 * D);
+      for (int64_t t = b; t < e; ++t) {
+        const float* c = cos + pos[t] * D;
+        const float* s = sin + pos[t] * D;
+        for (int64_t h = 0; h < H; ++h) {
+          const float* in = as_float(xp + t * s0 + h * s1, buf.data(), D);
+          float* o = out_float(op + (t * H + h) * D, buf.data() + D);
+          int64_t d = 0;
+          for (; d + Vec::size() <= half; d += Vec::size()) {
+            Vec x1 = Vec::loadu(in + d), x2 = Vec::loadu(in + half + d);
+            (x1 * Vec::loadu(c + d) - x2 * Vec::loadu(s + d)).store(o + d);
+            (x2 * Vec::loadu(c + half + d) + x1 * Vec::loadu(s + half + d)).store(o + half + d);
+          }
+          for (; d < half; ++d) {
+            const float x1 = in[d], x2 = in[half + d];
+            o[d] = x1 * c[d] - x2 * s[d];
+            o[half + d] = x2 * c[half + d] + x1 * s[half + d];
+          }
+          finish(o, op + (t * H + h) * D, D);
         }
       }
-    }
+    });
   });
   return out;
 }
@@ -161,29 +222,34 @@ inline float gelu_tanh(float g) {
 
 template <bool GELU>
 at::Tensor act_and_mul(const at::Tensor& gate_up) {
-  check_float_rows(gate_up, "gate_up");
+  check_rows(gate_up, "gate_up");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even width");
   auto out = at::empty({T, I}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const int64_t ld = gate_up.stride(0);
   // Split over columns too, so one decode row still uses every thread.
   constexpr int64_t COLS = 512;
   const int64_t chunks = (I + COLS - 1) / COLS;
-  at::parallel_for(0, T * chunks, 1, [&](int64_t b, int64_t e) {
-    for (int64_t it = b; it < e; ++it) {
-      const int64_t t = it / chunks, c0 = (it % chunks) * COLS, c1 = std::min(I, c0 + COLS);
-      const float* g = gp + t * ld;
-      const float* u = g + I;
-      float* o = op + t * I;
-      int64_t d = c0;
-      for (; d + Vec::size() <= c1; d += Vec::size()) {
-        Vec gv = Vec::loadu(g + d);
-        ((GELU ? gelu_tanh(gv) : silu(gv)) * Vec::loadu(u + d)).store(o + d);
+  dispatch(gate_up.scalar_type(), [&](auto tag) {
+    using S = decltype(tag);
+    const S* gp = gate_up.data_ptr<S>();
+    S* op = out.data_ptr<S>();
+    at::parallel_for(0, T * chunks, 1, [&](int64_t b, int64_t e) {
+      auto buf = scratch<S>(3 * COLS);
+      for (int64_t it = b; it < e; ++it) {
+        const int64_t t = it / chunks, c0 = (it % chunks) * COLS, n = std::min(I, c0 + COLS) - c0;
+        const float* g = as_float(gp + t * ld + c0, buf.data(), n);
+        const float* u = as_float(gp + t * ld + I + c0, buf.data() + COLS, n);
+        float* o = out_float(op + t * I + c0, buf.data() + 2 * COLS);
+        int64_t d = 0;
+        for (; d + Vec::size() <= n; d += Vec::size()) {
+          Vec gv = Vec::loadu(g + d);
+          ((GELU ? gelu_tanh(gv) : silu(gv)) * Vec::loadu(u + d)).store(o + d);
+        }
+        for (; d < n; ++d) o[d] = (GELU ? gelu_tanh(g[d]) : silu(g[d])) * u[d];
+        finish(o, op + t * I + c0, n);
       }
-      for (; d < c1; ++d) o[d] = (GELU ? gelu_tanh(g[d]) : silu(g[d])) * u[d];
-    }
+    });
   });
   return out;
 }

@@ -1,7 +1,10 @@
-"""The decoder's small elementwise ops: one native kernel each (csrc/fused_ops.cpp) for float32 on the
-CPU, and the torch reference for everything else. At batch 1 a layer's weights take tens of µs to read,
+"""The decoder's small elementwise ops: one native kernel each (csrc/fused_ops.cpp) for float32 and bfloat16
+on the CPU, and the torch reference for everything else. At batch 1 a layer's weights take tens of µs to read,
 while its dozen unfused torch ops (pow, mean, rsqrt, mul, cat, neg, silu, ...) each cost a dispatch and an
 allocation: fusing them is what lets quantized decoding approach the weights' bandwidth.
+
+bf16 rows are computed in float32 and rounded once on the way out, where the torch reference rounds after
+each op (the residual sum is rounded before the norm in both): the same results within a bf16 rounding.
 
 TOKENMILL_FUSED_OPS=0 turns the kernels off (same results within float rounding)."""
 from __future__ import annotations
@@ -16,7 +19,7 @@ _HAVE: bool | None = None
 
 def _native(x: torch.Tensor) -> bool:
     global _HAVE
-    if not ENABLED or x.dtype != torch.float32 or x.device.type != "cpu":
+    if not ENABLED or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         return False
     if _HAVE is None:
         from tokenmill import native
@@ -52,7 +55,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 # ---- dispatch ------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
     """RMSNorm over the last dim, times (offset + weight)."""
-    if _native(x) and weight.dtype == torch.float32:
+    if _native(x) and weight.is_floating_point():
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
@@ -63,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
 def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
                  offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + h, rms_norm(x + h)): the residual add and the next norm in one pass."""
-    if _native(x) and h.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2:
+    if _native(x) and h.dtype == x.dtype and weight.is_floating_point() and x.dim() == 2:
         return torch.ops.tokenmill.add_rms_norm(x, h, weight, eps, offset)
     s = x + h
     return s, rms_norm_ref(s, weight, eps, offset)
@@ -72,7 +75,7 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: fl
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half rotary embedding of q [T, H, D] and k [T, Hk, D] at `positions`."""
-    if _native(q) and k.dtype == torch.float32 and cos.dtype == torch.float32 and q.stride(-1) == 1 \
+    if _native(q) and k.dtype == q.dtype and cos.dtype == torch.float32 and q.stride(-1) == 1 \
             and k.stride(-1) == 1:
         return torch.ops.tokenmill.rotary(q, k, positions, cos, sin)
     return rotary_ref(q, k, positions, cos, sin)
