@@ -197,3 +197,49 @@ def test_bf16_queries_come_back_in_bf16():
     assert out.dtype == torch.bfloat16
     ref = reference(q.bfloat16().float(), fk, fv, ql, scale, None, None)
     assert (out.double() - ref).abs().max().item() <= 2e-2
+
+
+def relayout(k_cache, v_cache, layout, block_size):
+    """The same requests' K/V in a cache of another block size (block tables reversed, so blocks lie apart)."""
+    Hk, D = k_cache.shape[2], k_cache.shape[3]
+    old_bs = k_cache.shape[1]
+    kv_len = layout.kv_len.tolist()
+    counts = [math.ceil(c / block_size) for c in kv_len]
+    n = sum(counts)
+    ids = list(range(n))[::-1]  # blocks handed out from the end of the pool
+    tables = [ids[sum(counts[:i]): sum(counts[: i + 1])] for i in range(len(counts))]
+    kc = torch.full((n, block_size, Hk, D), float("nan"), dtype=k_cache.dtype)
+    vc = torch.full_like(kc, float("nan"))
+    bt = torch.zeros(len(kv_len), max(len(t) for t in tables), dtype=torch.int32)
+    slots_new = []
+    for r, (t, c) in enumerate(zip(tables, kv_len)):
+        bt[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        old = layout.block_table[r].long()
+        pos = torch.arange(c)
+        src = old[pos // old_bs] * old_bs + pos % old_bs
+        dst = torch.tensor(t)[pos // block_size] * block_size + pos % block_size
+        kc.view(-1, Hk, D)[dst] = k_cache.view(-1, Hk, D)[src]
+        vc.view(-1, Hk, D)[dst] = v_cache.view(-1, Hk, D)[src]
+        slots_new.append(dst[c - int(layout.query_len[r]):])
+    new = BatchLayout(query_start=layout.query_start, query_len=layout.query_len, kv_len=layout.kv_len,
+                      block_table=bt, slot_mapping=torch.cat(slots_new), num_tokens=layout.num_tokens,
+                      max_query_len=layout.max_query_len, max_kv_len=layout.max_kv_len)
+    return kc, vc, new
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (6, 2, 80), (4, 4, 64)], ids=lambda h: f"H{h[0]}-Hk{h[1]}-D{h[2]}")
+def test_decode_bit_identical_across_block_sizes(dtype, heads):
+    """The decode K pass scores tokens four at a time inside a block where it can (AVX-512: dot_heads4,
+    hsum4), one at a time elsewhere; both must give each score bit for bit. Block sizes 16, 5 and 3 group the
+    same tokens differently; the same keys and values must give exactly the same output."""
+    H, Hk, D = heads
+    ctx, ql = [37, 64, 101, 5], [1, 1, 1, 1]
+    q, k, v, kc16, vc16, layout16, fk, fv = make_case(3, ctx, ql, H, Hk, D, block_size=16, dtype=dtype)
+    outs = []
+    for bs in (16, 5, 3):
+        kc, vc, layout = relayout(kc16, vc16, layout16, bs)
+        out, scale = run_backend(q, k, v, kc, vc, layout, H, Hk, D)
+        outs.append(out)
+        assert (out.double() - reference(q, fk, fv, ql, scale, None, None)).abs().max().item() <= 1e-5
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
