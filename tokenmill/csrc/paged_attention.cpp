@@ -235,18 +235,20 @@ void decode_item(const float* q, const T* kc, const T* vc, const float* ks, cons
     const T* base = kc + (int64_t)table[b] * g.BS * g.tok_stride;
     const T* ahead = b < last_block ? kc + (int64_t)table[b + 1] * g.BS * g.tok_stride : nullptr;
     const T* vbase = vc + (int64_t)table[b] * g.BS * g.tok_stride;
+    // Token tt's K row; its int8 scales (the row's scale multiplies its finished dot products) or nullptr.
+    auto token = [&](int64_t tt, const float*& row_scales) {
+      const int64_t off = (tt - b * g.BS) * g.tok_stride;
+      if (ahead) prefetch_block(ahead + off, row_bytes);
+      prefetch_block(vbase + off, row_bytes);  // the partition's K and V fit in L2
+      row_scales = ks ? ks + ((int64_t)table[b] * g.BS + (tt - b * g.BS)) * g.Hk : nullptr;
+      return base + off;
+    };
 #if defined(TOKENMILL_DOT4)
     // Four tokens of the block at a time (the same products as one at a time, bit for bit).
     for (; t + 4 <= end; t += 4) {
       const T* rows[4];
       const float* rs[4];
-      for (int u = 0; u < 4; ++u) {
-        const int64_t off = (t + u - b * g.BS) * g.tok_stride;
-        if (ahead) prefetch_block(ahead + off, row_bytes);
-        prefetch_block(vbase + off, row_bytes);
-        rows[u] = base + off;
-        rs[u] = ks ? ks + ((int64_t)table[b] * g.BS + (t + u - b * g.BS)) * g.Hk : nullptr;
-      }
+      for (int u = 0; u < 4; ++u) rows[u] = token(t + u, rs[u]);
       const int64_t i = t - t0;
       for (int64_t h = 0; h < g.Hk; ++h) {
         float scale[4];
@@ -260,13 +262,9 @@ void decode_item(const float* q, const T* kc, const T* vc, const float* ks, cons
     }
 #endif
     for (; t < end; ++t) {
-      const int64_t off = (t - b * g.BS) * g.tok_stride;
-      if (ahead) prefetch_block(ahead + off, row_bytes);
-      prefetch_block(vbase + off, row_bytes);  // the partition's K and V fit in L2
-      const T* row = base + off;
+      const float* row_scales;
+      const T* row = token(t, row_scales);
       const int64_t i = t - t0;
-      // int8 rows: the row's scale multiplies its finished dot products.
-      const float* row_scales = ks ? ks + ((int64_t)table[b] * g.BS + (t - b * g.BS)) * g.Hk : nullptr;
       for (int64_t h = 0; h < g.Hk; ++h) {
         const float scale = row_scales ? g.scale * row_scales[h] : g.scale;
         head_chunks(G, [&](int64_t j0, auto ng) {

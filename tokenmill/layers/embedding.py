@@ -176,21 +176,20 @@ class ParallelLMHead(VocabParallelEmbedding):
             tied.table_method = Int8Rows()  # a lookup has no activations
         self.table_method = Int8Rows(int8_activations, per_token)
 
-    def pack_for_onednn(self, tied: bool) -> bool:
+    def pack_for_onednn(self, tied: bool) -> None:
         """Hold the float table packed for oneDNN's GEMM (layers/quantization/onednn_pack.py) where it multiplies
         this dtype natively. A tied table stays plain too, for the embedding's row lookups (a second copy of
         the table: the head is the largest matrix of a small model's step); an untied one is replaced.
-        False (nothing done) for other tables, sharded heads, or with packing off."""
+        Nothing is done for other tables, sharded heads, or with packing off."""
         from tokenmill.layers.quantization import onednn_pack
 
         if self.tp_size != 1 or type(self.table_method) is not FloatTable or not onednn_pack.packable(self.weight):
-            return False
+            return
         self.register_parameter("packed_weight",
                                 nn.Parameter(onednn_pack.pack(self.weight.data), requires_grad=False))
         if not tied:
             del self.weight
         self.table_method = PackedFloatHead()
-        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.table_method.logits(self, hidden)
