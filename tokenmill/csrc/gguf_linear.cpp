@@ -982,7 +982,7 @@ namespace tokenmill {
 // Which integer dot product the int8-activation kernels were built with (int8_dot.h).
 std::string int8_dot_path() {
 #if defined(TOKENMILL_INT8_VNNI)
-  return "avx512-vnni";
+  return TOKENMILL_INT8_VNNI;
 #elif defined(TOKENMILL_INT8_DOT)
   return "avx2";
 #else

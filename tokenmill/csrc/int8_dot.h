@@ -61,13 +61,18 @@ inline __m256i nibbles(const uint8_t* q) {
 }
 
 // 32 unsigned x 32 signed bytes -> 8 float partial sums (|w| <= 128 and |x| <= 127: no 16-bit saturation).
-// With AVX-512 VNNI (and VL) in the build's target — -march=native on such a CPU — one vpdpbusd does the
-// maddubs + madd pair: the same integers (nothing saturates above), one instruction instead of two on the
-// multiply ports. TOKENMILL_INT8_VNNI names the path in use (int8_dot_path()).
+// With VNNI in the build's target (the avx512_vnni tier's AVX512-VNNI + VL, or the avx2_vnni tier's AVX-VNNI)
+// one vpdpbusd does the maddubs + madd pair: the same integers (nothing saturates above), one instruction
+// instead of two on the multiply ports. TOKENMILL_INT8_VNNI names the path in use (int8_dot_path()).
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define TOKENMILL_INT8_VNNI 1
+#define TOKENMILL_INT8_VNNI "avx512-vnni"
 inline __m256 dot_u8s8(__m256i w, __m256i x) {
   return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x));
+}
+#elif defined(__AVXVNNI__)
+#define TOKENMILL_INT8_VNNI "avx-vnni"
+inline __m256 dot_u8s8(__m256i w, __m256i x) {
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x));
 }
 #else
 inline __m256 dot_u8s8(__m256i w, __m256i x) {

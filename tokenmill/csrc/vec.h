@@ -1,5 +1,6 @@
-// Picks ATen's vector width from what the compiler was told the CPU has (setup.py builds with
-// -march=native), so the same source becomes AVX2, AVX-512 or NEON code. Include before any ATen header.
+// Picks ATen's vector width from what the compiler was told the CPU has (setup.py builds once per tier of
+// tokenmill/isa.py, -march=x86-64-v3 / -v4, or -march=native), so the same source becomes AVX2, AVX-512 or NEON
+// code. Include before any ATen header.
 #pragma once
 
 #if !defined(CPU_CAPABILITY)

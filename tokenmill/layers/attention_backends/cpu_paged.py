@@ -50,7 +50,7 @@ class CPUPagedBackend(AttentionBackend):
 
     @classmethod
     def describe(cls) -> str:
-        return f"{cls.name} (native kernels, {native.cpu_capability()})"
+        return f"{cls.name} (native kernels, {native.tier()} build, {native.cpu_capability()} vectors)"
 
     def kv_cache_shape(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_blocks, self.block_size, num_kv_heads, head_dim)
