@@ -8,7 +8,7 @@ import pytest
 
 import tokenmill.llm
 from tokenmill.cli import build_parser, main
-from tokenmill.config import EngineConfig, KVTransferConfig, SpeculativeConfig
+from tokenmill.config import EngineConfig, KVTransferConfig, LoRAConfig, SpeculativeConfig
 from tokenmill.engine_args import EngineArgs
 from tokenmill.llm import LLM, parse_prompts
 
@@ -48,11 +48,16 @@ ROUND_TRIP = {
     "enable_expert_parallel": (["--enable-expert-parallel"], True, "parallel.enable_expert_parallel"),
     "kv_transfer_config": (["--kv-transfer-config", '{"kv_role": "kv_both"}'], '{"kv_role": "kv_both"}',
                            "kv_transfer"),
+    "enable_lora": (["--enable-lora"], True, "lora"),
+    "max_loras": (["--max-loras", "2"], 2, "lora.max_loras"),
+    "max_lora_rank": (["--max-lora-rank", "8"], 8, "lora.max_lora_rank"),
+    "max_cpu_loras": (["--max-cpu-loras", "4"], 4, "lora.max_cpu_loras"),
     "speculative_config": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
                            '{"method": "ngram", "num_speculative_tokens": 2}', "speculative"),
 }
 # Fields whose config value is parsed from the argument's.
-CONFIG_VALUES = {"speculative_config": SpeculativeConfig("ngram", 2), "kv_transfer_config": KVTransferConfig("kv_both")}
+CONFIG_VALUES = {"speculative_config": SpeculativeConfig("ngram", 2), "kv_transfer_config": KVTransferConfig("kv_both"),
+                 "enable_lora": LoRAConfig(2, 8, 4)}
 NAMES = [f.name for f in fields(EngineArgs)]
 
 

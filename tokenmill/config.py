@@ -58,6 +58,8 @@ class SchedulerConfig:
     # KV slots reserved past each request's scheduled tokens for speculative drafts (set from the
     # speculative config: num_speculative_tokens).
     num_lookahead_tokens: int = 0
+    # Distinct LoRA adapters the running requests may use at once (set from the LoRA config: max_loras).
+    max_loras: int = 0
 
 
 @dataclass
@@ -88,6 +90,20 @@ def json_object(value: "str | dict", name: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}.")
     return dict(value)
+
+
+@dataclass
+class LoRAConfig:
+    """`--enable-lora` and vLLM's limits: adapters resident in one step, their largest rank, the host cache."""
+
+    max_loras: int = 1  # distinct adapters in one step (device slots)
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None  # adapters kept loaded in host memory (LRU); None: max_loras
+
+    def validate(self) -> None:
+        _at_least(1, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}).")
 
 
 @dataclass
@@ -186,10 +202,13 @@ class EngineConfig:
     attention_backend: str | None = None  # None: the device's default backend
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
+    lora: LoRAConfig | None = None  # None: adapters off
 
     def __post_init__(self) -> None:
         if self.speculative is not None:  # KV slots for the drafts past each request's scheduled tokens
             self.scheduler.num_lookahead_tokens = self.speculative.num_speculative_tokens
+        if self.lora is not None:
+            self.scheduler.max_loras = self.lora.max_loras
 
     def validate(self) -> None:
         m, c, s, p = self.model, self.cache, self.scheduler, self.parallel
@@ -224,6 +243,12 @@ class EngineConfig:
             raise ValueError("kv_transfer_config with tensor or pipeline parallelism is not supported yet.")
         if self.kv_transfer is not None and not c.enable_prefix_caching:
             raise ValueError("kv_transfer_config needs prefix caching: blocks are handed over by their prefix hash.")
+        if self.lora is not None:
+            self.lora.validate()
+            if self.speculative is not None and self.speculative.method != "ngram":
+                raise ValueError(f"LoRA adapters with speculative method {self.speculative.method!r}: its drafter "
+                                 "knows only the base model, so adapter requests would accept few drafts; use "
+                                 "ngram (model-free) or no speculation.")
         if p.pipeline_parallel_size > 1 and self.speculative is not None:
             raise ValueError("speculative decoding with pipeline parallelism is not supported yet.")
 

@@ -26,6 +26,7 @@ from tokenmill.config import (
     ParallelConfig,
     SchedulerConfig,
     KVTransferConfig,
+    LoRAConfig,
     SpeculativeConfig,
 )
 
@@ -153,6 +154,15 @@ class EngineArgs:
         None, "Disaggregated prefill/decode as JSON, vLLM's shape: {\"kv_role\": \"kv_producer\"|\"kv_consumer\"|"
         "\"kv_both\", \"kv_connector\": \"SharedStorageConnector\", \"kv_connector_extra_config\": "
         "{\"shared_storage_path\": DIR}}; see docs/scaling.md (default: off).", parse=str, metavar="JSON")
+    # LoRA adapters
+    enable_lora: bool = _arg(False, "Serve LoRA adapters on top of the base model (PEFT folders or GGUF LoRA "
+                             "files), mixed in one batch; see docs/lora.md (default: off).")
+    max_loras: int = _arg(LoRAConfig.max_loras, "With --enable-lora: the most distinct adapters in one step (device "
+                          "slots; requests for another adapter wait for a slot) (default: %(default)s).")
+    max_lora_rank: int = _arg(LoRAConfig.max_lora_rank, "With --enable-lora: the largest adapter rank accepted "
+                              "(default: %(default)s).")
+    max_cpu_loras: int | None = _arg(LoRAConfig.max_cpu_loras, "With --enable-lora: adapters kept loaded in host "
+                                     "memory, least recently used dropped first (default: --max-loras).")
     # speculative decoding
     speculative_config: str | None = _arg(  # LLM(speculative_config=...) also takes a dict
         None, "Speculative decoding as JSON, vLLM's shape: {\"method\": \"ngram\"|\"draft_model\"|\"quantized_self\"|"
@@ -236,6 +246,8 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             speculative=SpeculativeConfig.parse(self.speculative_config),
             kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
+            lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                            max_cpu_loras=self.max_cpu_loras) if self.enable_lora else None,
         )
         config.validate()
         return config

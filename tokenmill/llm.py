@@ -7,6 +7,7 @@ from typing import Any, Sequence, Union
 
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine_args import EngineArgs
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -84,7 +85,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one per prompt (None: the base model); needs
+        LLM(..., enable_lora=True)."""
         prompts = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -94,12 +98,15 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params.")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities.")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} lora_requests.")
         ids = []
         try:
             for i, ((text, token_ids), params) in enumerate(zip(prompts, sampling_params)):
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, text, params, prompt_token_ids=token_ids,
-                                        priority=priority[i] if priority else 0)
+                                        priority=priority[i] if priority else 0, lora_request=loras[i])
                 ids.append(rid)
         except Exception:
             for rid in ids:
@@ -114,6 +121,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
@@ -124,7 +132,7 @@ class LLM:
         ]
         # The template already holds any BOS; encode without adding special tokens again.
         token_ids = [tok(p, add_special_tokens=False).input_ids for p in prompts]
-        outs = self.generate(token_ids, sampling_params, use_tqdm)
+        outs = self.generate(token_ids, sampling_params, use_tqdm, lora_request=lora_request)
         for o, p in zip(outs, prompts):
             o.prompt = p
         return outs

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class NewRequestData:
     params: SamplingParams
     seed: int | None  # the request's own generator seed (params.seed + index), None: the worker's global one
     eos_token_ids: tuple[int, ...] = ()
+    lora: LoRARequest | None = None  # the adapter its tokens run with
 
 
 @dataclass

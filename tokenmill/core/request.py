@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -46,6 +47,7 @@ class Request:
     seed: int | None = None  # this sequence's own sampling seed (params.seed + index)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
     grammar: Any = None  # structured_output.manager.RequestGrammar of a constrained request
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -102,7 +104,9 @@ class EngineCoreRequest:
     arrival_time: float = 0.0
     index: int = 0
     seed: int | None = None
+    lora: LoRARequest | None = None
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.params, self.max_tokens, self.eos_token_ids,
-                       self.priority, self.arrival_time, index=self.index, seed=self.seed)
+                       self.priority, self.arrival_time, index=self.index, seed=self.seed, lora=self.lora,
+                       extra_keys=self.lora.cache_key if self.lora is not None else ())

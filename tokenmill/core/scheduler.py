@@ -289,12 +289,22 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int, passed: list[Request]) -> None:
         misfits = 0
+        # LoRA: the adapters of the running requests hold the step's slots (at most max_loras). A request for
+        # another adapter waits for one to free up; while it waits, no later adapter request is admitted, so the
+        # running adapters drain and it cannot be starved by a stream of requests for the hot ones. Base-model
+        # requests need no slot and pass.
+        adapters = {r.lora.cache_key for r in self.running if r.lora is not None}
+        lora_blocked = False
         while budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs and not out.preempted:
             req = self.waiting.pop()
             passed.append(req)  # until it runs
             self.current = req
             faults.maybe_raise("schedule", [req.request_id])
             if req.grammar is not None and req.grammar.matcher is None:
+                continue
+            if req.lora is not None and (lora_blocked or (req.lora.cache_key not in adapters
+                                                          and len(adapters) >= self.config.max_loras)):
+                lora_blocked = True
                 continue
             computed, offloaded, remote = [], [], []
             if req.num_computed_tokens == 0:
@@ -320,6 +330,8 @@ class Scheduler:
             passed.pop()  # it holds blocks now: running from here, so no exception below can lose it
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.lora is not None:
+                adapters.add(req.lora.cache_key)
             out.scheduled.append((req, n))
             budget -= n
             req.admission_skips = 0
@@ -368,7 +380,7 @@ class Scheduler:
             if req.sent is None:
                 b.new_requests.append(NewRequestData(
                     rid, list(req.token_ids), req.num_prompt_tokens, list(req.block_ids), start, req.params,
-                    req.seed, tuple(sorted(req.eos_token_ids))))
+                    req.seed, tuple(sorted(req.eos_token_ids)), req.lora))
             else:
                 ntok, nblk = req.sent
                 b.cached_requests.append(CachedRequestData(

@@ -14,6 +14,7 @@ from tokenmill.core.request import RequestStatus
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output import OutputProcessor, RequestState
 from tokenmill.engine.processor import ModelFacts, Processor, child_ids
+from tokenmill.lora.request import LoRARequest
 from tokenmill.engine.stats import EngineStats, StepStats  # noqa: F401  (re-exported)
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -27,7 +28,8 @@ def model_facts(config: EngineConfig, core_info, tokenizer, load_time_s: float =
     eos = eos_token_ids(config.model.model, tokenizer)
     return ModelFacts(core_info.max_model_len, core_info.vocab_size, frozenset(eos), core_info.num_blocks,
                       core_info.block_size, load_time_s, int(getattr(core_info.model_cost, "weight_bytes", 0)),
-                      core_info.bytes_per_block)
+                      core_info.bytes_per_block, core_info.lora_shapes, core_info.num_layers,
+                      config.lora.max_lora_rank if config.lora is not None else 0)
 
 
 class LLMEngine:
@@ -78,11 +80,12 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestState:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         prompt, ids, params, reqs = self.processor.process(request_id, prompt, params, prompt_token_ids, priority,
-                                                           arrival_time)
+                                                           arrival_time, lora_request)
         state = self.output_processor.add_request(request_id, prompt, ids, params, reqs[0].arrival_time,
                                                   child_ids(request_id, params.n))
         for r in reqs:

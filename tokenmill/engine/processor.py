@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, replace
 
 from tokenmill.core.request import EngineCoreRequest
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 SEED_RANGE = 2**63  # torch generators take non-negative 64-bit seeds
@@ -23,6 +24,9 @@ class ModelFacts:
     load_time_s: float = 0.0
     weight_bytes: int = 0  # resident: packed bytes for quantized weights
     kv_bytes_per_block: int = 0  # K and V (and their scales) of one block over all layers
+    lora_shapes: dict | None = None  # --enable-lora: projection -> (in, out), to check adapters at admission
+    num_layers: int = 0
+    max_lora_rank: int = 0
 
 
 def child_ids(request_id: str, n: int) -> list[str]:
@@ -33,6 +37,29 @@ class Processor:
     def __init__(self, tokenizer, facts: ModelFacts) -> None:
         self.tokenizer = tokenizer
         self.facts = facts
+        self._checked_adapters: set[tuple] = set()  # cache keys of adapters read and checked here
+
+    def check_lora(self, lora: LoRARequest | None) -> None:
+        """An adapter is read and checked against the model once, here (a bad one is this caller's ValueError,
+        naming the file and the reason), before any request with it reaches the core."""
+        if lora is None:
+            return
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}.")
+        if lora.cache_key in self._checked_adapters:
+            return
+        if self.facts.lora_shapes is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r} requested, but this engine runs without adapters "
+                             "(start it with --enable-lora).")
+        from tokenmill.lora.manager import load_adapter
+        from tokenmill.lora.peft import check_shapes
+
+        adapter = load_adapter(lora, self.facts.max_lora_rank)
+        check_shapes(adapter, self.facts.lora_shapes, self.facts.num_layers)
+        self._checked_adapters.add(lora.cache_key)
+
+    def forget_lora(self, lora: LoRARequest) -> None:
+        self._checked_adapters.discard(lora.cache_key)
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt).input_ids
@@ -45,6 +72,7 @@ class Processor:
         prompt_token_ids: list[int] | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, list[int], SamplingParams, list[EngineCoreRequest]]:
         """Returns (prompt text, prompt ids, params, core requests); raises ValueError on bad input."""
         params = params or SamplingParams()
@@ -59,6 +87,7 @@ class Processor:
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate_prompt(prompt_token_ids)
         params = self.check_params(params)
+        self.check_lora(lora_request)
         if params.structured_outputs is not None:
             from tokenmill.structured_output.grammar import validate
 
@@ -68,7 +97,8 @@ class Processor:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         reqs = [
             EngineCoreRequest(cid, prompt_token_ids, params, max_tokens, self.facts.eos_token_ids, priority, arrival,
-                              index=i, seed=None if params.seed is None else (params.seed + i) % SEED_RANGE)
+                              index=i, seed=None if params.seed is None else (params.seed + i) % SEED_RANGE,
+                              lora=lora_request)
             for i, cid in enumerate(child_ids(request_id, params.n))
         ]
         return prompt, prompt_token_ids, params, reqs

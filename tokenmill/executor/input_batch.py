@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ class CachedRequestState:
     generator: torch.Generator | None
     eos_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    lora: Any = None  # lora.request.LoRARequest of an adapter request
     sampling_slot: int = -1  # the request's slot in InputBatch.sampling
     row: int = -1  # the request's row of InputBatch's persistent arrays
 
@@ -87,7 +89,7 @@ class InputBatch:
             gen = torch.Generator(self.device).manual_seed(new.seed) if new.seed is not None else None
             state = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
-                new.num_computed_tokens, new.params, gen, tuple(new.eos_token_ids), new.seed)
+                new.num_computed_tokens, new.params, gen, tuple(new.eos_token_ids), new.seed, new.lora)
             state.sampling_slot = self.sampling.add(new.params, state.token_ids, new.num_prompt_tokens,
                                                     state.eos_token_ids)
             self._add_row(state)

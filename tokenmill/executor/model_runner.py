@@ -49,6 +49,7 @@ class ModelRunner:
         self.input_batch = InputBatch(block_size, device, vocab_size)
         self.sampler = Sampler()
         self.spec = spec  # spec_decode.decoder.SpecDecoder: proposes each request's next drafts
+        self.lora = None  # lora.manager.LoRAManager with --enable-lora: adapter slots, set per step
         self.num_blocks = 0
         self.kv_dtype: torch.dtype | None = None
         self.attn_timer = _attention_timer(torch.device(device))
@@ -115,6 +116,8 @@ class ModelRunner:
         if getattr(self.model, "pp_size", 1) > 1:
             return self._execute_stage(batch, t0)
         inp = self.input_batch.prepare(batch)
+        if self.lora is not None:
+            self.lora.prepare(inp.requests, batch.num_scheduled_tokens)
         meta = self.backend.build_metadata(inp.layout)
         timer = self.attn_timer
         if timer is not None:
@@ -158,6 +161,8 @@ class ModelRunner:
         for mb in micro_batches(batch, 2):
             tp0 = time.perf_counter()
             inp = self.input_batch.prepare(mb)
+            if self.lora is not None:
+                self.lora.prepare(inp.requests, mb.num_scheduled_tokens)
             meta = self.backend.build_metadata(inp.layout)
             prepare_s += time.perf_counter() - tp0
             carried = None

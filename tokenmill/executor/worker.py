@@ -38,6 +38,8 @@ class WorkerInfo:
     model_cost: Any  # diagnostics.ModelCost
     offload: Any = None  # kv_transfer.OffloadSpec when lower KV tiers are on
     attention_backend: str = ""
+    lora_shapes: dict | None = None  # --enable-lora: checkpoint module (q_proj, ...) -> (in, out), to check adapters
+    num_layers: int = 0
 
 
 def available_memory_bytes() -> int:
@@ -148,6 +150,14 @@ class Worker:
                                   self.max_model_len)
         self.runner = ModelRunner(model, vocab, cache.block_size, self.device, backend_cls(cache.block_size, self.device),
                                   spec)
+        lora = self.config.lora
+        if lora is not None:  # before the KV pool is sized: the slots take memory
+            from tokenmill.lora.manager import LoRAManager
+
+            self.runner.lora = LoRAManager(model, lora.max_loras, lora.max_lora_rank,
+                                           lora.max_cpu_loras or lora.max_loras, self.device)
+            log.info("LoRA: %d slot(s) of rank up to %d in %d layers, %.1f MiB", lora.max_loras, lora.max_lora_rank,
+                     len(self.runner.lora.targets.layers), self.runner.lora.nbytes / 2**20)
         kv_dtype = kv_dtype_for(getattr(cache, "kv_cache_dtype", "auto"), model)
         num_blocks = self.determine_num_blocks(kv_dtype)
         self.runner.allocate_kv_cache(num_blocks, kv_dtype)
@@ -168,10 +178,11 @@ class Worker:
 
             self.connector = ConnectorWorker(self.runner.kv_caches(), store_path(kv_transfer))
         torch.manual_seed(mc.seed)  # after loading, so sampling draws the same in any process
+        targets = self.runner.lora.targets if self.runner.lora is not None else None
         return WorkerInfo(num_blocks, cache.block_size, self.runner.bytes_per_block, self.max_model_len, vocab,
                           str(self.device), str(kv_dtype).removeprefix("torch."),
                           str(model.compute_dtype).removeprefix("torch."), self.model_cost(), offload,
-                          backend_cls.name)
+                          backend_cls.name, targets.shapes if targets else None, targets.num_layers if targets else 0)
 
     def log_resident_memory(self, model: torch.nn.Module, quant) -> None:
         """One INFO line on what this process holds after loading: weight bytes by kind (GGUF blocks, packed,

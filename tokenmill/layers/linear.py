@@ -76,6 +76,7 @@ class LinearBase(nn.Module):
         if quant_method is None and quant_config is not None:
             quant_method = quant_config.get_quant_method(self, prefix)
         self.quant_method: QuantizeMethodBase = quant_method or UnquantizedLinearMethod()
+        self.lora = None  # layers/lora.LoRALayer when adapters may apply to this layer (--enable-lora)
 
     def _create_weights(self, input_size_per_partition: int, output_partition_sizes: list[int], bias: bool,
                         bias_sharded: bool) -> None:
@@ -97,7 +98,24 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        return self._apply(x, self.bias)
+
+    def _apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """This rank's x W^T + b, plus the LoRA deltas of the step's adapter tokens (before any collective: a
+        row-parallel layer's all-reduce sums the deltas' partials with the product's)."""
+        y = self.quant_method.apply(self, x, bias)
+        if self.lora is not None and self.lora.step.groups:
+            y = self.lora.add_delta(x, y)
+        return y
+
+    # ---- LoRA: the full (checkpoint) shapes of each shard's A and B, and this rank's cut of them --------------
+    def lora_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) of each shard as a checkpoint's module has it: A is [r, in], B [out, r]."""
+        return [(self.input_size, self.output_size)]
+
+    def lora_cut(self, shard: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of one shard's (A, B): a replicated layer keeps both whole."""
+        return a, b
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
@@ -151,8 +169,15 @@ class ColumnParallelLinear(LinearBase):
         else:
             param.data.narrow(dim, offset, size).copy_(loaded.narrow(dim, shard_rank * size, size))
 
+    def lora_cut(self, shard: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.output_partition_sizes[shard]  # B's rows are sharded as the weight's
+        return a, b.narrow(0, self._lora_rank_of(shard) * size, size)
+
+    def _lora_rank_of(self, shard: int) -> int:
+        return self.tp_rank
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x, self.bias)
+        y = self._apply(x, self.bias)
         if self.gather_output and self.tp_size > 1:
             y = collectives.all_gather_last(y, self.tp_size)
         return y
@@ -172,6 +197,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                          output_partition_sizes=parts)
         self.output_sizes = list(output_sizes)
         self.shard_ids = tuple(range(len(output_sizes)))
+
+    def lora_shapes(self) -> list[tuple[int, int]]:
+        return [(self.input_size, n) for n in self.output_sizes]
 
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:  # a checkpoint that already packs the parts
@@ -214,6 +242,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_head_replicas = replicas
         self.q_size = q_size
         self.kv_size = kv_size
+
+    def lora_shapes(self) -> list[tuple[int, int]]:
+        q, kv = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
+        return [(self.input_size, q), (self.input_size, kv), (self.input_size, kv)]
+
+    def _lora_rank_of(self, shard: int) -> int:
+        return self.tp_rank if shard == 0 else self.tp_rank // self.num_kv_head_replicas
 
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None) -> None:
         q_full, kv_full = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
@@ -259,12 +294,16 @@ class RowParallelLinear(LinearBase):
         check_shape(loaded_weight, expected)
         param.data.copy_(loaded_weight.narrow(dim, self.tp_rank * size, size))
 
+    def lora_cut(self, shard: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.input_size_per_partition  # A's columns are sharded as the weight's
+        return a.narrow(1, self.tp_rank * n, n), b
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
+            return self._apply(x, self.bias)
         if not self.input_is_parallel:
             x = x.narrow(-1, self.tp_rank * self.input_size_per_partition, self.input_size_per_partition)
-        y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        y = self._apply(x, self.bias if self.tp_rank == 0 else None)
         if self.reduce_results:
             collectives.all_reduce(y)
         return y

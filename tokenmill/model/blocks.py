@@ -223,6 +223,7 @@ class DecoderForCausalLM(nn.Module):
         )
         self.own_layers = list(self.layers)[self.start : self.end]  # a plain list: no ModuleList slice per step
         self._stack: NativeStack | None | bool = False  # False: not built yet (model/native_stack.py)
+        self.lora_step = None  # layers/lora.LoRAStep with --enable-lora: a step with adapter tokens runs in Python
         self.norm = self.lm_head = None
         if self.is_last:
             self.norm = build.norm(spec.hidden_size, spec)
@@ -243,7 +244,7 @@ class DecoderForCausalLM(nn.Module):
         if self.aux_hidden_layers:
             return self._forward_capturing(positions, x, meta)
         stack = self._native_stack()
-        if stack is not None and stack.ready(meta):
+        if stack is not None and not (self.lora_step is not None and self.lora_step.active) and stack.ready(meta):
             x, residual = stack.forward(positions, x, meta, residual)
         else:
             for layer in self.own_layers:

@@ -1,0 +1,110 @@
+"""The LoRA delta of a linear layer for a batch that mixes adapters (and the base model) in one forward.
+
+Each adapted layer holds `max_loras` slots. A slot keeps one adapter's A of every shard of the layer stacked
+([S * r, in], S = 1 for o/down, 2 for gate_up, 3 for qkv) and B ([out, R], its first r columns used), so the
+step computes, per adapter present in the step (the Punica SGMV idea: grouped by adapter, not per token):
+
+    u = x[rows] @ A_slot^T            shrink: one GEMM for all shards of the layer
+    y[rows, shard s] += u_s @ B_s^T   expand: one GEMM per shard (its own r columns of u)
+
+`rows` are the step's tokens of that adapter: a slice when they are contiguous (requests of one adapter next to
+each other), else an index (gathered, scattered back with index_add_). A slot is sized to the adapter's own rank
+(no padding to --max-lora-rank in the arithmetic). The runner sets `LoRAStep` before each forward; layers read it.
+Under tensor parallelism each rank keeps its shard of B (column-parallel layers) or of A (row-parallel layers,
+whose partial sums the layer's all-reduce adds up, delta included).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LoRAStep:
+    """This step's tokens by adapter slot: [(slot, rows)], rows a slice or a LongTensor of token indices."""
+
+    groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.groups)
+
+    def set(self, token_slots: list[tuple[int, int, int]], device: torch.device) -> None:
+        """From runs (slot, first token, end) in batch order (slot -1: the base model): one group per slot."""
+        runs: dict[int, list[tuple[int, int]]] = {}
+        for slot, a, b in token_slots:
+            if slot >= 0 and b > a:
+                runs.setdefault(slot, []).append((a, b))
+        groups = []
+        for slot, spans in runs.items():
+            merged = [list(spans[0])]
+            for a, b in spans[1:]:
+                if a == merged[-1][1]:
+                    merged[-1][1] = b
+                else:
+                    merged.append([a, b])
+            if len(merged) == 1:
+                groups.append((slot, slice(merged[0][0], merged[0][1])))
+            else:
+                idx = torch.cat([torch.arange(a, b) for a, b in merged]).to(device)
+                groups.append((slot, idx))
+        self.groups = groups
+
+    def clear(self) -> None:
+        self.groups = []
+
+
+class LoRALayer:
+    """The slots of one linear layer (its rank's shard) and the delta it adds to the layer's output."""
+
+    def __init__(self, layer, step: LoRAStep, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.step = step
+        self.sizes = list(layer.output_partition_sizes)  # this rank's rows of each shard
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        S, n_in, n_out = len(self.sizes), layer.input_size_per_partition, layer.output_size_per_partition
+        self.a = torch.zeros(max_loras, S * max_rank, n_in, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, n_out, max_rank, dtype=dtype, device=device)
+        self.ranks = [0] * max_loras  # per slot: the adapter's rank in this layer (0: it does not adapt it)
+
+    @property
+    def nbytes(self) -> int:
+        return self.a.nbytes + self.b.nbytes
+
+    def set(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """One slot from per-shard (A [r_s, in], B [out_s, r_s]) already cut to this rank (None: shard not
+        adapted). Shards of different ranks share the largest; the others' extra rows and columns stay zero."""
+        r = max((a.shape[0] for p in parts if p is not None for a in p[:1]), default=0)
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for s, p in enumerate(parts):
+            if p is None:
+                continue
+            a, b = p
+            self.a[slot, s * r : s * r + a.shape[0]].copy_(a)
+            self.b[slot, self.offsets[s] : self.offsets[s] + self.sizes[s], : b.shape[1]].copy_(b)
+        self.ranks[slot] = r
+
+    def clear(self, slot: int) -> None:
+        self.ranks[slot] = 0
+
+    def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y += the adapters' deltas for their tokens of x (y is the layer's output, [T, out])."""
+        for slot, rows in self.step.groups:
+            r = self.ranks[slot]
+            if r == 0:
+                continue
+            S = len(self.sizes)
+            u = torch.mm(x[rows], self.a[slot, : S * r].t())  # [n, S * r]
+            if isinstance(rows, slice):
+                for s in range(S):
+                    o, n = self.offsets[s], self.sizes[s]
+                    y[rows, o : o + n].addmm_(u[:, s * r : (s + 1) * r], self.b[slot, o : o + n, :r].t())
+            else:
+                delta = torch.empty(u.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+                for s in range(S):
+                    o, n = self.offsets[s], self.sizes[s]
+                    delta[:, o : o + n] = torch.mm(u[:, s * r : (s + 1) * r], self.b[slot, o : o + n, :r].t())
+                y.index_add_(0, rows, delta)
+        return y

@@ -1,0 +1,174 @@
+"""The worker's adapters: a host cache of loaded adapters (LRU, `max_cpu_loras`) and `max_loras` device slots in
+every adapted layer (LRU among the adapters the step does not use). Each step it makes sure the step's adapters
+are in slots and tells the layers which tokens use which slot (layers/lora.py). The scheduler never puts more
+distinct adapters in one step than there are slots (core/scheduler.py).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from tokenmill.layers.linear import LinearBase
+from tokenmill.layers.lora import LoRALayer, LoRAStep
+from tokenmill.lora.peft import LAYER_INDEX, TARGETS, LoRAAdapter, LoRAFormatError, check_shapes, load_peft
+from tokenmill.lora.request import LoRARequest
+
+log = logging.getLogger(__name__)
+
+# Per adapted layer: per shard, this rank's (A, B), or None where the adapter leaves the shard alone.
+Resolved = dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]]
+
+
+def load_adapter(req: LoRARequest, max_rank: int) -> LoRAAdapter:
+    """Read an adapter in any supported format (a GGUF LoRA file or a PEFT folder)."""
+    if req.lora_path.endswith(".gguf"):
+        from tokenmill.lora.gguf_lora import load_gguf_lora
+
+        return load_gguf_lora(req.lora_path, max_rank)
+    return load_peft(req.lora_path, max_rank)
+
+
+class AdapterTargets:
+    """Where each checkpoint module of an adapter lands in a model: (layer name, shard), with the shapes it
+    must have. Built from the model alone, so the API process can check an adapter without the weights."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.naming = getattr(model, "weight_naming", None)
+        packed = getattr(model, "packed_modules_mapping", {})
+        self.unpacked = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
+        names = {part for part in TARGETS if part not in self.unpacked} | {f for f, _ in self.unpacked.values()}
+        self.layers: dict[str, LinearBase] = {
+            name: m for name, m in model.named_modules()
+            if isinstance(m, LinearBase) and name.rsplit(".", 1)[-1] in names}
+        # Layer indices present in the model but not on this pipeline stage: an adapter's modules there are
+        # another stage's to load.
+        all_layers = getattr(model, "layers", None)
+        self.num_layers = len(all_layers) if all_layers is not None else 0
+        self.shapes: dict[str, tuple[int, int]] = {}  # checkpoint suffix (q_proj, ...) -> (in, out), full
+        for name, layer in self.layers.items():
+            suffix = name.rsplit(".", 1)[-1]
+            parts = packed.get(suffix, [suffix])
+            for part, shape in zip(parts, layer.lora_shapes()):
+                self.shapes.setdefault(part, shape)
+
+    def locate(self, module: str) -> tuple[str, int] | None:
+        """A checkpoint module name -> (this model's layer name, shard index); None if not on this rank."""
+        name = module
+        if self.naming is not None:
+            name = self.naming.param_name(module + ".weight", tied=False) or ""
+            name = name.removesuffix(".weight")
+        prefix, _, part = name.rpartition(".")
+        if part in self.unpacked:
+            fused, shard = self.unpacked[part]
+            name = f"{prefix}.{fused}" if prefix else fused
+        else:
+            shard = 0
+        return (name, shard) if name in self.layers else None
+
+    def resolve(self, adapter: LoRAAdapter) -> Resolved:
+        """Map and cut an adapter for this rank, checking every shape; raises LoRAFormatError naming the module."""
+        check_shapes(adapter, self.shapes, self.num_layers)
+        out: Resolved = {}
+        for module, w in adapter.modules.items():
+            where = self.locate(module)
+            if where is None:
+                if LAYER_INDEX.search(module):
+                    continue  # a layer of another pipeline stage
+                raise LoRAFormatError(f"LoRA adapter {adapter.path}: module {module} is not in this model.")
+            name, shard = where
+            layer = self.layers[name]
+            parts = out.setdefault(name, [None] * len(layer.lora_shapes()))
+            parts[shard] = layer.lora_cut(shard, w.a, w.b)
+        return out
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int,
+                 device: torch.device) -> None:
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.max_cpu_loras = max(max_cpu_loras, max_loras)
+        self.device = device
+        self.targets = AdapterTargets(model)
+        self.step = LoRAStep()
+        dtype = getattr(model, "compute_dtype", torch.float32)
+        for layer in self.targets.layers.values():
+            layer.lora = LoRALayer(layer, self.step, max_loras, max_rank, dtype, device)
+        model.lora_step = self.step  # the model keeps its native stack for steps without adapter tokens
+        self.host: OrderedDict[tuple, Resolved] = OrderedDict()  # cache_key -> resolved, LRU order
+        self.slots: list[tuple | None] = [None] * max_loras  # cache_key per slot
+        self.slot_lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))
+        self.loads = 0  # adapters read from disk
+        self.swaps = 0  # adapters put in a slot
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.lora.nbytes for layer in self.targets.layers.values())
+
+    def _host(self, req: LoRARequest) -> Resolved:
+        key = req.cache_key
+        resolved = self.host.get(key)
+        if resolved is not None:
+            self.host.move_to_end(key)
+            return resolved
+        resolved = self.targets.resolve(load_adapter(req, self.max_rank))
+        self.loads += 1
+        self.host[key] = resolved
+        while len(self.host) > self.max_cpu_loras:
+            old, _ = self.host.popitem(last=False)
+            log.debug("LoRA host cache: dropped %s", old)
+        return resolved
+
+    def remove(self, req: LoRARequest) -> None:
+        """Forget an unloaded adapter (its slot is free for the next one)."""
+        key = req.cache_key
+        self.host.pop(key, None)
+        for i, k in enumerate(self.slots):
+            if k == key:
+                self.slots[i] = None
+                for layer in self.targets.layers.values():
+                    layer.lora.clear(i)
+
+    def _slot_for(self, req: LoRARequest, busy: set[int]) -> int:
+        key = req.cache_key
+        if key in self.slots:
+            slot = self.slots.index(key)
+        else:
+            resolved = self._host(req)  # may raise: before any slot changes
+            free = [i for i in self.slot_lru if i not in busy]
+            if not free:
+                raise RuntimeError(f"more adapters in one step than --max-loras {self.max_loras}")
+            empty = [i for i in free if self.slots[i] is None]
+            slot = empty[0] if empty else free[0]
+            for name, layer in self.targets.layers.items():
+                parts = resolved.get(name)
+                if parts is None:
+                    layer.lora.clear(slot)
+                else:
+                    layer.lora.set(slot, parts)
+            self.slots[slot] = key
+            self.swaps += 1
+        self.slot_lru.move_to_end(slot)
+        return slot
+
+    def prepare(self, requests: list, num_tokens: list[int]) -> None:
+        """Slots for this step's adapters, and the runs of tokens each one applies to (requests in batch order,
+        each with num_tokens of its own)."""
+        runs, start, busy = [], 0, set()
+        slot_of: dict[tuple, int] = {}
+        for r, n in zip(requests, num_tokens):
+            lora = r.lora
+            if lora is not None:
+                slot = slot_of.get(lora.cache_key)
+                if slot is None:
+                    slot = slot_of[lora.cache_key] = self._slot_for(lora, busy)
+                    busy.add(slot)
+                runs.append((slot, start, start + n))
+            start += n
+        self.step.set(runs, self.device)
+
+    def clear(self) -> None:
+        self.step.clear()
