@@ -142,6 +142,9 @@ class Scheduler:
         """Queue a request. ValueError if even the whole pool could not hold its prompt (it could never run);
         its max_tokens is cut to what the pool can hold, so it finishes with "length" instead of preempting
         itself forever once it outgrows the pool."""
+        if req.lora is not None and self.config.max_loras < 1:  # it would wait for a slot for ever
+            raise ValueError(f"LoRA adapter {req.lora.lora_name!r} requested, but this engine runs without adapters "
+                             "(start it with --enable-lora).")
         room = self.capacity_tokens - req.num_prompt_tokens
         if room < 1:
             raise ValueError(f"the prompt ({req.num_prompt_tokens} tokens) does not fit the KV cache "
