@@ -150,6 +150,18 @@ def test_random_chunks_match_full_decode(tok, pieces, seed, max_chunk, slow, pro
     assert "".join(deltas) == text
 
 
+@pytest.mark.parametrize("slow", [False, True], ids=["fast", "slow"])
+def test_output_ending_mid_character_keeps_its_complete_text_in_any_chunking(tok, slow):
+    """A request can finish with a character's bytes cut off (max_tokens); in one chunk (a speculative step's
+    k+1 tokens) it keeps the text before that character, as token by token does."""
+    ids = tok.encode("café 😀", add_special_tokens=False)
+    cut = next(i for i in range(len(ids), 0, -1) if tok.decode(ids[:i]).endswith("\ufffd"))
+    tokenizer = SlowTokenizer(tok) if slow else tok
+    whole, _ = run(tokenizer, ids[:cut], chunks=[ids[:cut]])
+    stepwise, _ = run(tokenizer, ids[:cut])
+    assert whole.output_text == stepwise.output_text == "café "
+
+
 def test_prompt_ending_mid_character_does_not_leak_into_output(tok):
     ids = tok.encode("x😀 yes", add_special_tokens=False)
     split = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))

@@ -34,9 +34,12 @@ class _DecodeStreamText:
     stream: Any  # tokenizers.decoders.DecodeStream
 
     def step(self, new_ids: list[int]) -> str:
-        if not new_ids:
-            return ""
-        return self.stream.step(self.backend, new_ids) or ""
+        # One id at a time: given several, DecodeStream returns nothing while their text ends in an incomplete
+        # UTF-8 character, and a request that finishes there (k+1 tokens of a speculative step) would lose the
+        # complete characters before it too.
+        if len(new_ids) == 1:
+            return self.stream.step(self.backend, new_ids[0]) or ""
+        return "".join(self.stream.step(self.backend, i) or "" for i in new_ids)
 
 
 @dataclass
@@ -59,9 +62,11 @@ class _OffsetText:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def step(self, new_ids: list[int]) -> str:
-        if not new_ids:
-            return ""
-        self.ids.extend(new_ids)
+        # One id at a time, for the reason _DecodeStreamText.step gives.
+        return "".join(self._step_one(i) for i in new_ids)
+
+    def _step_one(self, new_id: int) -> str:
+        self.ids.append(new_id)
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
