@@ -273,6 +273,13 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="Model name(s) clients use; the first one is reported back (default: the MODEL's folder or "
                         "file name without its path and .gguf, or SmolLM2-135M-Instruct for the embedded model).")
+    g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="LoRA adapters to serve (needs --enable-lora): NAME=PATH (a PEFT folder or a GGUF LoRA file) or "
+                        "vLLM's JSON form '{\"name\": NAME, \"path\": PATH}'; a request's model field picks one.")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                   help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key) "
+                        "(default: off, or $VLLM_ALLOW_RUNTIME_LORA_UPDATING).")
     g.add_argument("--chat-template", metavar="FILE_OR_TEXT",
                    help="Jinja chat template (a file or the text) to use instead of the model's.")
     g.add_argument("--max-waiting-requests", type=int, metavar="N",

@@ -26,6 +26,7 @@ from tokenmill.engine.core_client import CoreBusyError, CoreClient, CoreDeadErro
 from tokenmill.engine.output import (EngineError, FinishedRequest, OutputProcessor, RequestDelta,  # noqa: F401
                                      RequestState, SequenceDelta)
 from tokenmill.engine.processor import ModelFacts, Processor, child_ids
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ class AsyncLLMEngine:
     # ---- requests (call these from an event loop) ----------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     queue: asyncio.Queue, *, tag: int = 0, priority: int = 0, arrival_time: float | None = None,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queue a request; its deltas arrive on `queue`, the last one with finished=True."""
         loop = asyncio.get_running_loop()
         refuse = None
@@ -162,7 +163,7 @@ class AsyncLLMEngine:
         if refuse is None:
             try:
                 _, ids, params, reqs = self.processor.process(request_id, prompt_token_ids, params, None,
-                                                              priority, arrival_time)
+                                                              priority, arrival_time, lora_request)
             except ValueError as e:
                 refuse = EngineError(str(e), 400)
         if refuse is not None:
@@ -170,8 +171,9 @@ class AsyncLLMEngine:
             return
         self._in_flight.add(request_id)
         with self._lock:
-            self.output.add_request(request_id, prompt, ids, params, reqs[0].arrival_time,
-                                    child_ids(request_id, params.n), sink=(queue, loop, tag))
+            state = self.output.add_request(request_id, prompt, ids, params, reqs[0].arrival_time,
+                                            child_ids(request_id, params.n), sink=(queue, loop, tag))
+            state.adapter = lora_request.lora_name if lora_request is not None else None
         try:
             self.client.send_requests(reqs)  # queued, never a wait on the core
             self._adds_sent += len(reqs)
@@ -184,6 +186,14 @@ class AsyncLLMEngine:
                 "the server is busy receiving other large requests; please retry shortly.", 503, "overloaded")))
         except CoreDeadError as e:
             self._on_dead(str(e))
+
+    def check_lora(self, lora: LoRARequest) -> None:
+        """Read and check an adapter against the model (blocking: call it off the event loop); ValueError says why.
+        Requests with it are then admitted without reading it again."""
+        self.processor.check_lora(lora)
+
+    def forget_lora(self, lora: LoRARequest) -> None:
+        self.processor.forget_lora(lora)
 
     def abort(self, request_id: str, error: EngineError | None = None) -> None:
         """Stop a request and free its KV blocks; a no-op once it has finished."""

@@ -104,6 +104,14 @@ class DataParallelEngine:
             self.owner[request_id] = i
         self.engines[i].add_request(request_id, prompt_token_ids, params, queue, **kw)
 
+    def check_lora(self, lora) -> None:
+        for e in self.engines:
+            e.check_lora(lora)
+
+    def forget_lora(self, lora) -> None:
+        for e in self.engines:
+            e.forget_lora(lora)
+
     def abort(self, request_id: str, error: EngineError | None = None) -> None:
         with self._lock:
             i = self.owner.pop(request_id, None)

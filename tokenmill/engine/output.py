@@ -77,6 +77,7 @@ class FinishedRequest:
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float
+    adapter: str | None = None
 
 
 @dataclass(eq=False)
@@ -116,6 +117,7 @@ class RequestState:
     sink: Any = None  # the async engine's delivery target (queue, loop, tag)
     prompt_logprobs_sent: bool = False
     error: EngineError | None = None  # processing its output failed: it ended with this error
+    adapter: str | None = None  # the LoRA adapter it ran with, by name (metrics)
 
     @property
     def finished(self) -> bool:
@@ -373,4 +375,5 @@ class OutputProcessor:
             first_scheduled_time=first.first_scheduled_time,
             first_token_time=first.first_token_time,
             finished_time=max(ends) if ends else now,
+            adapter=state.adapter,
         )

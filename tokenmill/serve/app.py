@@ -21,8 +21,9 @@ from tokenmill.serve.completions import create_completion
 from tokenmill.serve.errors import APIError, BodyTimeout, BodyTooLarge, bad_request
 from tokenmill.serve.metrics import CONTENT_TYPE
 from tokenmill.serve.middleware import GuardMiddleware, too_large
-from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
-                                      ModelList, TokenizeRequest, TokenizeResponse, DetokenizeResponse)
+from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                                      DetokenizeResponse, UnloadLoRAAdapterRequest)
 from tokenmill.serve.sampling import check_input_chars, check_prompt_ids
 from tokenmill.serve.state import ServerState
 
@@ -145,6 +146,7 @@ def build_app(state: ServerState) -> FastAPI:
         await asyncio.get_running_loop().run_in_executor(None, state.engine.shutdown)
         state.shutdown()
 
+    register_lora_modules(state)
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
     app.state.tokenmill = state
     _add_error_handlers(app)
@@ -153,6 +155,21 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes,
                        protect_metrics=settings.protect_metrics, body_timeout_s=settings.request_body_timeout_s)
     return app
+
+
+def register_lora_modules(state: ServerState) -> None:
+    """--lora-modules: each adapter read and checked against the model before the server listens (a bad one stops
+    the start with the file and the reason)."""
+    for name, path in state.settings.lora_modules:
+        if state.loras.get(name) is not None:
+            continue  # this state was built into an app before
+        lora = state.loras.new(name, path)
+        try:
+            state.engine.check_lora(lora)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {name}={path}: {e}") from None
+        state.loras.add(lora)
+        log.info("LoRA adapter %s: %s", name, path)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -203,21 +220,27 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         arrival = time.monotonic()
         return await create_chat_completion(state, await parse_body(raw, ChatCompletionRequest), raw, arrival)
 
-    def card(name: str) -> ModelCard:
-        # root is the served name too, never the model's filesystem path (which says where the server keeps its
-        # files); parent is null: no LoRA adapters here.
-        return ModelCard(id=name, created=created, root=state.model_name, parent=None,
-                         max_model_len=state.engine.max_model_len)
+    def card(name: str, adapter: bool = False) -> ModelCard:
+        # root is a served name, never a filesystem path (which says where the server keeps its files); an
+        # adapter's parent is the base model, as vLLM lists them.
+        return ModelCard(id=name, created=created, root=name if adapter else state.model_name,
+                         parent=state.model_name if adapter else None, max_model_len=state.engine.max_model_len)
 
     @app.get("/v1/models")
     async def models():
-        return ModelList(data=[card(n) for n in state.settings.served_model_names])
+        return ModelList(data=[card(n) for n in state.settings.served_model_names] +
+                         [card(n, adapter=True) for n in state.loras.names()])
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        state.check_model(model_id)
+        name, lora = state.resolve_model(model_id)
         # An alias (the MODEL argument as given) is accepted but never echoed: the card names the served model.
+        if lora is not None:
+            return card(name, adapter=True)
         return card(model_id if model_id in state.settings.served_model_names else state.model_name)
+
+    if state.settings.allow_runtime_lora_updating:
+        _add_lora_routes(app, state)
 
     @app.get("/health")
     async def health():
@@ -300,3 +323,30 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/", include_in_schema=False)
     async def root():
         return JSONResponse({"name": "tokenmill", "version": __version__, "models": state.settings.served_model_names})
+
+
+def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's runtime adapter routes (--allow-runtime-lora-updating), behind the API key as every /v1 route."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(raw: Request):
+        req = await parse_body(raw, LoadLoRAAdapterRequest)
+        try:
+            lora = state.loras.new(req.lora_name, req.lora_path)
+            await state.run_blocking(state.engine.check_lora, lora)  # reads the files: off the event loop
+            state.loras.add(lora)
+        except ValueError as e:
+            raise bad_request(str(e), "lora_path") from None
+        log.info("LoRA adapter %s loaded from %s", req.lora_name, req.lora_path)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(raw: Request):
+        req = await parse_body(raw, UnloadLoRAAdapterRequest)
+        lora = state.loras.remove(req.lora_name)
+        if lora is None:
+            raise APIError(404, f"The lora adapter '{req.lora_name}' cannot be found.", "lora_name",
+                           "model_not_found")
+        state.engine.forget_lora(lora)  # requests already running with it finish with it
+        log.info("LoRA adapter %s unloaded", req.lora_name)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")

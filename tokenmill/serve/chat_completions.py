@@ -82,7 +82,7 @@ async def generation_prompt(state: ServerState, req, text: str) -> str:
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request,
                                  arrival_time: float | None = None):
-    model = state.check_model(req.model)
+    model, lora = state.resolve_model(req.model)
     tok = state.engine.tokenizer
     plan = chat_plan(req, state.settings, tok)
     so, so_param = request_constraint(req)
@@ -103,7 +103,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         await check_constraint(state, so, so_param)
     params = build_sampling_params(req, [len(ids)], state.limits, so)
     state.check_capacity()
-    sub = Submission(state.engine, [ids], [text], [params], req.priority, arrival_time)
+    sub = Submission(state.engine, [ids], [text], [params], req.priority, arrival_time, lora)
     await sub.start()
     if req.stream:
         return SSEResponse(_stream(state, req, sub, model, plan))

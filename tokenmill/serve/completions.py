@@ -70,7 +70,7 @@ def _prepare(state: ServerState, req: CompletionRequest, prompts: list, so) -> _
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request,
                             arrival_time: float | None = None):
-    model = state.check_model(req.model)
+    model, lora = state.resolve_model(req.model)
     if req.suffix:
         raise bad_request("suffix is not supported.", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -89,7 +89,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     ready = await state.run_blocking(_prepare, state, req, prompts, so, size=_request_size(prompts, req))
     state.check_capacity()
     sub = Submission(state.engine, ready.ids, ready.texts, [ready.params] * len(ready.ids), req.priority,
-                     arrival_time)
+                     arrival_time, lora)
     await sub.start()
     if req.stream:
         return SSEResponse(_stream(state, req, sub, model))

@@ -25,6 +25,9 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1
                 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _STEP_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# LoRA adapters get a label value each up to this many names; later ones count under "other" (adapters can be
+# loaded at run time without end: the series must stay bounded).
+MAX_ADAPTER_LABELS = 32
 
 
 class ServerMetrics:
@@ -74,6 +77,11 @@ class ServerMetrics:
         kv_blocks = counter("kv_transfer_blocks", "KV blocks handed over, by direction.", m + ["direction"])
         self.kv_transfer_blocks = {d: kv_blocks.labels(model_name=model_name, direction=d)
                                    for d in ("exported", "imported", "failed")}
+        self._lora = {kind: counter(f"lora_{kind}", doc, m + ["adapter"]) for kind, doc in (
+            ("requests", "Finished requests per LoRA adapter (after 32 adapter names: adapter=\"other\")."),
+            ("prompt_tokens", "Prompt tokens of finished requests per LoRA adapter."),
+            ("generation_tokens", "Generated tokens of finished requests per LoRA adapter."))}
+        self._adapters: set[str] = set()
         self._success = counter("request_success", "Finished requests by finish reason.", m + ["finished_reason"])
         self._model = model_name
         for reason in ("stop", "length", "abort"):
@@ -157,6 +165,13 @@ class ServerMetrics:
     def on_request_finished(self, r: FinishedRequest) -> None:
         self._success.labels(model_name=self._model, finished_reason=r.finish_reason).inc()
         self.prompt_tokens.inc(r.num_prompt_tokens)
+        if r.adapter is not None:
+            if r.adapter not in self._adapters and len(self._adapters) < MAX_ADAPTER_LABELS:
+                self._adapters.add(r.adapter)
+            adapter = r.adapter if r.adapter in self._adapters else "other"
+            for kind, n in (("requests", 1), ("prompt_tokens", r.num_prompt_tokens),
+                            ("generation_tokens", r.num_generation_tokens)):
+                self._lora[kind].labels(model_name=self._model, adapter=adapter).inc(n)
         self.e2e.observe(max(0.0, r.finished_time - r.arrival_time))
         if r.first_scheduled_time is not None:
             self.queue_time.observe(max(0.0, r.first_scheduled_time - r.arrival_time))

@@ -144,6 +144,16 @@ class DetokenizeRequest(_Request):
     tokens: TokenIds
 
 
+class LoadLoRAAdapterRequest(_Request):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 # ---- responses --------------------------------------------------------------------------------
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0

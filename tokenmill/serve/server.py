@@ -178,6 +178,7 @@ def serve_main(args, engine_kwargs: dict) -> int:
     from tokenmill.serve.app import build_app
     from tokenmill.serve.chat import load_chat_template
     from tokenmill.serve.metrics import ServerMetrics
+    from tokenmill.serve.lora import parse_lora_modules
     from tokenmill.serve.state import ServerSettings
 
     if not 0 <= args.port <= 65535:
@@ -233,6 +234,8 @@ def serve_main(args, engine_kwargs: dict) -> int:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        lora_modules=parse_lora_modules(args.lora_modules),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     from tokenmill.platform import tune_malloc
 

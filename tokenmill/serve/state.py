@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.lora.request import LoRARequest
 from tokenmill.serve.errors import APIError
+from tokenmill.serve.lora import LoRARegistry
 from tokenmill.serve.metrics import ServerMetrics
 from tokenmill.serve.sampling import Limits
 
@@ -48,6 +50,9 @@ class ServerSettings:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    # LoRA adapters (serve/lora.py): --lora-modules as (name, path), and whether they may change at run time.
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
+    allow_runtime_lora_updating: bool = False
 
 
 # Inputs longer than this (characters, or token ids to decode) are (de)tokenized in the slow lane.
@@ -76,6 +81,12 @@ class ServerState:
     slow_executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-tokenize-large",
                                                    initializer=_lower_priority))
+    loras: LoRARegistry | None = None
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        if self.loras is None:
+            self.loras = LoRARegistry(s.served_model_names + s.model_aliases, s.allow_runtime_lora_updating)
 
     @property
     def model_name(self) -> str:
@@ -89,9 +100,16 @@ class ServerState:
                       s.max_stop_token_ids, s.max_prompts)
 
     def check_model(self, requested: str | None) -> str:
+        return self.resolve_model(requested)[0]
+
+    def resolve_model(self, requested: str | None) -> tuple[str, LoRARequest | None]:
+        """The name to answer with, and the adapter a request's `model` names (None: the base model)."""
         if requested is None or requested in self.settings.served_model_names or \
                 requested in self.settings.model_aliases:
-            return self.model_name
+            return self.model_name, None
+        lora = self.loras.get(requested)
+        if lora is not None:
+            return requested, lora
         raise APIError(404, f"The model `{requested}` does not exist.", "model", "model_not_found")
 
     def check_capacity(self) -> None:
