@@ -49,3 +49,44 @@ def peft_greedy(base: str | os.PathLike, adapter: str | os.PathLike | None, prom
             logprobs = torch.stack([torch.log_softmax(step[0].float(), -1) for step in out.logits])
             results.append((tokens, logprobs))
     return results
+
+
+def write_gguf_lora(peft_dir: str | os.PathLike, out: str | os.PathLike, n_head: int, n_kv_head: int,
+                    arch: str = "llama", qtype=None) -> Path:
+    """A PEFT adapter written the way llama.cpp's convert_lora_to_gguf.py lays it out: general.type adapter,
+    adapter.lora.alpha, `blk.{i}.{part}.weight.lora_a` / `.lora_b`, and for Llama the rows of q's and k's B
+    permuted into llama.cpp's rope order, as the base weights are. With `qtype`, tensors whose rows fill whole
+    blocks are quantized and the others stored as F16."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    from gguf_tiny import LAYER_NAMES, permute
+
+    peft_dir = Path(peft_dir)
+    cfg = json.loads((peft_dir / "adapter_config.json").read_text())
+    tensors = load_file(str(peft_dir / "adapter_model.safetensors"))
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(cfg["lora_alpha"]))
+    for key, t in sorted(tensors.items()):
+        module = key.removeprefix("base_model.model.model.").rsplit(".lora_", 1)[0]  # layers.0.self_attn.q_proj
+        which = "lora_a" if ".lora_A." in key else "lora_b"
+        _, i, rest = module.split(".", 2)
+        a = t.float().numpy()
+        if arch == "llama" and which == "lora_b" and rest in ("self_attn.q_proj", "self_attn.k_proj"):
+            a = permute(a, n_head if rest == "self_attn.q_proj" else n_kv_head)
+        name = f"blk.{i}.{LAYER_NAMES[rest]}.weight.{which}"
+        if qtype is not None and a.shape[-1] % 32 == 0:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        elif qtype is not None:  # rows too short for quantized blocks: F16, as the converter falls back
+            w.add_tensor(name, a.astype("float16"))
+        else:
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out)

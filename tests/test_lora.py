@@ -90,6 +90,18 @@ def test_mixed_batches_equal_peft(family):
     assert tight.engine.scheduler.num_preemptions > 0
 
 
+def test_torch_path_mixed_batches_equal_peft(family, monkeypatch):
+    """The portable delta (per-adapter GEMMs; the one every non-CPU device runs) in the engine end to end."""
+    from tokenmill.layers.lora import NATIVE_ENV
+
+    monkeypatch.setenv(NATIVE_ENV, "0")
+    base, prompts, requests, oracle = family
+    llm = LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=64, max_model_len=128,
+              num_gpu_blocks_override=64, max_num_batched_tokens=24)
+    assert not any(layer.lora.native for layer in llm.engine.runner.lora.targets.layers.values())
+    check(llm, prompts, requests, oracle, "torch path")
+
+
 def test_steps_never_hold_more_adapters_than_slots(family):
     base, prompts, requests, oracle = family
     llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=64, max_model_len=128,
@@ -210,19 +222,28 @@ def test_adapter_file_gone_before_the_worker_reads_it_fails_only_its_request(ser
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
-def test_delta_kernel_gathered_rows_equal_contiguous():
-    """The grouped delta of a packed (q, k, v) layer against float64: tokens of one adapter spread over the batch
-    (gathered and scattered back) give what they give when contiguous; base-model tokens get nothing."""
+@pytest.mark.parametrize("hidden", [16, 37])  # 37: vector tails in the shrink's dot products
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_delta_kernel_gathered_rows_equal_contiguous(path, hidden, monkeypatch):
+    """The grouped delta of a packed (q, k, v) layer against float64, on the native kernel and the torch path:
+    tokens of one adapter spread over the batch (gathered and scattered back) give what they give when
+    contiguous; base-model tokens get nothing."""
+    from tokenmill import native
     from tokenmill.layers.linear import QKVParallelLinear
-    from tokenmill.layers.lora import LoRALayer, LoRAStep
+    from tokenmill.layers.lora import NATIVE_ENV, LoRALayer, LoRAStep
 
-    layer = QKVParallelLinear(16, 4, 4, 2)  # q 16 rows, k and v 8 each
+    if path == "native" and not native.has_op("lora_delta"):
+        pytest.skip(f"native kernels without lora_delta: {native.load()}")
+    monkeypatch.setenv(NATIVE_ENV, "1" if path == "native" else "0")
+    layer = QKVParallelLinear(hidden, 4, 4, 2)  # q 16 rows, k and v 8 each
     step = LoRAStep()
     lora = LoRALayer(layer, step, max_loras=2, max_rank=8, dtype=torch.float32, device=torch.device("cpu"))
+    assert lora.native == (path == "native")
     g = torch.Generator().manual_seed(0)
-    parts = [(torch.randn(r, 16, generator=g), torch.randn(n, r, generator=g)) for r, n in zip((4, 2, 4), lora.sizes)]
+    parts = [(torch.randn(r, hidden, generator=g), torch.randn(n, r, generator=g))
+             for r, n in zip((4, 2, 4), lora.sizes)]
     lora.set(1, [parts[0], None, parts[2]])  # v adapted at rank 4, k not at all
-    x = torch.randn(6, 16, generator=g)
+    x = torch.randn(6, hidden, generator=g)
     step.set([(1, 0, 2), (-1, 2, 4), (1, 4, 6)], torch.device("cpu"))
     gathered = lora.add_delta(x, torch.zeros(6, 32))
     step.set([(1, 0, 6)], torch.device("cpu"))

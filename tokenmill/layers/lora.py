@@ -10,14 +10,28 @@ step computes, per adapter present in the step (the Punica SGMV idea: grouped by
 `rows` are the step's tokens of that adapter: a slice when they are contiguous (requests of one adapter next to
 each other), else an index (gathered, scattered back with index_add_). A slot is sized to the adapter's own rank
 (no padding to --max-lora-rank in the arithmetic). The runner sets `LoRAStep` before each forward; layers read it.
+
+That is the portable path. On the CPU in float32 the native kernel (csrc/lora_delta.cpp) does the same for all
+adapters of the step in one call per layer (a token's slot from `LoRAStep.token_slots`): the ranks are small, so
+torch's per-adapter, per-shard dispatch, gather and scatter cost more than the arithmetic. TOKENMILL_LORA_NATIVE=0
+keeps the torch path.
 Under tensor parallelism each rank keeps its shard of B (column-parallel layers) or of A (row-parallel layers,
 whose partial sums the layer's all-reduce adds up, delta included).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
+
+from tokenmill import native
+
+NATIVE_ENV = "TOKENMILL_LORA_NATIVE"
+
+
+def native_enabled() -> bool:
+    return os.environ.get(NATIVE_ENV, "1") != "0" and native.has_op("lora_delta")
 
 
 @dataclass
@@ -25,6 +39,7 @@ class LoRAStep:
     """This step's tokens by adapter slot: [(slot, rows)], rows a slice or a LongTensor of token indices."""
 
     groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+    token_slots: torch.Tensor | None = None  # int32 [T]: each token's slot, -1 for the base model (native kernel)
 
     @property
     def active(self) -> bool:
@@ -32,6 +47,12 @@ class LoRAStep:
 
     def set(self, token_slots: list[tuple[int, int, int]], device: torch.device) -> None:
         """From runs (slot, first token, end) in batch order (slot -1: the base model): one group per slot."""
+        total = token_slots[-1][2] if token_slots else 0
+        slots = torch.full((total,), -1, dtype=torch.int32)
+        for slot, a, b in token_slots:
+            if slot >= 0:
+                slots[a:b] = slot
+        self.token_slots = slots.to(device)
         runs: dict[int, list[tuple[int, int]]] = {}
         for slot, a, b in token_slots:
             if slot >= 0 and b > a:
@@ -53,6 +74,7 @@ class LoRAStep:
 
     def clear(self) -> None:
         self.groups = []
+        self.token_slots = None
 
 
 class LoRALayer:
@@ -67,6 +89,8 @@ class LoRALayer:
         self.a = torch.zeros(max_loras, S * max_rank, n_in, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, n_out, max_rank, dtype=dtype, device=device)
         self.ranks = [0] * max_loras  # per slot: the adapter's rank in this layer (0: it does not adapt it)
+        self.ranks_t = torch.zeros(max_loras, dtype=torch.int64, device=device)  # the same, for the native kernel
+        self.native = native_enabled() and torch.device(device).type == "cpu" and dtype == torch.float32
 
     @property
     def nbytes(self) -> int:
@@ -85,12 +109,21 @@ class LoRALayer:
             self.a[slot, s * r : s * r + a.shape[0]].copy_(a)
             self.b[slot, self.offsets[s] : self.offsets[s] + self.sizes[s], : b.shape[1]].copy_(b)
         self.ranks[slot] = r
+        self.ranks_t[slot] = r
 
     def clear(self, slot: int) -> None:
         self.ranks[slot] = 0
+        self.ranks_t[slot] = 0
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y += the adapters' deltas for their tokens of x (y is the layer's output, [T, out])."""
+        if self.native and y.dtype == torch.float32 and y.stride(-1) == 1 and x.dtype == torch.float32:
+            return torch.ops.tokenmill.lora_delta(y, x.contiguous(), self.a, self.b, self.step.token_slots,
+                                                  self.ranks_t, self.sizes)
+        return self.add_delta_torch(x, y)
+
+    def add_delta_torch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The portable path: per adapter of the step, one shrink GEMM and one expand GEMM per shard."""
         for slot, rows in self.step.groups:
             r = self.ranks[slot]
             if r == 0:

@@ -31,6 +31,13 @@ def load_adapter(req: LoRARequest, max_rank: int) -> LoRAAdapter:
     return load_peft(req.lora_path, max_rank)
 
 
+def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows of a q/k projection from llama.cpp's rope layout (each head's halves interleaved) back to
+    transformers' order (model/gguf_loader.py does the same for the base weights)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
 class AdapterTargets:
     """Where each checkpoint module of an adapter lands in a model: (layer name, shard), with the shapes it
     must have. Built from the model alone, so the API process can check an adapter without the weights."""
@@ -80,8 +87,12 @@ class AdapterTargets:
                 raise LoRAFormatError(f"LoRA adapter {adapter.path}: module {module} is not in this model.")
             name, shard = where
             layer = self.layers[name]
+            b = w.b
+            part = module.rsplit(".", 1)[-1]
+            if adapter.rope_permuted and part in ("q_proj", "k_proj"):
+                b = unpermute_rows(b, layer.total_num_heads if part == "q_proj" else layer.total_num_kv_heads)
             parts = out.setdefault(name, [None] * len(layer.lora_shapes()))
-            parts[shard] = layer.lora_cut(shard, w.a, w.b)
+            parts[shard] = layer.lora_cut(shard, w.a, b)
         return out
 
 

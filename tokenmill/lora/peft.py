@@ -41,6 +41,8 @@ class LoRAAdapter:
     path: str
     rank: int
     modules: dict[str, LoRAWeights] = field(default_factory=dict)
+    # GGUF adapters of Llama / Mistral: B of q and k has its rows in llama.cpp's rope order (lora/gguf_lora.py)
+    rope_permuted: bool = False
 
     @property
     def nbytes(self) -> int:
