@@ -4,11 +4,13 @@
   LoRA off;
 - lora: the same requests spread over A adapters (random PEFT adapters of rank --rank on q/k/v/o/gate/up/down,
   written for the model's shapes), all in one batch (--max-loras A);
+- lora-torch: the same on the portable delta path (per-adapter GEMMs) instead of the native kernel;
 - merged: what serving each adapter merged into its own copy of the model costs: those models have the base's
   shapes and cost, so it is the base engine serving each adapter's R/A requests in turn, one group after another.
 
 Prints output tok/s of each, lora / base (the issue's bar: >= 0.8x) and lora / merged, and the time the LoRA
-deltas take per step (the layers' delta calls timed in a separate profiled round). Rounds alternate the engines.
+deltas take per step on each path (the layers' delta calls timed in separate profiled runs). Rounds alternate
+the runs, so drift on a shared machine hits all alike; the best round of each counts.
 
     python benchmarks/lora.py                      # 64 requests over 4 adapters, rank 16
     python benchmarks/lora.py --requests 32 --adapters 8 --max-loras 4 --rank 8
@@ -62,7 +64,7 @@ def run(llm: LLM, prompts, sp, loras) -> tuple[float, int]:
 def delta_seconds(llm: LLM, prompts, sp, loras) -> tuple[float, int]:
     """Time inside the LoRA delta calls over one run, and the steps it took."""
     layers = [layer.lora for layer in llm.engine.runner.lora.targets.layers.values()]
-    spent = [0.0]
+    spent = [0.0]  # wall time inside the layers' delta calls
     originals = [(lora, lora.add_delta) for lora in layers]
 
     def timed(fn):
@@ -117,25 +119,46 @@ def main() -> int:
 
     run(base, prompts[:4], sp, None)  # warm-up: first-call costs out of the timed rounds
     run(lora, prompts[:4], sp, loras[:4])
-    best = {"base": 0.0, "lora": 0.0, "merged": 0.0}
+    layers = [layer.lora for layer in lora.engine.runner.lora.targets.layers.values()]
+    native = layers[0].native
+
+    def use_native(on: bool) -> None:
+        for layer in layers:
+            layer.native = on
+
+    best = {"base": 0.0, "lora": 0.0, "lora-torch": 0.0, "merged": 0.0}
     for rnd in range(args.rounds):
         dt, n = run(base, prompts, sp, None)
         best["base"] = max(best["base"], n / dt)
         dt, n = run(lora, prompts, sp, loras)
         best["lora"] = max(best["lora"], n / dt)
+        if native:
+            use_native(False)
+            dt, n = run(lora, prompts, sp, loras)
+            best["lora-torch"] = max(best["lora-torch"], n / dt)
+            use_native(True)
         total_t, total_n = 0.0, 0
         for grp in groups:
             dt, n = run(base, grp, sp, None)
             total_t, total_n = total_t + dt, total_n + n
         best["merged"] = max(best["merged"], total_n / total_t)
         print(f"round {rnd}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in best.items()) + f" {env_str()}")
-    spent, _ = delta_seconds(lora, prompts, sp, loras)
+    profiled = {}
+    for on in ([True, False] if native else [False]):
+        use_native(on)
+        profiled["native kernel" if on else "torch path"] = delta_seconds(lora, prompts, sp, loras)
+    use_native(native)
     print(f"\n{args.requests} requests over {args.adapters} adapters (rank {args.rank}, {lora.engine.config.lora.max_loras}"
           f" slots), prompts {args.prompt_len}, {args.output_len} out, best of {args.rounds}:")
     print(f"  base model       {best['base']:7.1f} tok/s")
-    print(f"  LoRA, mixed      {best['lora']:7.1f} tok/s = {best['lora'] / best['base']:.2f}x base")
+    print(f"  LoRA, mixed      {best['lora']:7.1f} tok/s = {best['lora'] / best['base']:.2f}x base "
+          f"({'native kernel' if native else 'torch path'})")
+    if native:
+        print(f"  LoRA, torch path {best['lora-torch']:7.1f} tok/s = {best['lora-torch'] / best['base']:.2f}x base")
     print(f"  merged, in turn  {best['merged']:7.1f} tok/s; LoRA mixed = {best['lora'] / best['merged']:.2f}x merged")
-    print(f"  LoRA delta time in one profiled run: {spent:.2f} s {env_str()}")
+    for path, (spent, steps) in profiled.items():
+        print(f"  LoRA deltas, {path}: {spent:.2f} s over {steps} steps = {1e3 * spent / max(steps, 1):.1f} ms per step")
+    print(f"  {env_str()}")
     return 0
 
 

@@ -9,12 +9,14 @@ import json
 import pytest
 import torch
 
-from lora_tiny import ALL, make_adapter, peft_greedy
+from lora_tiny import ALL, make_adapter, no_failed_steps, peft_greedy  # noqa: F401 (an autouse fixture)
 from test_parity import check_against_oracle, prompts_for
 from tiny import make_tiny_model
 from tokenmill import LLM, LoRARequest, SamplingParams
 
 NEW_TOKENS = 12
+
+
 # (rank, alpha, rsLoRA, targets): ranks 1 / 8 / 64, alpha != r, rsLoRA on and off, packed and single layers.
 ADAPTERS = {
     "r1": (1, 4, False, ALL),
@@ -222,12 +224,13 @@ def test_adapter_file_gone_before_the_worker_reads_it_fails_only_its_request(ser
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
+@pytest.mark.parametrize("run", [2, 70])  # 70: runs long enough for the GEMMs on the native path
 @pytest.mark.parametrize("hidden", [16, 37])  # 37: vector tails in the shrink's dot products
 @pytest.mark.parametrize("path", ["native", "torch"])
-def test_delta_kernel_gathered_rows_equal_contiguous(path, hidden, monkeypatch):
+def test_delta_kernel_gathered_rows_equal_contiguous(path, hidden, run, monkeypatch):
     """The grouped delta of a packed (q, k, v) layer against float64, on the native kernel and the torch path:
     tokens of one adapter spread over the batch (gathered and scattered back) give what they give when
-    contiguous; base-model tokens get nothing."""
+    contiguous; base-model tokens and another adapter's do not change them."""
     from tokenmill import native
     from tokenmill.layers.linear import QKVParallelLinear
     from tokenmill.layers.lora import NATIVE_ENV, LoRALayer, LoRAStep
@@ -243,16 +246,54 @@ def test_delta_kernel_gathered_rows_equal_contiguous(path, hidden, monkeypatch):
     parts = [(torch.randn(r, hidden, generator=g), torch.randn(n, r, generator=g))
              for r, n in zip((4, 2, 4), lora.sizes)]
     lora.set(1, [parts[0], None, parts[2]])  # v adapted at rank 4, k not at all
-    x = torch.randn(6, hidden, generator=g)
-    step.set([(1, 0, 2), (-1, 2, 4), (1, 4, 6)], torch.device("cpu"))
-    gathered = lora.add_delta(x, torch.zeros(6, 32))
-    step.set([(1, 0, 6)], torch.device("cpu"))
-    whole = lora.add_delta(x, torch.zeros(6, 32))
-    torch.testing.assert_close(gathered[[0, 1, 4, 5]], whole[[0, 1, 4, 5]])
-    assert gathered[2:4].abs().sum() == 0
+    lora.set(0, [(torch.randn(3, hidden, generator=g), torch.randn(n, 3, generator=g)) for n in lora.sizes])
+    T = 3 * run + 2
+    x = torch.randn(T, hidden, generator=g)
+    mine = [*range(run), *range(2 * run + 2, T)]  # slot 1's tokens; slot 0 and the base model in between
+    step.set([(1, 0, run), (0, run, 2 * run), (1, 2 * run + 2, T)], T, torch.device("cpu"))
+    gathered = lora.add_delta(x, torch.zeros(T, 32))
+    step.set([(1, 0, T)], T, torch.device("cpu"))
+    whole = lora.add_delta(x, torch.zeros(T, 32))
+    torch.testing.assert_close(gathered[mine], whole[mine])
+    assert gathered[2 * run : 2 * run + 2].abs().sum() == 0
     xd = x.double()
-    ref = torch.cat([xd @ parts[0][0].double().t() @ parts[0][1].double().t(), torch.zeros(6, 8, dtype=torch.float64),
+    ref = torch.cat([xd @ parts[0][0].double().t() @ parts[0][1].double().t(), torch.zeros(T, 8, dtype=torch.float64),
                      xd @ parts[2][0].double().t() @ parts[2][1].double().t()], dim=1)
     torch.testing.assert_close(whole.double(), ref, rtol=1e-5, atol=1e-4)
     lora.clear(1)
-    assert lora.add_delta(x, torch.zeros(6, 32)).abs().sum() == 0
+    assert lora.add_delta(x, torch.zeros(T, 32)).abs().sum() == 0
+
+
+def test_tensor_parallel_adapters_equal_peft(family):
+    """Two gloo ranks: each keeps its rows of B (column-parallel layers) or its columns of A (row-parallel
+    layers, whose partial deltas the all-reduce adds up)."""
+    base, prompts, requests, oracle = family
+    if "mistral" in str(base):
+        pytest.skip("one architecture is enough for the sharding")
+    with LLM(str(base), tensor_parallel_size=2, enable_lora=True, max_loras=4, max_lora_rank=64, max_model_len=128,
+             num_gpu_blocks_override=64) as llm:
+        check(llm, prompts, requests, oracle, "tp=2")
+
+
+def test_ngram_speculation_and_structured_output_with_adapters(family):
+    """ngram drafts verified under the adapter keep greedy output exact; a grammar constrains an adapter request."""
+    from tokenmill import StructuredOutputsParams
+
+    base, prompts, requests, oracle = family
+    if "llama" not in str(base):
+        pytest.skip("one architecture is enough")
+    llm = LLM(str(base), enable_lora=True, max_loras=4, max_lora_rank=64, max_model_len=128,
+              num_gpu_blocks_override=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    check(llm, prompts, requests, oracle, "ngram speculation")
+    sp = SamplingParams(temperature=0.0, max_tokens=8,
+                        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = llm.generate([{"prompt_token_ids": prompts[0]}] * 2, sp, use_tqdm=False,
+                       lora_request=[requests["r8-all"], None])
+    assert all(o.outputs[0].text in ("yes", "no") for o in out)
+
+
+def test_drafters_that_know_only_the_base_are_refused(family):
+    base = family[0]
+    with pytest.raises(ValueError, match="drafter knows only the base model"):
+        LLM(str(base), enable_lora=True, speculative_config={"method": "draft_model", "model": str(base)})

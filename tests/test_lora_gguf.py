@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gguf_tiny import write_gguf
-from lora_tiny import make_adapter, peft_greedy, write_gguf_lora
+from lora_tiny import make_adapter, no_failed_steps, peft_greedy, write_gguf_lora  # noqa: F401 (autouse)
 from test_parity import check_against_oracle, prompts_for
 from tiny import make_tiny_model
 from tokenmill import LLM, LoRARequest, SamplingParams

@@ -43,6 +43,8 @@ def setup(tmp_path_factory):
                        "--kv-cache-memory-bytes", "16M", "--max-model-len", "256", api_key=KEY)
     yield srv, paths, want, root
     assert srv.stop() == 0, srv.log()
+    # A failed step is rerun request by request: correct answers could hide a broken batched path.
+    assert "running them one at a time" not in srv.log(), srv.log()
 
 
 def complete(srv, model: str) -> httpx.Response:
@@ -70,6 +72,23 @@ def test_startup_adapters_answer_as_peft(setup):
         assert r.json()["choices"][0]["text"] == want[model], model
     r = complete(srv, "nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    chat = httpx.post(srv.url("/v1/chat/completions"), headers=srv.headers, timeout=60,
+                      json={"model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert chat.status_code == 200 and chat.json()["model"] == "a"
+
+
+def test_adapter_metric_labels_are_bounded():
+    from tokenmill.engine.output import FinishedRequest
+    from tokenmill.serve.metrics import MAX_ADAPTER_LABELS, ServerMetrics
+
+    m = ServerMetrics("base")
+    for i in range(MAX_ADAPTER_LABELS + 8):
+        m.on_request_finished(FinishedRequest(3, 2, "length", 0.0, 0.1, 0.2, 0.3, adapter=f"ad{i}"))
+    text = m.render().decode()
+    labels = {line.split('adapter="')[1].split('"')[0] for line in text.splitlines()
+              if line.startswith("tokenmill:lora_requests_total{")}
+    assert len(labels) == MAX_ADAPTER_LABELS + 1 and "other" in labels
+    assert 'tokenmill:lora_requests_total{adapter="other",model_name="base"} 8.0' in text
 
 
 def test_runtime_load_six_adapters_two_slots_concurrently_then_unload(setup):

@@ -12,9 +12,12 @@ each other), else an index (gathered, scattered back with index_add_). A slot is
 (no padding to --max-lora-rank in the arithmetic). The runner sets `LoRAStep` before each forward; layers read it.
 
 That is the portable path. On the CPU in float32 the native kernel (csrc/lora_delta.cpp) does the same for all
-adapters of the step in one call per layer (a token's slot from `LoRAStep.token_slots`): the ranks are small, so
-torch's per-adapter, per-shard dispatch, gather and scatter cost more than the arithmetic. TOKENMILL_LORA_NATIVE=0
-keeps the torch path.
+adapters of the step in one call per layer (a token's slot from `LoRAStep.native_slots`): the ranks are small, so
+torch's per-adapter, per-shard dispatch, gather and scatter cost more than the arithmetic at decode. It works a
+token at a time, so runs of at least GEMM_MIN_TOKENS tokens of one adapter (prompt chunks) keep the GEMMs, on
+slices (measured crossover: ~64 tokens for SmolLM2's qkv and gate_up at rank 16, 2 threads; at 2048 tokens the
+GEMMs are 2.5x faster, at 64 decode tokens of 4 adapters the kernel is 3.5x). TOKENMILL_LORA_NATIVE=0 keeps the
+torch path for everything.
 Under tensor parallelism each rank keeps its shard of B (column-parallel layers) or of A (row-parallel layers,
 whose partial sums the layer's all-reduce adds up, delta included).
 """
@@ -28,6 +31,7 @@ import torch
 from tokenmill import native
 
 NATIVE_ENV = "TOKENMILL_LORA_NATIVE"
+GEMM_MIN_TOKENS = 64  # a run of this many tokens of one adapter is cheaper as GEMMs than in the native kernel
 
 
 def native_enabled() -> bool:
@@ -39,20 +43,30 @@ class LoRAStep:
     """This step's tokens by adapter slot: [(slot, rows)], rows a slice or a LongTensor of token indices."""
 
     groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
-    token_slots: torch.Tensor | None = None  # int32 [T]: each token's slot, -1 for the base model (native kernel)
+    # The native path: runs of >= GEMM_MIN_TOKENS tokens of one slot, done as GEMMs on slices, and every other
+    # adapter token's slot (int32 [T], -1 for the base model and for the long runs' tokens) for the kernel.
+    long_runs: list[tuple[int, slice]] = field(default_factory=list)
+    native_slots: torch.Tensor | None = None
+    native_tokens: int = 0
 
     @property
     def active(self) -> bool:
         return bool(self.groups)
 
-    def set(self, token_slots: list[tuple[int, int, int]], device: torch.device) -> None:
-        """From runs (slot, first token, end) in batch order (slot -1: the base model): one group per slot."""
-        total = token_slots[-1][2] if token_slots else 0
-        slots = torch.full((total,), -1, dtype=torch.int32)
+    def set(self, token_slots: list[tuple[int, int, int]], num_tokens: int, device: torch.device) -> None:
+        """From the adapters' runs (slot, first token, end) in batch order, of a step of `num_tokens` tokens (the
+        others run the base model): one group per slot."""
+        slots = torch.full((num_tokens,), -1, dtype=torch.int32)
+        self.long_runs, self.native_tokens = [], 0
         for slot, a, b in token_slots:
-            if slot >= 0:
+            if slot < 0:
+                continue
+            if b - a >= GEMM_MIN_TOKENS:
+                self.long_runs.append((slot, slice(a, b)))
+            else:
                 slots[a:b] = slot
-        self.token_slots = slots.to(device)
+                self.native_tokens += b - a
+        self.native_slots = slots.to(device)
         runs: dict[int, list[tuple[int, int]]] = {}
         for slot, a, b in token_slots:
             if slot >= 0 and b > a:
@@ -73,8 +87,7 @@ class LoRAStep:
         self.groups = groups
 
     def clear(self) -> None:
-        self.groups = []
-        self.token_slots = None
+        self.groups, self.long_runs, self.native_slots, self.native_tokens = [], [], None, 0
 
 
 class LoRALayer:
@@ -118,9 +131,25 @@ class LoRALayer:
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y += the adapters' deltas for their tokens of x (y is the layer's output, [T, out])."""
         if self.native and y.dtype == torch.float32 and y.stride(-1) == 1 and x.dtype == torch.float32:
-            return torch.ops.tokenmill.lora_delta(y, x.contiguous(), self.a, self.b, self.step.token_slots,
-                                                  self.ranks_t, self.sizes)
+            step = self.step
+            for slot, rows in step.long_runs:
+                self._gemm(x, y, slot, rows)
+            if step.native_tokens:
+                torch.ops.tokenmill.lora_delta(y, x.contiguous(), self.a, self.b, step.native_slots, self.ranks_t,
+                                               self.sizes)
+            return y
         return self.add_delta_torch(x, y)
+
+    def _gemm(self, x: torch.Tensor, y: torch.Tensor, slot: int, rows: slice) -> None:
+        """One adapter's tokens [rows] (contiguous): a shrink GEMM and an expand GEMM per shard, in place."""
+        r = self.ranks[slot]
+        if r == 0:
+            return
+        S = len(self.sizes)
+        u = torch.mm(x[rows], self.a[slot, : S * r].t())  # [n, S * r]
+        for s in range(S):
+            o, n = self.offsets[s], self.sizes[s]
+            y[rows, o : o + n].addmm_(u[:, s * r : (s + 1) * r], self.b[slot, o : o + n, :r].t())
 
     def add_delta_torch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The portable path: per adapter of the step, one shrink GEMM and one expand GEMM per shard."""
@@ -129,12 +158,10 @@ class LoRALayer:
             if r == 0:
                 continue
             S = len(self.sizes)
-            u = torch.mm(x[rows], self.a[slot, : S * r].t())  # [n, S * r]
             if isinstance(rows, slice):
-                for s in range(S):
-                    o, n = self.offsets[s], self.sizes[s]
-                    y[rows, o : o + n].addmm_(u[:, s * r : (s + 1) * r], self.b[slot, o : o + n, :r].t())
+                self._gemm(x, y, slot, rows)
             else:
+                u = torch.mm(x[rows], self.a[slot, : S * r].t())  # [n, S * r]
                 delta = torch.empty(u.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
                 for s in range(S):
                     o, n = self.offsets[s], self.sizes[s]

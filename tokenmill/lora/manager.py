@@ -179,7 +179,7 @@ class LoRAManager:
                     busy.add(slot)
                 runs.append((slot, start, start + n))
             start += n
-        self.step.set(runs, self.device)
+        self.step.set(runs, start, self.device)
 
     def clear(self) -> None:
         self.step.clear()
