@@ -96,7 +96,11 @@ def test_kernels_of_every_tier_this_machine_runs(tier):
              "print(native.tier(), native.int8_dot_path())")
     out = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "not slow",
                         *KERNEL_TESTS], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and " skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+    assert " passed" in r.stdout, r.stdout[-2000:]
+    # Skips for what the CPU lacks (e.g. native bf16) are fine; a skip for want of the kernels means the tier
+    # did not load.
+    missing = [line for line in r.stdout.splitlines() if line.startswith("SKIPPED") and "not built" in line]
+    assert not missing, missing
