@@ -273,6 +273,12 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="Model name(s) clients use; the first one is reported back (default: the MODEL's folder or "
                         "file name without its path and .gguf, or SmolLM2-135M-Instruct for the embedded model).")
+    g.add_argument("--api-keys-file", metavar="FILE",
+                   help="Tenants and their API keys (YAML or JSON: keys, allowed models, limits, priority, SLOs; "
+                        "docs/tenants.md); reloaded on SIGHUP or POST /admin/reload. --api-key keeps working as "
+                        "an unlimited tenant.")
+    g.add_argument("--admin-key", default=os.environ.get("TOKENMILL_ADMIN_KEY"),
+                   help="The key of the /admin routes (default: $TOKENMILL_ADMIN_KEY, else none: /admin is closed).")
     g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                    help="LoRA adapters to serve (needs --enable-lora): NAME=PATH (a PEFT folder or a GGUF LoRA file) or "
                         "vLLM's JSON form '{\"name\": NAME, \"path\": PATH}'; a request's model field picks one.")

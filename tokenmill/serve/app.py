@@ -26,6 +26,7 @@ from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, 
                                       DetokenizeResponse, UnloadLoRAAdapterRequest)
 from tokenmill.serve.sampling import check_input_chars, check_prompt_ids
 from tokenmill.serve.state import ServerState
+from tokenmill.serve.tenants.keys import tenant_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T", bound=BaseModel)
@@ -142,6 +143,8 @@ def build_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.engine.start()
+        if state.keys is not None:
+            _reload_keys_on_sighup(state)
         yield
         await asyncio.get_running_loop().run_in_executor(None, state.engine.shutdown)
         state.shutdown()
@@ -153,8 +156,26 @@ def build_app(state: ServerState) -> FastAPI:
     _add_routes(app, state)
     settings = state.settings
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes,
-                       protect_metrics=settings.protect_metrics, body_timeout_s=settings.request_body_timeout_s)
+                       protect_metrics=settings.protect_metrics, body_timeout_s=settings.request_body_timeout_s,
+                       keys=state.keys, admin_key=settings.admin_key)
     return app
+
+
+def _reload_keys_on_sighup(state: ServerState) -> None:
+    """SIGHUP re-reads --api-keys-file (a bad file keeps the old table, logged); requests in flight go on."""
+    import signal
+
+    def reload() -> None:
+        try:
+            table = state.keys.reload()
+            log.info("API keys reloaded from %s: %d tenant(s)", state.keys.path, len(table.tenants))
+        except ValueError as e:
+            log.error("API keys not reloaded, the old ones stay: %s", e)
+
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+    except (NotImplementedError, RuntimeError, AttributeError):  # no SIGHUP here (Windows) or not the main thread
+        log.warning("SIGHUP cannot reload the API keys here; use POST /admin/reload")
 
 
 def register_lora_modules(state: ServerState) -> None:
@@ -227,13 +248,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                          parent=state.model_name if adapter else None, max_model_len=state.engine.max_model_len)
 
     @app.get("/v1/models")
-    async def models():
-        return ModelList(data=[card(n) for n in state.settings.served_model_names] +
-                         [card(n, adapter=True) for n in state.loras.names()])
+    async def models(raw: Request):
+        adapters = set(state.loras.names())
+        return ModelList(data=[card(n, adapter=n in adapters) for n in state.visible_models(tenant_of(raw.scope))])
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        name, lora = state.resolve_model(model_id)
+    async def model(model_id: str, raw: Request):
+        name, lora = state.resolve_model(model_id, tenant_of(raw.scope))
         # An alias (the MODEL argument as given) is accepted but never echoed: the card names the served model.
         if lora is not None:
             return card(name, adapter=True)
@@ -241,6 +262,18 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     if state.settings.allow_runtime_lora_updating:
         _add_lora_routes(app, state)
+
+    @app.post("/admin/reload")
+    async def admin_reload():
+        """Re-read --api-keys-file (the admin key only: the middleware checks it)."""
+        if state.keys is None:
+            raise APIError(404, "This server has no --api-keys-file to reload.", None, "not_found")
+        try:
+            table = await state.run_blocking(state.keys.reload)
+        except ValueError as e:
+            raise bad_request(f"the keys file was not reloaded, the old keys stay: {e}", None) from None
+        log.info("API keys reloaded from %s: %d tenant(s)", state.keys.path, len(table.tenants))
+        return {"tenants": sorted(table.tenants)}
 
     @app.get("/health")
     async def health():
@@ -290,7 +323,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize")
     async def tokenize(raw: Request):
         req = await parse_body(raw, TokenizeRequest)
-        state.check_model(req.model)
+        state.check_model(req.model, tenant_of(raw.scope))
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages.", "prompt")
         if req.messages is not None:
@@ -311,7 +344,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(raw: Request):
         req = await parse_body(raw, DetokenizeRequest)
-        state.check_model(req.model)
+        state.check_model(req.model, tenant_of(raw.scope))
         if req.tokens:
             limits = state.limits
             if len(req.tokens) > limits.max_request_tokens:

@@ -19,6 +19,7 @@ from tokenmill.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       ChatDelta, ChatResponseMessage, ChatStreamChoice)
 from tokenmill.serve.sampling import build_sampling_params, check_input_chars, check_lists
 from tokenmill.serve.state import LARGE_INPUT, ServerState
+from tokenmill.serve.tenants.keys import priority_for, tenant_of
 from tokenmill.serve.structured import check_constraint, request_constraint
 
 
@@ -82,7 +83,8 @@ async def generation_prompt(state: ServerState, req, text: str) -> str:
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request,
                                  arrival_time: float | None = None):
-    model, lora = state.resolve_model(req.model)
+    tenant = tenant_of(raw.scope)
+    model, lora = state.resolve_model(req.model, tenant)
     tok = state.engine.tokenizer
     plan = chat_plan(req, state.settings, tok)
     so, so_param = request_constraint(req)
@@ -103,7 +105,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         await check_constraint(state, so, so_param)
     params = build_sampling_params(req, [len(ids)], state.limits, so)
     state.check_capacity()
-    sub = Submission(state.engine, [ids], [text], [params], req.priority, arrival_time, lora)
+    sub = Submission(state.engine, [ids], [text], [params], priority_for(tenant, req.priority), arrival_time, lora)
     await sub.start()
     if req.stream:
         return SSEResponse(_stream(state, req, sub, model, plan))

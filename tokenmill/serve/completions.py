@@ -17,6 +17,7 @@ from tokenmill.serve.protocol import CompletionChoice, CompletionChunk, Completi
 from tokenmill.serve.sampling import (build_sampling_params, check_count, check_input_chars, check_lists,
                                      check_prompt_ids)
 from tokenmill.serve.state import LARGE_INPUT, ServerState
+from tokenmill.serve.tenants.keys import priority_for, tenant_of
 from tokenmill.serve.structured import check_constraint, request_constraint
 
 
@@ -70,7 +71,8 @@ def _prepare(state: ServerState, req: CompletionRequest, prompts: list, so) -> _
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request,
                             arrival_time: float | None = None):
-    model, lora = state.resolve_model(req.model)
+    tenant = tenant_of(raw.scope)
+    model, lora = state.resolve_model(req.model, tenant)
     if req.suffix:
         raise bad_request("suffix is not supported.", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -88,7 +90,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         await check_constraint(state, so, so_param)
     ready = await state.run_blocking(_prepare, state, req, prompts, so, size=_request_size(prompts, req))
     state.check_capacity()
-    sub = Submission(state.engine, ready.ids, ready.texts, [ready.params] * len(ready.ids), req.priority,
+    sub = Submission(state.engine, ready.ids, ready.texts, [ready.params] * len(ready.ids),
+                     priority_for(tenant, req.priority),
                      arrival_time, lora)
     await sub.start()
     if req.stream:

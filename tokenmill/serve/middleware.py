@@ -1,5 +1,7 @@
 """Plain ASGI middleware (no BaseHTTPMiddleware, so streaming and disconnects pass straight through):
-bearer-token auth on every route that does work, a request-body size limit and a body-arrival timeout."""
+bearer-token auth on every route that does work (one --api-key, or the tenants of --api-keys-file, whose
+tenant the route handlers find in `request.state.tenant`), the tenants' admission limits on the generating
+routes, the admin key on /admin, a request-body size limit and a body-arrival timeout."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +9,8 @@ import hmac
 import time
 
 from tokenmill.serve.errors import APIError, BodyTimeout, BodyTooLarge
+from tokenmill.serve.tenants.keys import KeyStore, Tenant
+from tokenmill.serve.tenants.limits import TenantLimiter
 
 # Open without the API key, as in vLLM: probes, the version, and the API's own description.
 OPEN_PATHS = frozenset({"/health", "/version", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
@@ -14,6 +18,11 @@ OPEN_PATHS = frozenset({"/health", "/version", "/docs", "/docs/oauth2-redirect",
 MISSING_KEY = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
 WRONG_KEY = "Incorrect API key provided."
+# The routes that run the model: a tenant's limits apply to these.
+GENERATING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+ADMIN_PREFIX = "/admin/"
+# The single --api-key's tenant when a keys file is given too: every model, no limits.
+DEFAULT_TENANT = Tenant("default")
 
 
 def _header(scope, name: bytes) -> bytes | None:
@@ -25,9 +34,13 @@ def _header(scope, name: bytes) -> bytes | None:
 
 class GuardMiddleware:
     def __init__(self, app, api_key: str | None, max_body_bytes: int, protect_metrics: bool = False,
-                 body_timeout_s: float = 30.0) -> None:
+                 body_timeout_s: float = 30.0, keys: KeyStore | None = None, admin_key: str | None = None,
+                 limiter: TenantLimiter | None = None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.keys = keys
+        self.admin = f"Bearer {admin_key}".encode() if admin_key else None
+        self.limiter = limiter or TenantLimiter()
         self.max_body_bytes = max_body_bytes
         self.open_paths = OPEN_PATHS if protect_metrics else OPEN_PATHS | {"/metrics"}
         self.body_timeout_s = body_timeout_s
@@ -35,19 +48,54 @@ class GuardMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        error = self._check(scope)
+        error, tenant = self._check(scope)
+        if error is None and tenant is not None and scope["path"] in GENERATING_PATHS:
+            error = self.limiter.admit(tenant)
+            if error is None:
+                try:
+                    return await self.app(scope, self._limited(receive), send)
+                finally:  # the response is complete (a stream's last byte sent) or the client left
+                    self.limiter.release(tenant)
         if error is not None:
             return await error.response()(scope, receive, send)
         await self.app(scope, self._limited(receive), send)
 
-    def _check(self, scope) -> APIError | None:
-        if self.expected is not None and scope["path"] not in self.open_paths:
-            given = _header(scope, b"authorization")
-            if given is None:
-                return APIError(401, MISSING_KEY, None, None)
-            # Constant time: how much of the key matched must not show in the response time.
-            if not hmac.compare_digest(given, self.expected):
-                return APIError(401, WRONG_KEY, None, "invalid_api_key")
+    def _authenticate(self, scope) -> tuple[APIError | None, Tenant | None]:
+        """Who is asking: (None, None) for no one in particular (an open path, no keys configured, the admin or
+        the single --api-key without a keys file), (None, tenant), or (the error to answer with, None)."""
+        path = scope["path"]
+        if path in self.open_paths:
+            return None, None
+        given = _header(scope, b"authorization")
+        # Constant time: how much of a key matched must not show in the response time.
+        is_admin = given is not None and self.admin is not None and hmac.compare_digest(given, self.admin)
+        if path.startswith(ADMIN_PREFIX):
+            if is_admin:
+                return None, None
+            return APIError(403, "This route needs the admin key (--admin-key).", None, "permission_denied"), None
+        if self.expected is None and self.keys is None:
+            return None, None
+        if given is None:
+            return APIError(401, MISSING_KEY, None, None), None
+        if is_admin:
+            return None, None
+        if self.expected is not None and hmac.compare_digest(given, self.expected):
+            return None, DEFAULT_TENANT if self.keys is not None else None
+        if self.keys is not None and given.startswith(b"Bearer "):
+            tenant = self.keys.lookup(given[len(b"Bearer "):].decode("utf-8", "replace"))
+            if tenant is not None:
+                return None, tenant
+        return APIError(401, WRONG_KEY, None, "invalid_api_key"), None
+
+    def _check(self, scope) -> tuple[APIError | None, Tenant | None]:
+        error, tenant = self._authenticate(scope)
+        if error is not None:
+            return error, None
+        if tenant is not None:
+            scope.setdefault("state", {})["tenant"] = tenant
+        return self._check_length(scope), tenant
+
+    def _check_length(self, scope) -> APIError | None:
         length = _header(scope, b"content-length")
         if length is not None:
             try:

@@ -236,7 +236,13 @@ def serve_main(args, engine_kwargs: dict) -> int:
         reasoning_parser=args.reasoning_parser,
         lora_modules=parse_lora_modules(args.lora_modules),
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        api_keys_file=args.api_keys_file,
+        admin_key=args.admin_key or None,
     )
+    if args.api_keys_file:
+        from tokenmill.serve.tenants.keys import load_keys
+
+        load_keys(args.api_keys_file)  # a bad file: the reason before the model loads
     from tokenmill.platform import tune_malloc
 
     tune_malloc()  # this process is ours: with --no-engine-core-process the steps run here

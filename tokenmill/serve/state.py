@@ -13,6 +13,7 @@ from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.lora.request import LoRARequest
 from tokenmill.serve.errors import APIError
 from tokenmill.serve.lora import LoRARegistry
+from tokenmill.serve.tenants.keys import KeyStore, Tenant
 from tokenmill.serve.metrics import ServerMetrics
 from tokenmill.serve.sampling import Limits
 
@@ -53,6 +54,9 @@ class ServerSettings:
     # LoRA adapters (serve/lora.py): --lora-modules as (name, path), and whether they may change at run time.
     lora_modules: list[tuple[str, str]] = field(default_factory=list)
     allow_runtime_lora_updating: bool = False
+    # Tenants (serve/tenants/): --api-keys-file and the admin key of /admin routes.
+    api_keys_file: str | None = None
+    admin_key: str | None = None
 
 
 # Inputs longer than this (characters, or token ids to decode) are (de)tokenized in the slow lane.
@@ -82,11 +86,14 @@ class ServerState:
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-tokenize-large",
                                                    initializer=_lower_priority))
     loras: LoRARegistry | None = None
+    keys: KeyStore | None = None  # --api-keys-file's tenants, reloadable
 
     def __post_init__(self) -> None:
         s = self.settings
         if self.loras is None:
             self.loras = LoRARegistry(s.served_model_names + s.model_aliases, s.allow_runtime_lora_updating)
+        if self.keys is None and s.api_keys_file:
+            self.keys = KeyStore(s.api_keys_file)  # a bad file stops the start here, with the reason
 
     @property
     def model_name(self) -> str:
@@ -99,18 +106,30 @@ class ServerState:
                       s.max_stop_string_length, s.max_request_tokens, s.max_input_chars, s.max_logit_bias,
                       s.max_stop_token_ids, s.max_prompts)
 
-    def check_model(self, requested: str | None) -> str:
-        return self.resolve_model(requested)[0]
+    def check_model(self, requested: str | None, tenant: Tenant | None = None) -> str:
+        return self.resolve_model(requested, tenant)[0]
 
-    def resolve_model(self, requested: str | None) -> tuple[str, LoRARequest | None]:
-        """The name to answer with, and the adapter a request's `model` names (None: the base model)."""
+    def resolve_model(self, requested: str | None, tenant: Tenant | None = None) -> tuple[str, LoRARequest | None]:
+        """The name to answer with, and the adapter a request's `model` names (None: the base model). A tenant
+        asking for a model outside its `models` (the base model by its first served name, an adapter by its
+        name) gets the same 404 as for one that does not exist."""
+        lora = None
         if requested is None or requested in self.settings.served_model_names or \
                 requested in self.settings.model_aliases:
-            return self.model_name, None
-        lora = self.loras.get(requested)
-        if lora is not None:
-            return requested, lora
-        raise APIError(404, f"The model `{requested}` does not exist.", "model", "model_not_found")
+            name = self.model_name
+        else:
+            lora = self.loras.get(requested)
+            if lora is None:
+                raise APIError(404, f"The model `{requested}` does not exist.", "model", "model_not_found")
+            name = requested
+        if tenant is not None and not tenant.may_use(name):
+            raise APIError(404, f"The model `{requested or name}` does not exist or you do not have access to it.",
+                           "model", "model_not_found")
+        return name, lora
+
+    def visible_models(self, tenant: Tenant | None) -> list[str]:
+        base = self.settings.served_model_names if tenant is None or tenant.may_use(self.model_name) else []
+        return base + [n for n in self.loras.names() if tenant is None or tenant.may_use(n)]
 
     def check_capacity(self) -> None:
         """503 while draining, or when the waiting queue is at --max-waiting-requests."""

@@ -1,0 +1,217 @@
+"""Tenants: the keys file (YAML or JSON, hashed keys, refused whole with the reason), per-tenant model access,
+priority class and admission limits (concurrent requests, requests per minute: 429 + Retry-After), the admin
+key, and reloading the keys on POST /admin/reload and SIGHUP without dropping requests."""
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from server_harness import start_server
+from tiny import make_tiny_model
+from tokenmill.serve.tenants.keys import KeysFileError, Tenant, TenantLimits, load_keys, priority_for
+from tokenmill.serve.tenants.limits import TenantLimiter
+
+YAML = """
+tenants:
+  - name: team-a
+    keys: ["sk-a-1", "sha256:{digest}"]
+    models: ["base"]
+    limits: {{requests_per_minute: 3, concurrent: 1}}
+    priority: 2
+    slo: {{ttft_ms: 1000, tpot_ms: 100}}
+  - name: team-b
+    keys: ["sk-b"]
+  - name: team-x
+    keys: ["sk-x"]
+    models: ["sql-*"]
+"""
+
+
+def write_yaml(path, extra: str = "") -> None:
+    path.write_text(YAML.format(digest=hashlib.sha256(b"sk-a-2").hexdigest()) + extra)
+
+
+# ---- the file -------------------------------------------------------------------------------------------------
+def test_yaml_and_json_files_and_hashed_keys(tmp_path):
+    p = tmp_path / "keys.yaml"
+    write_yaml(p)
+    table = load_keys(str(p))
+    a = table.lookup("sk-a-1")
+    assert a is not None and a.name == "team-a" and table.lookup("sk-a-2") is a  # the hashed key
+    assert a.limits == TenantLimits(requests_per_minute=3, concurrent=1) and a.priority == 2
+    assert a.slo.ttft_ms == 1000 and a.may_use("base") and not a.may_use("other")
+    assert table.lookup("sk-b").may_use("anything") and table.lookup("sk-a-") is None and table.lookup("") is None
+    j = tmp_path / "keys.json"
+    j.write_text(json.dumps({"tenants": [{"name": "x", "keys": ["k"], "models": ["sql-*"]}]}))
+    x = load_keys(str(j)).lookup("k")
+    assert x.may_use("sql-fr") and not x.may_use("base")
+    assert "sk-a-1" not in repr(table.entries)  # only digests are kept
+
+
+@pytest.mark.parametrize("doc, reason", [
+    ({"tenants": []}, "non-empty list `tenants`"),
+    ({"tenants": [{"name": "a"}]}, "non-empty list of keys"),
+    ({"tenants": [{"name": "a", "keys": ["k"]}, {"name": "b", "keys": ["k"]}]}, "given twice"),
+    ({"tenants": [{"name": "a", "keys": ["k"]}, {"name": "a", "keys": ["j"]}]}, "tenant 'a' is given twice"),
+    ({"tenants": [{"name": "a", "keys": ["k"], "limits": {"rpm": 3}}]}, "unknown keys"),
+    ({"tenants": [{"name": "a", "keys": ["k"], "limits": {"concurrent": 0}}]}, "positive number"),
+    ({"tenants": [{"name": "a", "keys": ["k"], "limits": {"concurrent": 1.5}}]}, "must be an integer"),
+    ({"tenants": [{"name": "a", "keys": ["sha256:abc"]}]}, "64 hex digits"),
+    ({"tenants": [{"name": "a", "keys": ["k"], "quota": 1}]}, "unknown keys"),
+])
+def test_bad_files_are_refused_whole_with_the_reason(tmp_path, doc, reason):
+    p = tmp_path / "keys.json"
+    p.write_text(json.dumps(doc))
+    with pytest.raises(KeysFileError, match=reason):
+        load_keys(str(p))
+    with pytest.raises(KeysFileError, match="cannot be read"):
+        load_keys(str(tmp_path / "missing.yaml"))
+
+
+def test_priority_class_is_the_most_urgent_a_tenant_gets():
+    t = Tenant("t", priority=5)
+    assert priority_for(t, 0) == 5 and priority_for(t, 9) == 9 and priority_for(None, -3) == -3
+
+
+# ---- admission limits -----------------------------------------------------------------------------------------
+def test_concurrent_and_per_minute_limits_with_retry_after():
+    now = [0.0]
+    lim = TenantLimiter(clock=lambda: now[0])
+    t = Tenant("t", limits=TenantLimits(requests_per_minute=2, concurrent=2))
+    assert lim.admit(t) is None and lim.admit(t) is None
+    busy = lim.admit(t)
+    assert busy.status == 429 and busy.code == "rate_limit_exceeded" and "in flight" in busy.message
+    lim.release(t)
+    lim.release(t)
+    per_minute = lim.admit(t)  # two slots free, but the two requests of this minute are spent
+    assert per_minute.status == 429 and per_minute.headers["Retry-After"] == "30"
+    now[0] = 30.0  # half a minute refills one request
+    assert lim.admit(t) is None
+    assert lim.admit(Tenant("other")) is None  # another tenant's counts are its own
+    assert lim.in_flight == {"t": 1, "other": 1}
+
+
+# ---- the server -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tenants")
+    base = make_tiny_model(root / "base", "llama")
+    keys = root / "keys.yaml"
+    write_yaml(keys)
+    srv = start_server(base, root / "server.log", "--served-model-name", "base", "other", "--api-keys-file",
+                       str(keys), "--admin-key", "sk-admin", "--api-key", "sk-legacy",
+                       "--kv-cache-memory-bytes", "16M", "--max-model-len", "256")
+    yield srv, keys
+    assert srv.stop() == 0, srv.log()
+
+
+def post(srv, key: str, body: dict, path: str = "/v1/completions") -> httpx.Response:
+    return httpx.post(srv.url(path), json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def completion(model: str = "base", **kw) -> dict:
+    return {"model": model, "prompt": "The quick", "max_tokens": 2, **kw}
+
+
+def test_keys_and_model_access(server):
+    srv, _ = server
+    assert post(srv, "sk-nope", completion()).status_code == 401
+    assert post(srv, "sk-b", completion("other")).status_code == 200
+    assert post(srv, "sk-legacy", completion("other")).status_code == 200  # --api-key: every model, no limits
+    assert post(srv, "sk-a-2", completion("other")).status_code == 200  # another name of the base model
+    r = post(srv, "sk-x", completion("base"))  # team-x may use sql-* adapters only
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = post(srv, "sk-x", {"model": "base", "messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions")
+    assert r.status_code == 404
+    listed = lambda key: [m["id"] for m in httpx.get(  # noqa: E731
+        srv.url("/v1/models"), headers={"Authorization": f"Bearer {key}"}, timeout=10).json()["data"]]
+    assert listed("sk-x") == [] and listed("sk-a-1") == ["base", "other"]
+    assert httpx.get(srv.url("/v1/models/base"), headers={"Authorization": "Bearer sk-x"},
+                     timeout=10).status_code == 404
+
+
+def test_requests_per_minute_answer_429_and_other_tenants_go_on(server):
+    srv, _ = server
+    codes = [post(srv, "sk-a-1", completion()).status_code for _ in range(4)]  # 3 a minute (one spent before)
+    assert codes[0] == 200 and codes[-1] == 429, codes
+    r = post(srv, "sk-a-2", completion())  # another key of the same tenant shares its limits
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(r.headers["Retry-After"]) >= 1
+    assert post(srv, "sk-b", completion()).status_code == 200  # other tenants are not held up
+
+
+def test_concurrent_limit_holds_until_the_response_is_done(tmp_path):
+    """The middleware around an app that answers only when told: a tenant's second request in flight is
+    refused, a free slot admits again, and a request the client abandons gives its slot back."""
+    import asyncio
+
+    from tokenmill.serve.middleware import GuardMiddleware
+    from tokenmill.serve.tenants.keys import KeyStore
+
+    p = tmp_path / "keys.yaml"
+    write_yaml(p)
+    gate = asyncio.Event()
+
+    async def app(scope, receive, send):
+        await gate.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guard = GuardMiddleware(app, None, 1 << 20, keys=KeyStore(str(p)))
+
+    async def call(key: str) -> int:
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "path": "/v1/completions", "headers": [(b"authorization", f"Bearer {key}".encode())]}
+        await guard(scope, receive, send)
+        return sent[0]["status"]
+
+    async def main():
+        first = asyncio.ensure_future(call("sk-a-1"))
+        await asyncio.sleep(0)
+        assert await call("sk-a-2") == 429  # team-a allows one in flight
+        other = asyncio.ensure_future(call("sk-b"))
+        await asyncio.sleep(0)
+        gate.set()
+        assert await first == 200 and await other == 200
+        assert guard.limiter.in_flight == {}
+        gate.clear()
+        abandoned = asyncio.ensure_future(call("sk-a-1"))
+        await asyncio.sleep(0)
+        abandoned.cancel()  # the client went away mid-request
+        await asyncio.gather(abandoned, return_exceptions=True)
+        assert guard.limiter.in_flight == {}
+
+    asyncio.run(main())
+
+
+def test_admin_routes_and_reload(server):
+    srv, keys = server
+    assert post(srv, "sk-b", {}, "/admin/reload").status_code == 403
+    write_yaml(keys, '  - name: team-c\n    keys: ["sk-c"]\n')
+    r = post(srv, "sk-admin", {}, "/admin/reload")
+    assert r.status_code == 200 and r.json()["tenants"] == ["team-a", "team-b", "team-c", "team-x"]
+    assert post(srv, "sk-c", completion()).status_code == 200
+    keys.write_text("tenants: [")  # broken: refused, the old keys stay
+    r = post(srv, "sk-admin", {}, "/admin/reload")
+    assert r.status_code == 400 and "old keys stay" in r.json()["error"]["message"]
+    assert post(srv, "sk-c", completion()).status_code == 200
+    # SIGHUP reloads too: team-c gone, team-d in.
+    write_yaml(keys, '  - name: team-d\n    keys: ["sk-d"]\n')
+    srv.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 20
+    while post(srv, "sk-d", completion()).status_code != 200:
+        assert time.monotonic() < deadline, srv.log()
+        time.sleep(0.05)
+    assert post(srv, "sk-c", completion()).status_code == 401

@@ -1,0 +1,193 @@
+"""`--api-keys-file`: API keys -> tenants, each with the models it may use, its limits, priority and SLOs.
+
+```yaml
+tenants:
+  - name: team-a
+    keys: ["sk-team-a-1", "sha256:<hex of a key>"]
+    models: ["*"]                     # served model / adapter names, globs
+    limits: {requests_per_minute: 60, tokens_per_minute: 20000, concurrent: 8, tokens_per_day: 2000000}
+    priority: 0                       # lower runs first, as vLLM's `priority`
+    slo: {ttft_ms: 1000, tpot_ms: 100}
+```
+
+The same shape as JSON works. Keys are kept only as SHA-256 digests (a key written as `sha256:<hex>` is one
+already) and a presented key is compared with every digest in constant time, so neither the file's keys nor the
+response time say how much of a wrong key matched. A bad file is refused whole with the reason: at start-up the
+server does not start, on reload the old table stays.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import hmac
+import json
+import threading
+from dataclasses import dataclass, field, fields
+
+LIMIT_NAMES = ("requests_per_minute", "tokens_per_minute", "concurrent", "tokens_per_day")
+
+
+class KeysFileError(ValueError):
+    """The keys file cannot be used; the message names the file and the reason."""
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    concurrent: int | None = None
+    tokens_per_day: int | None = None
+
+
+@dataclass(frozen=True)
+class TenantSLO:
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    models: tuple[str, ...] = ("*",)
+    limits: TenantLimits = field(default_factory=TenantLimits)
+    priority: int = 0
+    slo: TenantSLO = field(default_factory=TenantSLO)
+
+    def may_use(self, model: str) -> bool:
+        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+
+
+def tenant_of(scope) -> Tenant | None:
+    """The tenant the auth middleware found for this request (None: no keys file, an open route, the admin)."""
+    return scope.get("state", {}).get("tenant")
+
+
+def priority_for(tenant: Tenant | None, requested: int) -> int:
+    """A tenant's priority class is the most urgent its requests get (lower runs first): a request may ask to
+    run later than its class, never sooner."""
+    return requested if tenant is None else max(requested, tenant.priority)
+
+
+def digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+@dataclass
+class KeyTable:
+    entries: list[tuple[bytes, Tenant]]  # (SHA-256 of a key, its tenant)
+    tenants: dict[str, Tenant]
+
+    def lookup(self, key: str) -> Tenant | None:
+        """The tenant of `key`, comparing its digest with every entry in constant time."""
+        d = digest(key)
+        found = None
+        for entry, tenant in self.entries:
+            if hmac.compare_digest(entry, d) and found is None:
+                found = tenant
+        return found
+
+
+def _parse(text: str, path: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    try:
+        import yaml
+    except ImportError:
+        raise KeysFileError(f"{path}: not JSON, and PyYAML is not installed to read YAML.") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise KeysFileError(f"{path}: neither JSON nor YAML ({e}).") from None
+
+
+def _section(d, cls, where: str, path: str):
+    if d is None:
+        return cls()
+    if not isinstance(d, dict):
+        raise KeysFileError(f"{path}: {where} must be a mapping.")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise KeysFileError(f"{path}: {where} has unknown keys {unknown}; known: {sorted(names)}.")
+    for k, v in d.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise KeysFileError(f"{path}: {where}.{k} must be a positive number, got {v!r}.")
+    return cls(**d)
+
+
+def load_keys(path: str) -> KeyTable:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise KeysFileError(f"{path}: cannot be read ({e.strerror}).") from None
+    doc = _parse(text, path)
+    if not isinstance(doc, dict) or not isinstance(doc.get("tenants"), list) or not doc["tenants"]:
+        raise KeysFileError(f"{path}: needs a non-empty list `tenants`.")
+    entries: list[tuple[bytes, Tenant]] = []
+    tenants: dict[str, Tenant] = {}
+    seen: set[bytes] = set()
+    for i, t in enumerate(doc["tenants"]):
+        where = f"tenants[{i}]"
+        if not isinstance(t, dict):
+            raise KeysFileError(f"{path}: {where} must be a mapping.")
+        unknown = sorted(set(t) - {"name", "keys", "models", "limits", "priority", "slo"})
+        if unknown:
+            raise KeysFileError(f"{path}: {where} has unknown keys {unknown}.")
+        name = t.get("name")
+        if not isinstance(name, str) or not name:
+            raise KeysFileError(f"{path}: {where} needs a name.")
+        if name in tenants:
+            raise KeysFileError(f"{path}: tenant {name!r} is given twice.")
+        keys = t.get("keys")
+        if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
+            raise KeysFileError(f"{path}: tenant {name!r} needs a non-empty list of keys.")
+        models = t.get("models", ["*"])
+        if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+            raise KeysFileError(f"{path}: tenant {name!r}: models must be a list of names or globs.")
+        priority = t.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise KeysFileError(f"{path}: tenant {name!r}: priority must be an integer.")
+        limits = _section(t.get("limits"), TenantLimits, f"tenant {name!r} limits", path)
+        for k in LIMIT_NAMES:
+            v = getattr(limits, k)
+            if v is not None and not isinstance(v, int):
+                raise KeysFileError(f"{path}: tenant {name!r} limits.{k} must be an integer, got {v!r}.")
+        tenant = Tenant(name, tuple(models), limits, priority,
+                        _section(t.get("slo"), TenantSLO, f"tenant {name!r} slo", path))
+        tenants[name] = tenant
+        for key in keys:
+            if key.startswith("sha256:"):
+                try:
+                    d = bytes.fromhex(key[len("sha256:"):])
+                except ValueError:
+                    d = b""
+                if len(d) != 32:
+                    raise KeysFileError(f"{path}: tenant {name!r} has a sha256: key that is not 64 hex digits.")
+            else:
+                d = digest(key)
+            if d in seen:
+                raise KeysFileError(f"{path}: a key of tenant {name!r} is given twice (keys must be unique).")
+            seen.add(d)
+            entries.append((d, tenant))
+    return KeyTable(entries, tenants)
+
+
+class KeyStore:
+    """The current key table, swapped whole on reload (requests in flight keep the tenant they started with)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self.table = load_keys(path)
+
+    def reload(self) -> KeyTable:
+        table = load_keys(self.path)  # raises before anything changes
+        with self._lock:
+            self.table = table
+        return table
+
+    def lookup(self, key: str) -> Tenant | None:
+        return self.table.lookup(key)
