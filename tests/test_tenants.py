@@ -29,6 +29,9 @@ tenants:
   - name: team-x
     keys: ["sk-x"]
     models: ["sql-*"]
+  - name: team-t
+    keys: ["sk-t"]
+    limits: {{tokens_per_minute: 60, tokens_per_day: 45}}
 """
 
 
@@ -94,6 +97,27 @@ def test_concurrent_and_per_minute_limits_with_retry_after():
     assert lim.admit(t) is None
     assert lim.admit(Tenant("other")) is None  # another tenant's counts are its own
     assert lim.in_flight == {"t": 1, "other": 1}
+
+
+def test_token_budgets_reserve_the_worst_case_and_give_back_the_rest():
+    now, wall = [0.0], [86400.0 * 100 + 3600]  # one hour into a UTC day
+    lim = TenantLimiter(clock=lambda: now[0], wall=lambda: wall[0])
+    t = Tenant("t", limits=TenantLimits(tokens_per_minute=100, tokens_per_day=150))
+    too_big = lim.reserve(t, 101, lambda: 0)
+    assert too_big.status == 429 and "too large" in too_big.message
+    r1 = lim.reserve(t, 80, lambda: 30)  # may use 80, will use 30
+    assert not hasattr(r1, "status")
+    r2 = lim.reserve(t, 30, lambda: 30)
+    assert r2.status == 429 and r2.code == "rate_limit_exceeded" and r2.headers["Retry-After"] == "6"  # 10 short
+    lim.settle(r1)  # 50 of the minute's tokens come back, and of the day's
+    assert lim.token_buckets["t"].tokens == 70 and lim.day_used[("t", 100)] == 30
+    for _ in range(4):
+        assert not hasattr(lim.reserve(t, 30, lambda: 30), "status")
+        now[0] += 60
+    day = lim.reserve(t, 30, lambda: 30)  # 150 used today
+    assert day.status == 429 and day.code == "insufficient_quota" and day.headers["Retry-After"] == str(23 * 3600)
+    wall[0] += 23 * 3600  # the next UTC day
+    assert not hasattr(lim.reserve(t, 30, lambda: 30), "status")
 
 
 # ---- the server -------------------------------------------------------------------------------------------------
@@ -196,12 +220,26 @@ def test_concurrent_limit_holds_until_the_response_is_done(tmp_path):
     asyncio.run(main())
 
 
+def test_token_budgets_on_the_server(server):
+    srv, _ = server
+    r = post(srv, "sk-t", completion(max_tokens=100))  # worst case above the 60 a minute
+    assert r.status_code == 429 and "too large" in r.json()["error"]["message"]
+    first = post(srv, "sk-t", completion(max_tokens=12, ignore_eos=True))
+    assert first.status_code == 200
+    used = first.json()["usage"]["total_tokens"]
+    codes = [post(srv, "sk-t", completion(max_tokens=12, ignore_eos=True)).status_code for _ in range(3)]
+    # 45 a day: what the requests really used counts, so exactly floor(45 / used) of them run
+    assert codes.count(200) == 45 // used - 1, (codes, used)
+    r = post(srv, "sk-t", completion(max_tokens=12, ignore_eos=True))
+    assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
+
+
 def test_admin_routes_and_reload(server):
     srv, keys = server
     assert post(srv, "sk-b", {}, "/admin/reload").status_code == 403
     write_yaml(keys, '  - name: team-c\n    keys: ["sk-c"]\n')
     r = post(srv, "sk-admin", {}, "/admin/reload")
-    assert r.status_code == 200 and r.json()["tenants"] == ["team-a", "team-b", "team-c", "team-x"]
+    assert r.status_code == 200 and r.json()["tenants"] == ["team-a", "team-b", "team-c", "team-t", "team-x"]
     assert post(srv, "sk-c", completion()).status_code == 200
     keys.write_text("tenants: [")  # broken: refused, the old keys stay
     r = post(srv, "sk-admin", {}, "/admin/reload")

@@ -279,6 +279,12 @@ def add_serve_parser(subparsers) -> None:
                         "an unlimited tenant.")
     g.add_argument("--admin-key", default=os.environ.get("TOKENMILL_ADMIN_KEY"),
                    help="The key of the /admin routes (default: $TOKENMILL_ADMIN_KEY, else none: /admin is closed).")
+    g.add_argument("--usage-db", metavar="FILE",
+                   help="Meter usage per tenant, model and day into this SQLite file (created if missing); read it "
+                        "at GET /v1/usage (docs/tenants.md).")
+    g.add_argument("--pricing", metavar="FILE",
+                   help="Prices for the usage's cost: YAML or JSON, USD per million input / cached_input / output "
+                        "tokens, a default and per model.")
     g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                    help="LoRA adapters to serve (needs --enable-lora): NAME=PATH (a PEFT folder or a GGUF LoRA file) or "
                         "vLLM's JSON form '{\"name\": NAME, \"path\": PATH}'; a request's model field picks one.")

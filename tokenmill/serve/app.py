@@ -9,7 +9,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
@@ -27,6 +27,7 @@ from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, 
 from tokenmill.serve.sampling import check_input_chars, check_prompt_ids
 from tokenmill.serve.state import ServerState
 from tokenmill.serve.tenants.keys import tenant_of
+from tokenmill.serve.tenants.usage import rows_to_csv
 
 log = logging.getLogger(__name__)
 T = TypeVar("T", bound=BaseModel)
@@ -157,7 +158,7 @@ def build_app(state: ServerState) -> FastAPI:
     settings = state.settings
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes,
                        protect_metrics=settings.protect_metrics, body_timeout_s=settings.request_body_timeout_s,
-                       keys=state.keys, admin_key=settings.admin_key)
+                       keys=state.keys, admin_key=settings.admin_key, limiter=state.limiter, usage=state.usage)
     return app
 
 
@@ -262,6 +263,34 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     if state.settings.allow_runtime_lora_updating:
         _add_lora_routes(app, state)
+
+    @app.get("/v1/usage")
+    async def usage(raw: Request, tenant: str | None = None, start: str | None = Query(None, alias="from"),
+                    to: str | None = None, group_by: str = "tenant,model", format: str = "json"):
+        """Metered usage (--usage-db). The admin sees every tenant; a tenant's key sees its own only."""
+        if state.usage is None:
+            raise APIError(404, "This server keeps no usage (start it with --usage-db).", None, "not_found")
+        who = tenant_of(raw.scope)
+        if who is None and not raw.scope.get("state", {}).get("admin"):
+            raise APIError(403, "/v1/usage needs the admin key or a tenant's key.", None, "permission_denied")
+        if who is not None:
+            if tenant is not None and tenant != who.name:
+                raise APIError(403, "A tenant's key sees only its own usage.", "tenant", "permission_denied")
+            tenant = who.name
+        groups = tuple(g.strip() for g in group_by.split(",") if g.strip())
+        store = state.usage
+
+        def read():
+            store.flush()
+            return store.query(tenant, start, to, groups)
+
+        try:
+            rows = await state.run_blocking(read)
+        except ValueError as e:
+            raise bad_request(str(e), "group_by") from None
+        if format == "csv":
+            return Response(rows_to_csv(rows), media_type="text/csv")
+        return {"object": "list", "data": rows}
 
     @app.post("/admin/reload")
     async def admin_reload():

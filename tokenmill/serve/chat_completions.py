@@ -20,6 +20,8 @@ from tokenmill.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
 from tokenmill.serve.sampling import build_sampling_params, check_input_chars, check_lists
 from tokenmill.serve.state import LARGE_INPUT, ServerState
 from tokenmill.serve.tenants.keys import priority_for, tenant_of
+from tokenmill.serve.tenants.limits import reserve_for, worst_case_tokens
+from tokenmill.serve.tenants.usage import mark
 from tokenmill.serve.structured import check_constraint, request_constraint
 
 
@@ -106,7 +108,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = build_sampling_params(req, [len(ids)], state.limits, so)
     state.check_capacity()
     sub = Submission(state.engine, [ids], [text], [params], priority_for(tenant, req.priority), arrival_time, lora)
+    reserve_for(raw.scope, state.limiter, tenant, worst_case_tokens([ids], [params], state.engine.max_model_len),
+                lambda: sub.usage().total_tokens)
     await sub.start()
+    mark(raw.scope, model, sub)  # metered from here (a request refused before it ran carries no tokens)
     if req.stream:
         return SSEResponse(_stream(state, req, sub, model, plan))
     await sub.run_to_end(raw)

@@ -18,6 +18,8 @@ from tokenmill.serve.sampling import (build_sampling_params, check_count, check_
                                      check_prompt_ids)
 from tokenmill.serve.state import LARGE_INPUT, ServerState
 from tokenmill.serve.tenants.keys import priority_for, tenant_of
+from tokenmill.serve.tenants.limits import reserve_for, worst_case_tokens
+from tokenmill.serve.tenants.usage import mark
 from tokenmill.serve.structured import check_constraint, request_constraint
 
 
@@ -91,9 +93,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     ready = await state.run_blocking(_prepare, state, req, prompts, so, size=_request_size(prompts, req))
     state.check_capacity()
     sub = Submission(state.engine, ready.ids, ready.texts, [ready.params] * len(ready.ids),
-                     priority_for(tenant, req.priority),
-                     arrival_time, lora)
+                     priority_for(tenant, req.priority), arrival_time, lora)
+    reserve_for(raw.scope, state.limiter, tenant,
+                worst_case_tokens(ready.ids, [ready.params] * len(ready.ids), state.engine.max_model_len),
+                lambda: sub.usage().total_tokens)
     await sub.start()
+    mark(raw.scope, model, sub)  # metered from here (a request refused before it ran carries no tokens)
     if req.stream:
         return SSEResponse(_stream(state, req, sub, model))
     await sub.run_to_end(raw)

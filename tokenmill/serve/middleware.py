@@ -11,6 +11,7 @@ import time
 from tokenmill.serve.errors import APIError, BodyTimeout, BodyTooLarge
 from tokenmill.serve.tenants.keys import KeyStore, Tenant
 from tokenmill.serve.tenants.limits import TenantLimiter
+from tokenmill.serve.tenants.usage import UsageStore
 
 # Open without the API key, as in vLLM: probes, the version, and the API's own description.
 OPEN_PATHS = frozenset({"/health", "/version", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
@@ -35,8 +36,9 @@ def _header(scope, name: bytes) -> bytes | None:
 class GuardMiddleware:
     def __init__(self, app, api_key: str | None, max_body_bytes: int, protect_metrics: bool = False,
                  body_timeout_s: float = 30.0, keys: KeyStore | None = None, admin_key: str | None = None,
-                 limiter: TenantLimiter | None = None) -> None:
+                 limiter: TenantLimiter | None = None, usage: UsageStore | None = None) -> None:
         self.app = app
+        self.usage = usage
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.keys = keys
         self.admin = f"Bearer {admin_key}".encode() if admin_key else None
@@ -49,16 +51,46 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         error, tenant = self._check(scope)
-        if error is None and tenant is not None and scope["path"] in GENERATING_PATHS:
+        generating = scope["path"] in GENERATING_PATHS
+        admitted = False
+        if error is None and tenant is not None and generating:
             error = self.limiter.admit(tenant)
-            if error is None:
-                try:
-                    return await self.app(scope, self._limited(receive), send)
-                finally:  # the response is complete (a stream's last byte sent) or the client left
-                    self.limiter.release(tenant)
+            admitted = error is None
         if error is not None:
+            if generating and tenant is not None:
+                self._meter(scope, tenant, error.status)
             return await error.response()(scope, receive, send)
-        await self.app(scope, self._limited(receive), send)
+        if not generating or (tenant is None and self.usage is None):
+            return await self.app(scope, self._limited(receive), send)
+        status = [None]
+
+        async def watched(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, self._limited(receive), watched)
+        finally:  # the response is complete (a stream's last byte sent) or the client left
+            if admitted:
+                self.limiter.release(tenant)
+            reservation = scope.get("state", {}).get("reservation")
+            if reservation is not None:
+                self.limiter.settle(reservation)
+            self._meter(scope, tenant, status[0])
+
+    def _meter(self, scope, tenant: Tenant | None, status: int | None) -> None:
+        """One finished generating request into the usage store: the tokens its Submission produced (what was
+        sent, also for a stream cut short), and an error kind for a 4xx/5xx answer."""
+        if self.usage is None:
+            return
+        state = scope.get("state", {})
+        sub = state.get("submission")
+        u = sub.usage() if sub is not None else None
+        cached = u.prompt_tokens_details.cached_tokens if u is not None and u.prompt_tokens_details else 0
+        error = None if status is None or status < 400 else f"http_{status}"
+        self.usage.record(tenant.name if tenant is not None else DEFAULT_TENANT.name, state.get("model", "-"),
+                          u.prompt_tokens if u else 0, cached or 0, u.completion_tokens if u else 0, error)
 
     def _authenticate(self, scope) -> tuple[APIError | None, Tenant | None]:
         """Who is asking: (None, None) for no one in particular (an open path, no keys configured, the admin or
@@ -71,6 +103,7 @@ class GuardMiddleware:
         is_admin = given is not None and self.admin is not None and hmac.compare_digest(given, self.admin)
         if path.startswith(ADMIN_PREFIX):
             if is_admin:
+                scope.setdefault("state", {})["admin"] = True
                 return None, None
             return APIError(403, "This route needs the admin key (--admin-key).", None, "permission_denied"), None
         if self.expected is None and self.keys is None:
@@ -78,6 +111,7 @@ class GuardMiddleware:
         if given is None:
             return APIError(401, MISSING_KEY, None, None), None
         if is_admin:
+            scope.setdefault("state", {})["admin"] = True
             return None, None
         if self.expected is not None and hmac.compare_digest(given, self.expected):
             return None, DEFAULT_TENANT if self.keys is not None else None

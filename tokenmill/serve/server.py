@@ -238,7 +238,13 @@ def serve_main(args, engine_kwargs: dict) -> int:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         api_keys_file=args.api_keys_file,
         admin_key=args.admin_key or None,
+        usage_db=args.usage_db,
+        pricing_file=args.pricing,
     )
+    if args.pricing:
+        from tokenmill.serve.tenants.usage import load_pricing
+
+        load_pricing(args.pricing)  # a bad file: the reason before the model loads
     if args.api_keys_file:
         from tokenmill.serve.tenants.keys import load_keys
 

@@ -14,6 +14,8 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.serve.errors import APIError
 from tokenmill.serve.lora import LoRARegistry
 from tokenmill.serve.tenants.keys import KeyStore, Tenant
+from tokenmill.serve.tenants.limits import TenantLimiter
+from tokenmill.serve.tenants.usage import UsageStore, load_pricing
 from tokenmill.serve.metrics import ServerMetrics
 from tokenmill.serve.sampling import Limits
 
@@ -54,9 +56,11 @@ class ServerSettings:
     # LoRA adapters (serve/lora.py): --lora-modules as (name, path), and whether they may change at run time.
     lora_modules: list[tuple[str, str]] = field(default_factory=list)
     allow_runtime_lora_updating: bool = False
-    # Tenants (serve/tenants/): --api-keys-file and the admin key of /admin routes.
+    # Tenants (serve/tenants/): --api-keys-file, the admin key of /admin routes, the usage database and prices.
     api_keys_file: str | None = None
     admin_key: str | None = None
+    usage_db: str | None = None
+    pricing_file: str | None = None
 
 
 # Inputs longer than this (characters, or token ids to decode) are (de)tokenized in the slow lane.
@@ -87,6 +91,8 @@ class ServerState:
                                                    initializer=_lower_priority))
     loras: LoRARegistry | None = None
     keys: KeyStore | None = None  # --api-keys-file's tenants, reloadable
+    limiter: TenantLimiter = field(default_factory=TenantLimiter)  # the tenants' counts (middleware, handlers)
+    usage: UsageStore | None = None  # --usage-db: metering
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -94,6 +100,8 @@ class ServerState:
             self.loras = LoRARegistry(s.served_model_names + s.model_aliases, s.allow_runtime_lora_updating)
         if self.keys is None and s.api_keys_file:
             self.keys = KeyStore(s.api_keys_file)  # a bad file stops the start here, with the reason
+        if self.usage is None and s.usage_db:
+            self.usage = UsageStore(s.usage_db, load_pricing(s.pricing_file) if s.pricing_file else None)
 
     @property
     def model_name(self) -> str:
@@ -159,5 +167,7 @@ class ServerState:
         return await self.run_blocking(self.engine.tokenizer.decode, ids, size=len(ids) * 4)
 
     def shutdown(self) -> None:
+        if self.usage is not None:
+            self.usage.close()  # the last records written
         self.executor.shutdown(wait=False)
         self.slow_executor.shutdown(wait=False)
