@@ -86,9 +86,6 @@ class LoRAStep:
                 groups.append((slot, idx))
         self.groups = groups
 
-    def clear(self) -> None:
-        self.groups, self.long_runs, self.native_slots, self.native_tokens = [], [], None, 0
-
 
 class LoRALayer:
     """The slots of one linear layer (its rank's shard) and the delta it adds to the layer's output."""
@@ -154,17 +151,16 @@ class LoRALayer:
     def add_delta_torch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The portable path: per adapter of the step, one shrink GEMM and one expand GEMM per shard."""
         for slot, rows in self.step.groups:
-            r = self.ranks[slot]
-            if r == 0:
-                continue
-            S = len(self.sizes)
             if isinstance(rows, slice):
                 self._gemm(x, y, slot, rows)
-            else:
-                u = torch.mm(x[rows], self.a[slot, : S * r].t())  # [n, S * r]
-                delta = torch.empty(u.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
-                for s in range(S):
-                    o, n = self.offsets[s], self.sizes[s]
-                    delta[:, o : o + n] = torch.mm(u[:, s * r : (s + 1) * r], self.b[slot, o : o + n, :r].t())
-                y.index_add_(0, rows, delta)
+                continue
+            r, S = self.ranks[slot], len(self.sizes)
+            if r == 0:
+                continue
+            u = torch.mm(x[rows], self.a[slot, : S * r].t())  # [n, S * r]: gathered rows
+            delta = torch.empty(u.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+            for s in range(S):
+                o, n = self.offsets[s], self.sizes[s]
+                delta[:, o : o + n] = torch.mm(u[:, s * r : (s + 1) * r], self.b[slot, o : o + n, :r].t())
+            y.index_add_(0, rows, delta)
         return y

@@ -12,12 +12,12 @@ import numpy as np
 import torch
 
 from tokenmill.lora.peft import LoRAAdapter, LoRAFormatError, LoRAWeights
+from tokenmill.model.gguf_loader import PERMUTED_QK
 
 # llama.cpp's names of the projections an adapter may target -> transformers' module names.
 PARTS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
          "ffn_down": "mlp.down_proj"}
-PERMUTED_QK = {"llama", "mistral"}
 
 
 def _field(reader, key: str):

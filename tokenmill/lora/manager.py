@@ -15,6 +15,7 @@ from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.lora import LoRALayer, LoRAStep
 from tokenmill.lora.peft import LAYER_INDEX, TARGETS, LoRAAdapter, LoRAFormatError, check_shapes, load_peft
 from tokenmill.lora.request import LoRARequest
+from tokenmill.model.gguf_loader import unpermute_rope_rows
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +30,6 @@ def load_adapter(req: LoRARequest, max_rank: int) -> LoRAAdapter:
 
         return load_gguf_lora(req.lora_path, max_rank)
     return load_peft(req.lora_path, max_rank)
-
-
-def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Rows of a q/k projection from llama.cpp's rope layout (each head's halves interleaved) back to
-    transformers' order (model/gguf_loader.py does the same for the base weights)."""
-    dim = w.shape[0] // n_head // 2
-    return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
 class AdapterTargets:
@@ -90,7 +84,7 @@ class AdapterTargets:
             b = w.b
             part = module.rsplit(".", 1)[-1]
             if adapter.rope_permuted and part in ("q_proj", "k_proj"):
-                b = unpermute_rows(b, layer.total_num_heads if part == "q_proj" else layer.total_num_kv_heads)
+                b = unpermute_rope_rows(b, layer.total_num_heads if part == "q_proj" else layer.total_num_kv_heads)
             parts = out.setdefault(name, [None] * len(layer.lora_shapes()))
             parts[shard] = layer.lora_cut(shard, w.a, b)
         return out
@@ -133,16 +127,6 @@ class LoRAManager:
             log.debug("LoRA host cache: dropped %s", old)
         return resolved
 
-    def remove(self, req: LoRARequest) -> None:
-        """Forget an unloaded adapter (its slot is free for the next one)."""
-        key = req.cache_key
-        self.host.pop(key, None)
-        for i, k in enumerate(self.slots):
-            if k == key:
-                self.slots[i] = None
-                for layer in self.targets.layers.values():
-                    layer.lora.clear(i)
-
     def _slot_for(self, req: LoRARequest, busy: set[int]) -> int:
         key = req.cache_key
         if key in self.slots:
@@ -180,6 +164,3 @@ class LoRAManager:
                 runs.append((slot, start, start + n))
             start += n
         self.step.set(runs, start, self.device)
-
-    def clear(self) -> None:
-        self.step.clear()

@@ -165,8 +165,9 @@ def gguf_to_hf_names(path: str, cfg) -> dict[str, str]:
     return out
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    # llama.cpp interleaves each head's rotary halves; put them back in transformers' order.
+def unpermute_rope_rows(w, n_head: int):
+    """Rows of a q/k projection (numpy array or torch tensor) from llama.cpp's rope layout, each head's rotary
+    halves interleaved, back to transformers' order. Also for LoRA B of q/k in GGUF adapters (lora/manager.py)."""
     dim = w.shape[0] // n_head // 2
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
@@ -200,9 +201,9 @@ def iter_gguf_weights(path: str, cfg, dtype: torch.dtype,
             w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
         if arch in PERMUTED_QK:
             if ".attn_q." in t.name:
-                w = _unpermute(w, cfg.num_attention_heads)
+                w = unpermute_rope_rows(w, cfg.num_attention_heads)
             elif ".attn_k." in t.name:
-                w = _unpermute(w, cfg.num_key_value_heads)
+                w = unpermute_rope_rows(w, cfg.num_key_value_heads)
         if blocks:
             # raw() read the bytes into a fresh array (an unpermute made another): the parameter takes it as is
             yield hf, torch.from_numpy(np.ascontiguousarray(w))

@@ -39,7 +39,6 @@ def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str]]:
 @dataclass
 class LoRARegistry:
     reserved: list[str]  # the base model's served names and aliases: no adapter may take them
-    allow_runtime_updates: bool = False
     adapters: dict[str, LoRARequest] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -97,7 +97,7 @@ class ServerState:
     def __post_init__(self) -> None:
         s = self.settings
         if self.loras is None:
-            self.loras = LoRARegistry(s.served_model_names + s.model_aliases, s.allow_runtime_lora_updating)
+            self.loras = LoRARegistry(s.served_model_names + s.model_aliases)
         if self.keys is None and s.api_keys_file:
             self.keys = KeyStore(s.api_keys_file)  # a bad file stops the start here, with the reason
         if self.usage is None and s.usage_db:

@@ -87,7 +87,7 @@ class KeyTable:
         return found
 
 
-def _parse(text: str, path: str):
+def parse_json_or_yaml(text: str, path: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError:
@@ -123,7 +123,7 @@ def load_keys(path: str) -> KeyTable:
             text = f.read()
     except OSError as e:
         raise KeysFileError(f"{path}: cannot be read ({e.strerror}).") from None
-    doc = _parse(text, path)
+    doc = parse_json_or_yaml(text, path)
     if not isinstance(doc, dict) or not isinstance(doc.get("tenants"), list) or not doc["tenants"]:
         raise KeysFileError(f"{path}: needs a non-empty list `tenants`.")
     entries: list[tuple[bytes, Tenant]] = []

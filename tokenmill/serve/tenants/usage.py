@@ -14,7 +14,6 @@ models:
 """
 from __future__ import annotations
 
-import json
 import logging
 import sqlite3
 import threading
@@ -49,11 +48,11 @@ class Pricing:
 
 
 def load_pricing(path: str) -> Pricing:
-    from tokenmill.serve.tenants.keys import _parse
+    from tokenmill.serve.tenants.keys import parse_json_or_yaml
 
     try:
         with open(path, encoding="utf-8") as f:
-            doc = _parse(f.read(), path)
+            doc = parse_json_or_yaml(f.read(), path)
     except OSError as e:
         raise ValueError(f"{path}: cannot be read ({e.strerror}).") from None
 
@@ -216,7 +215,3 @@ def rows_to_csv(rows: list[dict]) -> str:
         w.writeheader()
         w.writerows(rows)
     return out.getvalue()
-
-
-def dumps(rows: list[dict]) -> str:
-    return json.dumps({"object": "list", "data": rows})
