@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tokenmill import native
@@ -55,36 +56,30 @@ class LoRAStep:
 
     def set(self, token_slots: list[tuple[int, int, int]], num_tokens: int, device: torch.device) -> None:
         """From the adapters' runs (slot, first token, end) in batch order, of a step of `num_tokens` tokens (the
-        others run the base model): one group per slot."""
-        slots = torch.full((num_tokens,), -1, dtype=torch.int32)
+        others run the base model): the native path's long runs and slot per token, and the torch path's one
+        group per slot (a slice where its runs touch, else an index). Per run, not per token; numpy, not torch
+        ops, for the small arrays."""
+        slots = np.full(num_tokens, -1, dtype=np.int32)
         self.long_runs, self.native_tokens = [], 0
+        spans: dict[int, list[list[int]]] = {}
         for slot, a, b in token_slots:
-            if slot < 0:
+            if slot < 0 or b <= a:
                 continue
             if b - a >= GEMM_MIN_TOKENS:
                 self.long_runs.append((slot, slice(a, b)))
             else:
                 slots[a:b] = slot
                 self.native_tokens += b - a
-        self.native_slots = slots.to(device)
-        runs: dict[int, list[tuple[int, int]]] = {}
-        for slot, a, b in token_slots:
-            if slot >= 0 and b > a:
-                runs.setdefault(slot, []).append((a, b))
-        groups = []
-        for slot, spans in runs.items():
-            merged = [list(spans[0])]
-            for a, b in spans[1:]:
-                if a == merged[-1][1]:
-                    merged[-1][1] = b
-                else:
-                    merged.append([a, b])
-            if len(merged) == 1:
-                groups.append((slot, slice(merged[0][0], merged[0][1])))
+            merged = spans.setdefault(slot, [])
+            if merged and merged[-1][1] == a:
+                merged[-1][1] = b
             else:
-                idx = torch.cat([torch.arange(a, b) for a, b in merged]).to(device)
-                groups.append((slot, idx))
-        self.groups = groups
+                merged.append([a, b])
+        self.native_slots = torch.from_numpy(slots).to(device)
+        self.groups = [
+            (slot, slice(*m[0]) if len(m) == 1 else
+             torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in m])).to(device))
+            for slot, m in spans.items()]
 
 
 class LoRALayer:
