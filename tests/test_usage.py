@@ -133,3 +133,19 @@ def test_usage_totals_equal_the_responses_and_survive_kill_9(metered):
         "SELECT tenant, SUM(requests), SUM(prompt_tokens), SUM(completion_tokens) FROM usage GROUP BY tenant")}
     con.close()
     assert after == sent
+
+
+def test_a_failed_write_keeps_the_records_for_the_next(tmp_path, monkeypatch):
+    """SQLite refusing a flush (a full disk, a lock) loses nothing: the batch goes back to the queue."""
+    from tokenmill.serve.tenants import usage
+
+    store = UsageStore(str(tmp_path / "u.db"))
+    monkeypatch.setattr(usage, "_ADD", "INSERT INTO no_such_table VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
+    store.record("a", "m", 5, 0, 2)
+    assert store.flush()
+    assert store.query() == []
+    monkeypatch.undo()
+    store.record("a", "m", 1, 0, 1)
+    assert store.flush()
+    assert [(r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in store.query()] == [(2, 6, 3)]
+    store.close()
