@@ -486,6 +486,31 @@ def test_priority_scheduling(path, policy):
     assert (t1 < t0) if policy == "priority" else (t0 < t1)
 
 
+def test_slo_policy_changes_the_order_never_the_tokens(path, llm):
+    """SLO and batch requests mixed on a tight engine (chunked, one seat short): every output equals fcfs's;
+    a request that cannot meet its TTFT is shed with --slo-shed and the others are untouched."""
+    from tokenmill.core.request import RequestSLO
+
+    prompts = random_prompts(6, seed=5, lens=(40, 9, 33, 5, 21, 60))
+    want = tokens(llm.generate(prompts, greedy(8), use_tqdm=False))
+    slo_llm = llm_for(path, scheduling_policy="slo", slo_shed=True, max_num_seqs=3, max_num_batched_tokens=24)
+    engine = slo_llm.engine
+    slos = [None, RequestSLO(ttft_ms=60_000, tpot_ms=60_000), None, RequestSLO(ttft_ms=60_000), None,
+            RequestSLO(tpot_ms=60_000)]
+    for i, (p, slo) in enumerate(zip(prompts, slos)):
+        engine.add_request(str(i), None, greedy(8), prompt_token_ids=p, slo=slo)
+    engine.add_request("hopeless", None, greedy(8), prompt_token_ids=prompts[0], slo=RequestSLO(ttft_ms=0.001))
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert [done[str(i)].outputs[0].token_ids for i in range(6)] == want
+    shed = done["hopeless"].outputs[0]
+    assert shed.finish_reason == "abort" and "time-to-first-token" in str(shed.stop_reason) and not shed.token_ids
+    assert_engine_idle(slo_llm)
+
+
 def test_long_prefill_token_threshold_keeps_outputs_and_chunks_steps(path, llm):
     """Capped prompt chunks (vLLM's long_prefill_token_threshold) change the steps, never the tokens."""
     prompts = random_prompts(6, seed=3, lens=(40, 9, 33, 5, 21, 60))

@@ -41,6 +41,7 @@ ROUND_TRIP = {
     "long_prefill_token_threshold": (["--long-prefill-token-threshold", "256"], 256,
                                      "scheduler.long_prefill_token_threshold"),
     "scheduling_policy": (["--scheduling-policy", "priority"], "priority", "scheduler.policy"),
+    "slo_shed": (["--slo-shed"], True, "scheduler.slo_shed"),
     "tensor_parallel_size": (["-tp", "2"], 2, "parallel.tensor_parallel_size"),
     "pipeline_parallel_size": (["--pipeline-parallel-size", "3"], 3, "parallel.pipeline_parallel_size"),
     "distributed_executor_backend": (["--distributed-executor-backend", "mp"], "mp",

@@ -20,7 +20,8 @@ from kv_shadow import ShadowTransfer
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.kv_offload import OffloadTiers
-from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.policies.fcfs import PriorityPolicy
+from tokenmill.core.request import Request, RequestSLO, RequestStatus
 from tokenmill.core.scheduler import Scheduler, WaitingQueue
 from tokenmill.sampling_params import SamplingParams
 
@@ -40,10 +41,22 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def make_sched(num_blocks=64, block_size=4, budget=64, max_seqs=8, policy="fcfs", caching=True, max_model_len=64,
-               offload: OffloadTiers | None = None):
+               offload: OffloadTiers | None = None, clock=None, slo_shed=False):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, offload=offload)
-    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy)
-    return Scheduler(cfg, kv, max_model_len), kv
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy, slo_shed=slo_shed)
+    if clock is None:
+        return Scheduler(cfg, kv, max_model_len), kv
+    return Scheduler(cfg, kv, max_model_len, clock=clock), kv
+
+
+class FakeClock:
+    """Seconds that pass only when a test says so."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def make_req(prompt, max_tokens=4, priority=0, arrival=None, params=None, rid=None) -> Request:
@@ -251,7 +264,7 @@ def test_priority_order_lower_value_first_then_arrival():
 
 
 def test_waiting_queue_ties_keep_insertion_order():
-    q = WaitingQueue(use_priority=True)
+    q = WaitingQueue(PriorityPolicy(SchedulerConfig()).queue_key)
     a, b, c = (make_req([1], priority=1, arrival=0) for _ in range(3))
     d = make_req([1], priority=0, arrival=5)
     for r in (a, b, c, d):
@@ -468,7 +481,8 @@ def workloads(draw):
     num_blocks = min_blocks + draw(st.sampled_from([0, 0, 1, 2, 4, 8, 32]))  # mostly tight: preemptions
     budget = draw(st.integers(1, 24))
     max_seqs = draw(st.integers(1, 6))
-    policy = draw(st.sampled_from(["fcfs", "priority"]))
+    policy = draw(st.sampled_from(["fcfs", "priority", "slo"]))
+    slo_shed = policy == "slo" and draw(st.booleans())
     caching = draw(st.sampled_from([True, True, False]))
     offload = None
     if caching and draw(st.booleans()):
@@ -494,11 +508,13 @@ def workloads(draw):
                 arrival=float(draw(st.integers(0, 8))),  # ties on purpose
                 prompt_logprobs=draw(st.integers(0, 9)) == 0,
                 abort_step=draw(st.one_of(st.none(), st.none(), st.integers(0, 30))),
+                # slo policy: batch work, or targets of a few fake steps (10 ms each) so some turn late
+                slo=draw(st.sampled_from([None, None, (50, 20), (200, None), (None, 20), (20, 100), (400, 50), (150, 30)])),
             )
         )
     return dict(bs=bs, mml=mml, num_blocks=num_blocks, budget=budget, max_seqs=max_seqs,
                 policy=policy, caching=caching, offload=offload, corrupt=corrupt, reqs=reqs,
-                long_prefill=long_prefill)
+                long_prefill=long_prefill, slo_shed=slo_shed)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -506,22 +522,30 @@ def workloads(draw):
 def test_random_workloads(w):
     bs, mml = w["bs"], w["mml"]
     offload = OffloadTiers(**w["offload"]) if w["offload"] else None
-    sched, kv = make_sched(w["num_blocks"], bs, w["budget"], w["max_seqs"], w["policy"], w["caching"], mml, offload)
+    clock = FakeClock()
+    sched, kv = make_sched(w["num_blocks"], bs, w["budget"], w["max_seqs"], w["policy"], w["caching"], mml, offload,
+                           clock, w["slo_shed"])
     sched.config.long_prefill_token_threshold = w["long_prefill"]
+    defers = w["policy"] == "slo"  # batch prompts may get fewer tokens than the budget; urgent ones make room
     transfer = ShadowTransfer()
     budget = w["budget"]
     reqs = []
     for i, spec in enumerate(w["reqs"]):
         params = SamplingParams(prompt_logprobs=1) if spec["prompt_logprobs"] else SamplingParams()
-        reqs.append(make_req(spec["prompt"], spec["max_tokens"], spec["priority"], spec["arrival"], params, f"q{i}"))
+        reqs.append(make_req(spec["prompt"], spec["max_tokens"], spec["priority"], spec["arrival"] / 100, params,
+                             f"q{i}"))
+        if spec["slo"] is not None:
+            reqs[-1].slo = RequestSLO(*spec["slo"])
+    shed: set[str] = set()
     added: set[int] = set()
     aborted: set[int] = set()
     content: dict[int, dict[int, int]] = {}  # block -> slot -> prefix key of the KV written there
     total = sum(len(s["prompt"]) + s["max_tokens"] for s in w["reqs"])
     max_steps = 8 + 7 + 40 * total  # generous; a livelock runs into it
-    key = sched.waiting.key
+    key, victim_key = sched.waiting.key, sched.policy.victim_key
 
     for t in range(max_steps):
+        clock.now = t / 100
         for i, spec in enumerate(w["reqs"]):
             if spec["arrival_step"] == t:
                 sched.add_request(reqs[i])
@@ -537,9 +561,15 @@ def test_random_workloads(w):
         uncomputed = {id(r): r.num_uncomputed_tokens for r in prev_running}
         had_work = sched.has_unfinished()
         out = sched.schedule()
+        for o in sched.take_ended():  # shed: never started, ended with 503
+            r = next(r for r in reqs if r.request_id == o.request_id)
+            assert w["slo_shed"] and o.error_status == 503 and o.error_code == "slo_unattainable"
+            assert r.status == RequestStatus.FINISHED_ABORTED and r.block_ids == [] and r.slo is not None
+            assert r.first_scheduled_time is None
+            shed.add(r.request_id)
         check_step(sched, out)
         # Progress every step: the last unscheduled candidate always fits once the others are preempted.
-        assert bool(out.scheduled) == had_work
+        assert bool(out.scheduled) == (had_work and sched.has_unfinished())
 
         # Budget use: each entry gets as many tokens as it has left, up to the budget left and (when set) the
         # long-prefill cap.
@@ -548,7 +578,8 @@ def test_random_workloads(w):
         for r, n in out.scheduled:
             assert id(r) not in seen
             seen.add(id(r))
-            assert n == min(r.num_tokens - r.num_computed_tokens, left, budget if r.num_preemptions else cap)
+            most = min(r.num_tokens - r.num_computed_tokens, left, budget if r.num_preemptions else cap)
+            assert n <= most if defers and r.slo is None else n == most
             left -= n
         # Previously running requests first, decodes before prompt chunks; then admissions.
         was_running = [id(r) in uncomputed for r, _ in out.scheduled]
@@ -557,12 +588,13 @@ def test_random_workloads(w):
         assert kinds == sorted(kinds)
         # Preemption: victims hold nothing, wait again with their tokens; no admissions in that step.
         if out.preempted:
-            assert all(was_running)
+            assert defers or all(was_running)
             unscheduled = [r for r in sched.running if id(r) not in seen]
             for v in out.preempted:
                 assert v.status == RequestStatus.PREEMPTED and v.block_ids == [] and v.num_computed_tokens == 0
                 assert v in list(sched.waiting) and v not in sched.running
-                assert all(key(v) >= key(u) for u in unscheduled)  # the victim ranks last
+                assert all(victim_key(v) >= victim_key(u) for u in unscheduled)  # the victim ranks last
+                assert not defers or v.slo is None or not any(u.slo is None for u in unscheduled)
         for r, n in out.scheduled:
             if id(r) not in uncomputed:  # admitted this step: only a prefix hit may be precomputed
                 assert r.num_computed_tokens % bs == 0 and r.num_computed_tokens < r.num_tokens
@@ -622,7 +654,9 @@ def test_random_workloads(w):
     for i, r in enumerate(reqs):
         assert r.finished
         exp = expected_output(r.prompt_token_ids, r.max_tokens)
-        if i in aborted:
+        if r.request_id in shed:
+            assert r.status == RequestStatus.FINISHED_ABORTED and r.num_output_tokens == 0
+        elif i in aborted:
             assert r.status == RequestStatus.FINISHED_ABORTED
             assert r.output_token_ids == exp[: r.num_output_tokens]
         else:

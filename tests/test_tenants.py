@@ -13,7 +13,8 @@ import pytest
 
 from server_harness import start_server
 from tiny import make_tiny_model
-from tokenmill.serve.tenants.keys import KeysFileError, Tenant, TenantLimits, load_keys, priority_for
+from tokenmill.core.request import RequestSLO
+from tokenmill.serve.tenants.keys import KeysFileError, Tenant, TenantLimits, load_keys, priority_for, slo_for
 from tokenmill.serve.tenants.limits import TenantLimiter
 
 YAML = """
@@ -32,6 +33,9 @@ tenants:
   - name: team-t
     keys: ["sk-t"]
     limits: {{tokens_per_minute: 60, tokens_per_day: 45}}
+  - name: team-s
+    keys: ["sk-s"]
+    slo: {{ttft_ms: 0.001}}
 """
 
 
@@ -79,6 +83,14 @@ def test_bad_files_are_refused_whole_with_the_reason(tmp_path, doc, reason):
 def test_priority_class_is_the_most_urgent_a_tenant_gets():
     t = Tenant("t", priority=5)
     assert priority_for(t, 0) == 5 and priority_for(t, 9) == 9 and priority_for(None, -3) == -3
+
+
+def test_a_tenant_slo_is_the_tightest_its_requests_get():
+    t = Tenant("t", slo=RequestSLO(ttft_ms=500, tpot_ms=50))
+    assert slo_for(t, None) == t.slo
+    assert slo_for(t, RequestSLO(ttft_ms=100, tpot_ms=80)) == RequestSLO(500, 80)  # relaxed, never tightened
+    assert slo_for(Tenant("batch"), RequestSLO(ttft_ms=100)) is None  # a tenant without targets runs batch work
+    assert slo_for(None, RequestSLO(tpot_ms=20)) == RequestSLO(tpot_ms=20) and slo_for(None, RequestSLO()) is None
 
 
 # ---- admission limits -----------------------------------------------------------------------------------------
@@ -129,7 +141,8 @@ def server(tmp_path_factory):
     write_yaml(keys)
     srv = start_server(base, root / "server.log", "--served-model-name", "base", "other", "--api-keys-file",
                        str(keys), "--admin-key", "sk-admin", "--api-key", "sk-legacy",
-                       "--kv-cache-memory-bytes", "16M", "--max-model-len", "256")
+                       "--kv-cache-memory-bytes", "16M", "--max-model-len", "256",
+                       "--scheduling-policy", "slo", "--slo-shed")
     yield srv, keys
     assert srv.stop() == 0, srv.log()
 
@@ -239,7 +252,8 @@ def test_admin_routes_and_reload(server):
     assert post(srv, "sk-b", {}, "/admin/reload").status_code == 403
     write_yaml(keys, '  - name: team-c\n    keys: ["sk-c"]\n')
     r = post(srv, "sk-admin", {}, "/admin/reload")
-    assert r.status_code == 200 and r.json()["tenants"] == ["team-a", "team-b", "team-c", "team-t", "team-x"]
+    assert r.status_code == 200 and r.json()["tenants"] == ["team-a", "team-b", "team-c", "team-s", "team-t",
+                                                            "team-x"]
     assert post(srv, "sk-c", completion()).status_code == 200
     keys.write_text("tenants: [")  # broken: refused, the old keys stay
     r = post(srv, "sk-admin", {}, "/admin/reload")
@@ -253,3 +267,81 @@ def test_admin_routes_and_reload(server):
         assert time.monotonic() < deadline, srv.log()
         time.sleep(0.05)
     assert post(srv, "sk-c", completion()).status_code == 401
+
+
+def test_slo_of_tenant_and_request_reach_the_scheduler(server):
+    """team-s's 0.001 ms TTFT cannot be met: --slo-shed answers 503 + Retry-After; a request that relaxes it
+    runs; a bad target is the caller's 400."""
+    srv, _ = server
+    r = post(srv, "sk-s", completion())
+    assert r.status_code == 503 and r.json()["error"]["code"] == "slo_unattainable", r.text
+    assert int(r.headers["Retry-After"]) >= 1
+    assert post(srv, "sk-s", completion(slo={"ttft_ms": 60_000})).status_code == 200
+    r = post(srv, "sk-b", completion(slo={"ttft_ms": -1}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "slo"
+    assert post(srv, "sk-b", completion(slo={"ttft_ms": 60_000, "tpot_ms": 60_000})).status_code == 200
+
+
+def test_reloading_keys_under_load_drops_no_request(server):
+    """Streams in flight while the keys file is reloaded five times (each time adding a tenant) all finish
+    whole; new keys work as soon as the reload answers."""
+    import threading
+
+    srv, keys = server
+    results: list[tuple[int, int]] = []
+
+    def stream(key: str) -> None:
+        body = completion(max_tokens=24, ignore_eos=True, stream=True, stream_options={"include_usage": True})
+        with httpx.stream("POST", srv.url("/v1/completions"), json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {key}"}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+            finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+            results.append((s.status_code, events[-1]["usage"]["completion_tokens"], finish))
+
+    threads = [threading.Thread(target=stream, args=("sk-b" if i % 2 else "sk-legacy",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for i in range(5):
+        write_yaml(keys, f'  - name: team-r{i}\n    keys: ["sk-r{i}"]\n')
+        assert post(srv, "sk-admin", {}, "/admin/reload").status_code == 200
+        assert post(srv, f"sk-r{i}", completion()).status_code == 200
+    for t in threads:
+        t.join(60)
+    assert results == [(200, 24, ["length"])] * 8
+    write_yaml(keys)
+    assert post(srv, "sk-admin", {}, "/admin/reload").status_code == 200
+
+
+def test_tenant_counters_in_prometheus(server):
+    srv, _ = server
+    before = httpx.get(srv.url("/metrics"), timeout=10).text
+    r = post(srv, "sk-b", completion(max_tokens=3, ignore_eos=True))
+    assert r.status_code == 200
+    text = httpx.get(srv.url("/metrics"), timeout=10).text
+
+    def value(t: str, name: str, labels: str) -> float:
+        for line in t.splitlines():
+            if line.startswith(f"tokenmill:{name}{{") and all(x in line for x in labels.split(",")):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    ok = 'tenant="team-b",outcome="ok"'
+    assert value(text, "tenant_requests_total", ok) == value(before, "tenant_requests_total", ok) + 1
+    assert (value(text, "tenant_generation_tokens_total", 'tenant="team-b"')
+            - value(before, "tenant_generation_tokens_total", 'tenant="team-b"')) == 3
+    assert value(text, "tenant_requests_total", 'tenant="team-a",outcome="http_429"') >= 1  # an earlier test's
+
+
+def test_tenant_label_values_are_bounded():
+    from tokenmill.serve.metrics import MAX_TENANT_LABELS, ServerMetrics
+
+    m = ServerMetrics("m")
+    for i in range(MAX_TENANT_LABELS + 10):
+        m.on_tenant_request(f"t{i}", 5, 0, 1, None)
+    text = m.render().decode()
+    tenants = {line.split('tenant="')[1].split('"')[0] for line in text.splitlines()
+               if line.startswith("tokenmill:tenant_requests_total{")}
+    assert len(tenants) == MAX_TENANT_LABELS + 1 and "other" in tenants
+    other = [line for line in text.splitlines()
+             if line.startswith("tokenmill:tenant_requests_total{") and 'tenant="other"' in line]
+    assert len(other) == 1 and other[0].endswith(" 10.0")

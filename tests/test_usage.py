@@ -55,7 +55,8 @@ def test_pricing_file(tmp_path):
 def metered(tmp_path):
     base = make_tiny_model(tmp_path / "base", "llama")
     keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"tenants": [{"name": "a", "keys": ["sk-a"]}, {"name": "b", "keys": ["sk-b"]}]}))
+    keys.write_text(json.dumps({"tenants": [{"name": "a", "keys": ["sk-a"]}, {"name": "b", "keys": ["sk-b"]},
+                                               {"name": "c", "keys": ["sk-c"]}]}))
     prices = tmp_path / "prices.yaml"
     prices.write_text("default: {input: 1.0, output: 2.0}\n")
     db = tmp_path / "usage.db"
@@ -100,19 +101,32 @@ def test_usage_totals_equal_the_responses_and_survive_kill_9(metered):
                             "stream_options": {"include_usage": True}}) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     add("b", events[-1]["usage"])
+    # A stream the client leaves after a few tokens is metered on what was generated for it before the abort.
+    read = 0
+    with httpx.stream("POST", srv.url("/v1/completions"), headers={"Authorization": "Bearer sk-c"}, timeout=60,
+                      json={"model": "base", "prompt": "Paged", "max_tokens": 200, "ignore_eos": True,
+                            "stream": True, "logprobs": 1}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                read += len(json.loads(line[6:])["choices"][0]["logprobs"]["tokens"])
+                if read >= 3:
+                    break
     bad = call(srv, "sk-b", {"model": "base", "prompt": "x", "max_tokens": -1})
     assert bad.status_code == 400
     sent["b"][0] += 1  # an error is a metered request with no tokens
     # Unprompted (no /v1/usage read forces a flush), the writer thread commits within its interval.
     deadline = time.monotonic() + 5
-    while _file_requests(db) != sent["a"][0] + sent["b"][0]:
+    while _file_requests(db) != sent["a"][0] + sent["b"][0] + 1:
         assert time.monotonic() < deadline, "the usage records were not written within 5 s"
         time.sleep(0.05)
     admin = {"Authorization": "Bearer sk-admin"}
     rows = httpx.get(srv.url("/v1/usage"), params={"group_by": "tenant"}, headers=admin, timeout=30).json()["data"]
     got = {r["tenant"]: [r["requests"], r["prompt_tokens"], r["completion_tokens"]] for r in rows}
+    aborted = got.pop("c")
     assert got == sent
-    assert {r["tenant"]: r["errors"] for r in rows} == {"a": 0, "b": 1}
+    assert aborted[:2] == [1, sent["b"][1]] and read <= aborted[2] < 200, (aborted, read)
+    sent["c"] = aborted
+    assert {r["tenant"]: r["errors"] for r in rows} == {"a": 0, "b": 1, "c": 0}
     a_cost = next(r["cost"] for r in rows if r["tenant"] == "a")
     assert a_cost == pytest.approx((sent["a"][1] * 1.0 + sent["a"][2] * 2.0) / 1e6)
     # A tenant sees its own usage only.
@@ -123,7 +137,7 @@ def test_usage_totals_equal_the_responses_and_survive_kill_9(metered):
     csv = httpx.get(srv.url("/v1/usage"), params={"format": "csv", "group_by": "tenant,model,day"}, headers=admin,
                     timeout=30)
     lines = csv.text.splitlines()
-    assert csv.headers["content-type"].startswith("text/csv") and len(lines) == 4, csv.text
+    assert csv.headers["content-type"].startswith("text/csv") and len(lines) == 5, csv.text
     assert lines[2].startswith("b,-,") and lines[2].endswith(",1,0.0")  # a body refused while parsing: no model known yet
     # kill -9: what /v1/usage showed was written; the file opens and holds it.
     srv.proc.send_signal(signal.SIGKILL)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV cache: the float dtypes, or quantized (vLLM names; fp8 = fp8_e4m3), see attention_backends/kv_quant.py.
 KV_CACHE_DTYPES = DTYPES + ("int8", "fp8", "fp8_e4m3")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "slo")  # core/policies registers one of each
 ACTIVATION_QUANTIZATIONS = ("none", "int8", "int8_per_token")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # Speculative decoding proposers (vLLM's names; "deepseek_mtp" is taken as "mtp").
@@ -50,7 +50,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    policy: str = "fcfs"  # fcfs | priority
+    policy: str = "fcfs"  # fcfs | priority | slo (core/policies)
+    # slo policy: end a waiting request with 503 once its TTFT target can no longer be met (else it runs late)
+    slo_shed: bool = False
     # Most prompt tokens one request computes per step (vLLM's long_prefill_token_threshold); 0: no cap
     # beyond the budget. With a cap, a long prompt shares each step with other prompts instead of filling it,
     # and the step (so the running requests' inter-token latency) stays short.
@@ -229,7 +231,9 @@ class EngineConfig:
         if (c.kv_offload_bytes or c.kv_offload_dir) and not c.enable_prefix_caching:
             raise ValueError("kv_offload_bytes / kv_offload_dir need prefix caching (enable_prefix_caching=True).")
         if s.policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {s.policy!r}.")
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {s.policy!r}.")
+        if s.slo_shed and s.policy != "slo":
+            raise ValueError("slo_shed needs the slo scheduling policy (--scheduling-policy slo).")
         if p.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                              f"got {p.distributed_executor_backend!r}.")

@@ -129,9 +129,12 @@ class EngineArgs:
         SchedulerConfig.long_prefill_token_threshold,
         "Most prompt tokens one request computes per step, so a long prompt shares steps with other prompts "
         "and running decodes keep short steps; 0: only the step budget chunks (default: %(default)s).")
-    scheduling_policy: str = _arg(SchedulerConfig.policy, "Order in which waiting requests are admitted; priority "
-                                  "honours each request's priority, lower first (default: %(default)s).",
+    scheduling_policy: str = _arg(SchedulerConfig.policy, "Who is admitted and preempted first: fcfs by arrival; "
+                                  "priority by each request's priority, lower first; slo by each request's TTFT "
+                                  "and TPOT targets, batch work (no SLO) in the time left (default: %(default)s).",
                                   choices=SCHEDULING_POLICIES)
+    slo_shed: bool = _arg(SchedulerConfig.slo_shed, "With --scheduling-policy slo: end a waiting request with 503 + "
+                          "Retry-After once its TTFT target can no longer be met (default: it runs late).")
     # parallelism
     tensor_parallel_size: int = _arg(ParallelConfig.tensor_parallel_size,
                                      "Tensor-parallel workers: one process per rank over torch.distributed "
@@ -237,7 +240,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold,
-                                      policy=self.scheduling_policy),
+                                      policy=self.scheduling_policy, slo_shed=self.slo_shed),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     pipeline_parallel_size=self.pipeline_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend,

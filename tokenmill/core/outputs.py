@@ -26,6 +26,7 @@ class EngineCoreOutput:
     grammar_done: bool = False
     error: str | None = None  # the request failed in the core: a grammar that did not compile (400), a step (500)
     error_status: int = 400
+    error_code: str | None = None  # OpenAI's error `code` (None: derived from the status)
 
     @property
     def finished(self) -> bool:

@@ -10,6 +10,25 @@ from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class RequestSLO:
+    """A request's latency targets, in milliseconds (None: no target). A request without an SLO is batch work
+    to the `slo` scheduling policy."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"slo {name} must be a positive number of milliseconds, got {v!r}.")
+
+    @property
+    def empty(self) -> bool:
+        return self.ttft_ms is None and self.tpot_ms is None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -48,6 +67,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
     grammar: Any = None  # structured_output.manager.RequestGrammar of a constrained request
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    slo: RequestSLO | None = None  # latency targets (the slo scheduling policy); None: batch work
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -105,8 +125,10 @@ class EngineCoreRequest:
     index: int = 0
     seed: int | None = None
     lora: LoRARequest | None = None
+    slo: RequestSLO | None = None
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.params, self.max_tokens, self.eos_token_ids,
                        self.priority, self.arrival_time, index=self.index, seed=self.seed, lora=self.lora,
+                       slo=self.slo,
                        extra_keys=self.lora.cache_key if self.lora is not None else ())

@@ -13,11 +13,13 @@ import bisect
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.batch import CachedRequestData, ModelRunnerOutput, NewRequestData, ScheduledBatch
 from tokenmill.core.kv_cache import KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput
+from tokenmill.core.policies import make_policy
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.testing import faults
 
@@ -76,22 +78,29 @@ class SpecDecodingStats:
 
 
 class WaitingQueue:
-    """Requests ordered by (priority if the policy uses it, arrival time). Lower priority value runs first."""
+    """Requests ordered by their policy's queue key (smallest first), ties in insertion order."""
 
-    def __init__(self, use_priority: bool) -> None:
-        self.use_priority = use_priority
+    def __init__(self, key: Callable[[Request, float], tuple], clock: Callable[[], float] = time.monotonic) -> None:
+        self._key = key
+        self._clock = clock
         self._keys: list[tuple] = []
         self._reqs: list[Request] = []
         self._counter = itertools.count()
 
     def key(self, req: Request) -> tuple:
-        return (req.priority if self.use_priority else 0, req.arrival_time)
+        return self._key(req, self._clock())
 
     def add(self, req: Request) -> None:
         k = (*self.key(req), next(self._counter))
         i = bisect.bisect(self._keys, k)
         self._keys.insert(i, k)
         self._reqs.insert(i, req)
+
+    def resort(self, now: float) -> None:
+        """Recompute every key (for policies whose order changes with time), keeping ties in their order."""
+        keyed = sorted(((*self._key(r, now), k[-1]), r) for k, r in zip(self._keys, self._reqs))
+        self._keys = [k for k, _ in keyed]
+        self._reqs = [r for _, r in keyed]
 
     def peek(self) -> Request:
         return self._reqs[0]
@@ -115,12 +124,16 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, structured=None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, structured=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        # Monotonic seconds, system-wide (request timestamps are compared across processes); tests step a fake one.
+        self.clock = clock
         self.config = config
         self.structured = structured  # structured_output.StructuredOutputManager: matchers of constrained requests
         self.kv = kv
         self.max_model_len = max_model_len
-        self.waiting = WaitingQueue(use_priority=config.policy == "priority")
+        self.policy = make_policy(config)
+        self.waiting = WaitingQueue(self.policy.queue_key, clock)
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_lookahead_tokens = config.num_lookahead_tokens
@@ -131,6 +144,16 @@ class Scheduler:
         self._forget: list[str] = []  # requests the worker holds and must drop at the next batch
         self.current: Request | None = None  # the request schedule()/update_from_output() is handling (blame)
         self._built: tuple = (None, [])  # the last batch built, and what the workers held of its requests before
+        # The last step's (tokens, requests, start time), for the policy's step-time model; _continuing: work was
+        # left when it ended, so the next schedule() follows it at once and the gap between the two is its time.
+        self._last_step: tuple[int, int, float] | None = None
+        self._continuing = False
+        self.ended: list[EngineCoreOutput] = []  # requests schedule() ended (shed by the policy): see take_ended
+
+    def take_ended(self) -> list[EngineCoreOutput]:
+        """The outputs of requests schedule() ended, for the engine to send (once)."""
+        ended, self.ended = self.ended, []
+        return ended
 
     # ---- request lifecycle ---------------------------------------------------------------
     @property
@@ -170,7 +193,7 @@ class Scheduler:
             self.kv.connector.admitted(req.request_id)  # forget a pending handed-over KV read
         self.requests.pop(req.request_id, None)
         req.status = status
-        req.finished_time = time.monotonic()
+        req.finished_time = self.clock()
 
     def has_unfinished(self) -> bool:
         return bool(self.running) or bool(self.waiting)
@@ -184,9 +207,6 @@ class Scheduler:
         return len(self.waiting)
 
     # ---- one step ------------------------------------------------------------------------
-    def _victim_key(self, req: Request) -> tuple:
-        return self.waiting.key(req)
-
     def unsend(self, req: Request) -> None:
         if req.sent is not None:
             self._forget.append(req.request_id)
@@ -236,26 +256,44 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        now = self.clock()
+        self._observe_last_step(now)
         budget = self.config.max_num_batched_tokens
         scheduled: dict[int, int] = {}  # id(req) -> tokens
+        policy = self.policy
+        if policy.dynamic_order:
+            self.waiting.resort(now)
+        plan = policy.plan(self.running, self.waiting, now, self.kv.num_free_blocks, self.kv.block_size)
+        for req in plan.shed:  # their outputs wait in self.ended, so an exception below cannot lose them
+            self.ended.append(self.fail_request(
+                req, "the request can no longer meet its time-to-first-token target under the current load; "
+                     "retry later.", 503, "slo_unattainable"))
+        for req in plan.preempt:  # room for urgent waiting requests, before anything is scheduled
+            self.preempt(req)
+            out.preempted.append(req)
+        deferrable = plan.deferrable_tokens  # prompt tokens left this step for the policy's deferrable requests
+        pool_ran_dry = False
 
-        # Decodes first, then running prompts (stable within each group).
-        order = sorted(self.running, key=lambda r: r.is_prefill)
-        for req in order:
+        # Decodes first, then running prompts (the policy's order).
+        for req in policy.running_order(self.running, now):
             if budget <= 0:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             self.current = req
             faults.maybe_raise("schedule", [req.request_id])
-            n = self._chunk(req, req.num_uncomputed_tokens, budget)
+            capped = deferrable is not None and req.is_prefill and policy.deferrable(req)
+            n = self._chunk(req, req.num_uncomputed_tokens, min(budget, deferrable) if capped else budget)
+            if n <= 0:
+                continue  # its prompt waits for a step with room
             spec = self._drafts(req, budget - n) if n == 1 else []
             n += len(spec)
             while not self.kv.allocate_slots(req, n, num_lookahead_tokens=self.num_lookahead_tokens):
                 candidates = [r for r in self.running if id(r) not in scheduled]
-                victim = max(candidates, key=self._victim_key)
+                victim = max(candidates, key=policy.victim_key)
                 self.preempt(victim)
                 out.preempted.append(victim)
+                pool_ran_dry = True
                 if victim is req:
                     break
             else:
@@ -264,15 +302,18 @@ class Scheduler:
                 if spec:
                     out.spec[req.request_id] = spec
                 budget -= n
+                if capped:
+                    deferrable -= n
 
-        # Admit waiting requests, unless this step already had to preempt. A request whose grammar is still
-        # compiling, whose handed-over KV is still being read (KV connector), or that does not fit the pool now
-        # stays in the queue without holding up the ones behind it (a large one only for MAX_ADMISSION_SKIPS
+        # Admit waiting requests, unless this step already had to preempt for blocks. A request whose grammar is
+        # still compiling, whose handed-over KV is still being read (KV connector), or that does not fit the pool
+        # now stays in the queue without holding up the ones behind it (a large one only for MAX_ADMISSION_SKIPS
         # steps: then it holds the queue until it fits).
         passed: list[Request] = []  # popped and put back below, also when an exception ends this loop
         admitted = len(out.scheduled)
         try:
-            self._admit(out, budget, passed)
+            if not pool_ran_dry:
+                self._admit(out, budget, deferrable, passed, set(map(id, plan.preempt)))
         except BaseException:
             # Requests admitted by this call may read blocks another one admitted with them was to write in
             # this step; that step will not run. Back to the queue, holding nothing.
@@ -283,14 +324,23 @@ class Scheduler:
                 if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                     self.waiting.add(req)
         self.current = None
+        self._last_step = (out.num_tokens, len(out.scheduled), now) if out.scheduled else None
         return out
+
+    def _observe_last_step(self, now: float) -> None:
+        if self._last_step is not None and self._continuing:
+            tokens, seqs, start = self._last_step
+            self.policy.observe_step(tokens, seqs, now - start)
+        self._last_step = None
 
     def _unadmit(self, out: SchedulerOutput, admitted: list[tuple[Request, int]]) -> None:
         for req, _ in admitted:
             if req.status == RequestStatus.RUNNING:
                 self._take_back(out, req)
 
-    def _admit(self, out: SchedulerOutput, budget: int, passed: list[Request]) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, deferrable: int | None, passed: list[Request],
+               made_room: set[int]) -> None:
+        """made_room: ids of requests preempted this step to make room for others (they wait at least a step)."""
         misfits = 0
         # LoRA: the adapters of the running requests hold the step's slots (at most max_loras). A request for
         # another adapter waits for one to free up; while it waits, no later adapter request is admitted, so the
@@ -298,12 +348,12 @@ class Scheduler:
         # requests need no slot and pass.
         adapters = {r.lora.cache_key for r in self.running if r.lora is not None}
         lora_blocked = False
-        while budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs and not out.preempted:
+        while budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.pop()
             passed.append(req)  # until it runs
             self.current = req
             faults.maybe_raise("schedule", [req.request_id])
-            if req.grammar is not None and req.grammar.matcher is None:
+            if (req.grammar is not None and req.grammar.matcher is None) or id(req) in made_room:
                 continue
             if req.lora is not None and (lora_blocked or (req.lora.cache_key not in adapters
                                                           and len(adapters) >= self.config.max_loras)):
@@ -320,7 +370,10 @@ class Scheduler:
             # Cached tokens, shared on the device, loaded from a lower tier or from a prefill instance, cost
             # no budget.
             num_cached = (len(computed) + len(offloaded) + len(remote)) * self.kv.block_size
-            n = self._chunk(req, req.num_tokens - num_cached, budget)
+            capped = deferrable is not None and self.policy.deferrable(req)
+            n = self._chunk(req, req.num_tokens - num_cached, min(budget, deferrable) if capped else budget)
+            if n <= 0:
+                break  # no room left this step for deferred prompts (a policy queues them after the others)
             if not self.kv.allocate_slots(req, n, computed, offloaded, self.num_lookahead_tokens, remote):
                 # A preempted request keeps its place (it ran before, and recomputing it only gets dearer);
                 # one that never ran is passed over for a while.
@@ -337,6 +390,8 @@ class Scheduler:
                 adapters.add(req.lora.cache_key)
             out.scheduled.append((req, n))
             budget -= n
+            if capped:
+                deferrable -= n
             req.admission_skips = 0
             if self.kv.connector is not None:
                 self.kv.connector.admitted(req.request_id)
@@ -345,7 +400,7 @@ class Scheduler:
                 self.kv.record_query(req.num_prompt_tokens, num_cached)
                 out.recorded.append(req)
             if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
+                req.first_scheduled_time = self.clock()
 
     def _chunk(self, req: Request, uncomputed: int, budget: int) -> int:
         """Tokens to compute for a request this step: all it has, within the budget and, for a prompt, within
@@ -411,7 +466,7 @@ class Scheduler:
         fails (a grammar matcher that raises, a bug) ends alone with an error; the others carry on."""
         sampled = dict(zip(result.req_ids, result.sampled_token_ids))
         outputs: list[EngineCoreOutput] = []
-        now = time.monotonic()
+        now = self.clock()
         for req, n in out.scheduled:
             if req.status != RequestStatus.RUNNING:
                 continue  # finished while the step ran (an abort)
@@ -425,15 +480,16 @@ class Scheduler:
             if o is not None:
                 outputs.append(o)
         self.current = None
+        self._continuing = self.has_unfinished()
         return outputs
 
-    def fail_request(self, req: Request, message: str, status: int = 500) -> EngineCoreOutput:
+    def fail_request(self, req: Request, message: str, status: int = 500, code: str | None = None) -> EngineCoreOutput:
         """End one request with an error (its caller gets `message`); its blocks are freed."""
         if not req.finished:
             self.finish_request(req, RequestStatus.FINISHED_ABORTED)
         req.stop_reason = message
         return EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=message, error=message,
-                                error_status=status, finished_time=req.finished_time)
+                                error_status=status, finished_time=req.finished_time, error_code=code)
 
     def _update_one(self, req: Request, n: int, spec, new: list[int], result: ModelRunnerOutput,
                     now: float) -> EngineCoreOutput | None:

@@ -22,6 +22,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 from tokenmill.core.outputs import EngineCoreOutputs, SchedulerStats
+from tokenmill.core.request import RequestSLO
 from tokenmill.engine.core_client import CoreBusyError, CoreClient, CoreDeadError, ThreadCoreClient, make_core_client
 from tokenmill.engine.output import (EngineError, FinishedRequest, OutputProcessor, RequestDelta,  # noqa: F401
                                      RequestState, SequenceDelta)
@@ -150,7 +151,8 @@ class AsyncLLMEngine:
     # ---- requests (call these from an event loop) ----------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     queue: asyncio.Queue, *, tag: int = 0, priority: int = 0, arrival_time: float | None = None,
-                    prompt: str | None = None, lora_request: LoRARequest | None = None) -> None:
+                    prompt: str | None = None, lora_request: LoRARequest | None = None,
+                    slo: RequestSLO | None = None) -> None:
         """Queue a request; its deltas arrive on `queue`, the last one with finished=True."""
         loop = asyncio.get_running_loop()
         refuse = None
@@ -163,7 +165,7 @@ class AsyncLLMEngine:
         if refuse is None:
             try:
                 _, ids, params, reqs = self.processor.process(request_id, prompt_token_ids, params, None,
-                                                              priority, arrival_time, lora_request)
+                                                              priority, arrival_time, lora_request, slo)
             except ValueError as e:
                 refuse = EngineError(str(e), 400)
         if refuse is not None:
@@ -271,7 +273,7 @@ class AsyncLLMEngine:
             out.outputs = [o for o in out.outputs if o.error is None]
             for o in failed:
                 self._fail_children({o.request_id}, EngineError(
-                    o.error, o.error_status, None if o.error_status < 500 else "engine_error"))
+                    o.error, o.error_status, o.error_code or (None if o.error_status < 500 else "engine_error")))
         batches: dict = defaultdict(list)
         itl: list[float] = []
         done: list[RequestState] = []

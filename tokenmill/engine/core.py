@@ -129,7 +129,7 @@ class EngineCore:
                     raise
                 log.exception("checking handed-over KV reads failed; trying again next step")
         out, failed = self._schedule()
-        refused += failed
+        refused += failed + self.scheduler.take_ended()
         st.schedule_s = time.perf_counter() - t0
         if on_scheduled is not None:
             on_scheduled(self.scheduler_stats())

@@ -10,7 +10,7 @@ import logging
 import time
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.request import RequestStatus
+from tokenmill.core.request import RequestSLO, RequestStatus
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output import OutputProcessor, RequestState
 from tokenmill.engine.processor import ModelFacts, Processor, child_ids
@@ -81,11 +81,12 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        slo: RequestSLO | None = None,
     ) -> RequestState:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         prompt, ids, params, reqs = self.processor.process(request_id, prompt, params, prompt_token_ids, priority,
-                                                           arrival_time, lora_request)
+                                                           arrival_time, lora_request, slo)
         state = self.output_processor.add_request(request_id, prompt, ids, params, reqs[0].arrival_time,
                                                   child_ids(request_id, params.n))
         for r in reqs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from tokenmill.core.request import EngineCoreRequest
+from tokenmill.core.request import EngineCoreRequest, RequestSLO
 from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
@@ -73,6 +73,7 @@ class Processor:
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        slo: RequestSLO | None = None,
     ) -> tuple[str | None, list[int], SamplingParams, list[EngineCoreRequest]]:
         """Returns (prompt text, prompt ids, params, core requests); raises ValueError on bad input."""
         params = params or SamplingParams()
@@ -98,7 +99,7 @@ class Processor:
         reqs = [
             EngineCoreRequest(cid, prompt_token_ids, params, max_tokens, self.facts.eos_token_ids, priority, arrival,
                               index=i, seed=None if params.seed is None else (params.seed + i) % SEED_RANGE,
-                              lora=lora_request)
+                              lora=lora_request, slo=slo if slo is not None and not slo.empty else None)
             for i, cid in enumerate(child_ids(request_id, params.n))
         ]
         return prompt, prompt_token_ids, params, reqs

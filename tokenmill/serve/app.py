@@ -158,7 +158,8 @@ def build_app(state: ServerState) -> FastAPI:
     settings = state.settings
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes,
                        protect_metrics=settings.protect_metrics, body_timeout_s=settings.request_body_timeout_s,
-                       keys=state.keys, admin_key=settings.admin_key, limiter=state.limiter, usage=state.usage)
+                       keys=state.keys, admin_key=settings.admin_key, limiter=state.limiter, usage=state.usage,
+                       metrics=state.metrics)
     return app
 
 

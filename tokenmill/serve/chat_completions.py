@@ -19,7 +19,7 @@ from tokenmill.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
                                       ChatDelta, ChatResponseMessage, ChatStreamChoice)
 from tokenmill.serve.sampling import build_sampling_params, check_input_chars, check_lists
 from tokenmill.serve.state import LARGE_INPUT, ServerState
-from tokenmill.serve.tenants.keys import priority_for, tenant_of
+from tokenmill.serve.tenants.keys import priority_for, request_slo, slo_for, tenant_of
 from tokenmill.serve.tenants.limits import reserve_for, worst_case_tokens
 from tokenmill.serve.tenants.usage import mark
 from tokenmill.serve.structured import check_constraint, request_constraint
@@ -87,6 +87,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                  arrival_time: float | None = None):
     tenant = tenant_of(raw.scope)
     model, lora = state.resolve_model(req.model, tenant)
+    try:
+        slo = slo_for(tenant, request_slo(req.slo))
+    except ValueError as e:
+        raise bad_request(str(e), "slo") from None
     tok = state.engine.tokenizer
     plan = chat_plan(req, state.settings, tok)
     so, so_param = request_constraint(req)
@@ -107,7 +111,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         await check_constraint(state, so, so_param)
     params = build_sampling_params(req, [len(ids)], state.limits, so)
     state.check_capacity()
-    sub = Submission(state.engine, [ids], [text], [params], priority_for(tenant, req.priority), arrival_time, lora)
+    sub = Submission(state.engine, [ids], [text], [params], priority_for(tenant, req.priority), arrival_time, lora,
+                     slo)
     reserve_for(raw.scope, state.limiter, tenant, worst_case_tokens([ids], [params], state.engine.max_model_len),
                 lambda: sub.usage().total_tokens)
     await sub.start()

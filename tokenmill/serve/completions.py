@@ -17,7 +17,7 @@ from tokenmill.serve.protocol import CompletionChoice, CompletionChunk, Completi
 from tokenmill.serve.sampling import (build_sampling_params, check_count, check_input_chars, check_lists,
                                      check_prompt_ids)
 from tokenmill.serve.state import LARGE_INPUT, ServerState
-from tokenmill.serve.tenants.keys import priority_for, tenant_of
+from tokenmill.serve.tenants.keys import priority_for, request_slo, slo_for, tenant_of
 from tokenmill.serve.tenants.limits import reserve_for, worst_case_tokens
 from tokenmill.serve.tenants.usage import mark
 from tokenmill.serve.structured import check_constraint, request_constraint
@@ -75,6 +75,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                             arrival_time: float | None = None):
     tenant = tenant_of(raw.scope)
     model, lora = state.resolve_model(req.model, tenant)
+    try:
+        slo = slo_for(tenant, request_slo(req.slo))
+    except ValueError as e:
+        raise bad_request(str(e), "slo") from None
     if req.suffix:
         raise bad_request("suffix is not supported.", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -93,7 +97,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     ready = await state.run_blocking(_prepare, state, req, prompts, so, size=_request_size(prompts, req))
     state.check_capacity()
     sub = Submission(state.engine, ready.ids, ready.texts, [ready.params] * len(ready.ids),
-                     priority_for(tenant, req.priority), arrival_time, lora)
+                     priority_for(tenant, req.priority), arrival_time, lora,
+                     slo)
     reserve_for(raw.scope, state.limiter, tenant,
                 worst_case_tokens(ready.ids, [ready.params] * len(ready.ids), state.engine.max_model_len),
                 lambda: sub.usage().total_tokens)

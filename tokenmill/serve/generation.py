@@ -11,6 +11,7 @@ from typing import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from tokenmill.core.request import RequestSLO
 from tokenmill.engine.async_engine import AsyncLLMEngine, RequestDelta
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import PositionLogprobs
@@ -68,8 +69,9 @@ class Submission:
 
     def __init__(self, engine: AsyncLLMEngine, prompts: list[list[int]], texts: list[str | None],
                  params: list[SamplingParams], priority: int = 0, arrival_time: float | None = None,
-                 lora_request: LoRARequest | None = None) -> None:
+                 lora_request: LoRARequest | None = None, slo: RequestSLO | None = None) -> None:
         self.engine = engine
+        self.slo = slo
         self.lora_request = lora_request
         self.n = params[0].n
         self.prompts = [PromptState(ids, text) for ids, text in zip(prompts, texts)]
@@ -91,7 +93,7 @@ class Submission:
             for p, (prompt, params) in enumerate(zip(self.prompts, self.params)):
                 self.engine.add_request(self.request_ids[p], prompt.token_ids, params, self.queue, tag=p,
                                         priority=self.priority, arrival_time=self.arrival_time, prompt=prompt.text,
-                                        lora_request=self.lora_request)
+                                        lora_request=self.lora_request, slo=self.slo)
                 if time.monotonic() - last_yield > ADMIT_SLICE_S:
                     await asyncio.sleep(0)
                     last_yield = time.monotonic()

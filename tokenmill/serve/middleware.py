@@ -36,9 +36,10 @@ def _header(scope, name: bytes) -> bytes | None:
 class GuardMiddleware:
     def __init__(self, app, api_key: str | None, max_body_bytes: int, protect_metrics: bool = False,
                  body_timeout_s: float = 30.0, keys: KeyStore | None = None, admin_key: str | None = None,
-                 limiter: TenantLimiter | None = None, usage: UsageStore | None = None) -> None:
+                 limiter: TenantLimiter | None = None, usage: UsageStore | None = None, metrics=None) -> None:
         self.app = app
         self.usage = usage
+        self.metrics = metrics  # serve.metrics.ServerMetrics: per-tenant counters
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.keys = keys
         self.admin = f"Bearer {admin_key}".encode() if admin_key else None
@@ -80,17 +81,21 @@ class GuardMiddleware:
             self._meter(scope, tenant, status[0])
 
     def _meter(self, scope, tenant: Tenant | None, status: int | None) -> None:
-        """One finished generating request into the usage store: the tokens its Submission produced (what was
-        sent, also for a stream cut short), and an error kind for a 4xx/5xx answer."""
-        if self.usage is None:
+        """One finished generating request into the usage store and the tenant's counters: the tokens its
+        Submission produced (what was sent, also for a stream cut short), and an error kind for a 4xx/5xx answer."""
+        if self.usage is None and (self.metrics is None or tenant is None):
             return
         state = scope.get("state", {})
         sub = state.get("submission")
         u = sub.usage() if sub is not None else None
-        cached = u.prompt_tokens_details.cached_tokens if u is not None and u.prompt_tokens_details else 0
+        cached = (u.prompt_tokens_details.cached_tokens if u is not None and u.prompt_tokens_details else 0) or 0
+        prompt, completion = (u.prompt_tokens, u.completion_tokens) if u is not None else (0, 0)
         error = None if status is None or status < 400 else f"http_{status}"
-        self.usage.record(tenant.name if tenant is not None else DEFAULT_TENANT.name, state.get("model", "-"),
-                          u.prompt_tokens if u else 0, cached or 0, u.completion_tokens if u else 0, error)
+        name = tenant.name if tenant is not None else DEFAULT_TENANT.name
+        if self.usage is not None:
+            self.usage.record(name, state.get("model", "-"), prompt, cached, completion, error)
+        if self.metrics is not None and tenant is not None:
+            self.metrics.on_tenant_request(name, prompt, cached, completion, error)
 
     def _authenticate(self, scope) -> tuple[APIError | None, Tenant | None]:
         """Who is asking: (None, None) for no one in particular (an open path, no keys configured, the admin or

@@ -59,6 +59,14 @@ class StructuredOutputsField(_Request):
     disable_any_whitespace: Bool = False
 
 
+class SLOField(_Request):
+    """tokenmill's `slo` request field: latency targets for --scheduling-policy slo (a tenant's are the
+    tightest its requests get)."""
+
+    ttft_ms: Float | None = None
+    tpot_ms: Float | None = None
+
+
 class _SamplingFields(_Request):
     model: str | None = None
     max_tokens: Int | None = None
@@ -80,6 +88,7 @@ class _SamplingFields(_Request):
     min_tokens: Int = 0
     ignore_eos: Bool = False
     priority: Int = 0
+    slo: SLOField | None = None  # tokenmill extension
     stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: Bool = False
     skip_special_tokens: Bool = True

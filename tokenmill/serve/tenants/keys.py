@@ -24,6 +24,8 @@ import json
 import threading
 from dataclasses import dataclass, field, fields
 
+from tokenmill.core.request import RequestSLO
+
 LIMIT_NAMES = ("requests_per_minute", "tokens_per_minute", "concurrent", "tokens_per_day")
 
 
@@ -39,10 +41,7 @@ class TenantLimits:
     tokens_per_day: int | None = None
 
 
-@dataclass(frozen=True)
-class TenantSLO:
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
+TenantSLO = RequestSLO  # a tenant's targets are its requests' (the slo scheduling policy reads them)
 
 
 @dataclass(frozen=True)
@@ -66,6 +65,29 @@ def priority_for(tenant: Tenant | None, requested: int) -> int:
     """A tenant's priority class is the most urgent its requests get (lower runs first): a request may ask to
     run later than its class, never sooner."""
     return requested if tenant is None else max(requested, tenant.priority)
+
+
+def request_slo(field) -> RequestSLO | None:
+    """The request's `slo` field (protocol.SLOField) as a RequestSLO; ValueError for a non-positive target."""
+    return None if field is None else RequestSLO(field.ttft_ms, field.tpot_ms)
+
+
+def slo_for(tenant: Tenant | None, requested: RequestSLO | None) -> RequestSLO | None:
+    """The latency targets a request runs with. Without tenants, what it asks for. With one, its tenant's: a
+    request may relax a target (ask for a later one), never tighten it, and a tenant without targets runs
+    batch work whatever its requests ask."""
+    if tenant is None:
+        return requested if requested is not None and not requested.empty else None
+    own = tenant.slo
+    if own.empty:
+        return None
+    if requested is None:
+        return own
+
+    def later(mine: float | None, asked: float | None) -> float | None:
+        return None if mine is None else max(mine, asked) if asked is not None else mine
+
+    return RequestSLO(later(own.ttft_ms, requested.ttft_ms), later(own.tpot_ms, requested.tpot_ms))
 
 
 def digest(key: str) -> bytes:

@@ -1,0 +1,187 @@
+"""Scheduling policies (core/policies): the registry, the step-time model and the slo policy's decisions.
+
+The scheduler's invariants under every policy (no leaked block, progress, order) are the property test in
+test_scheduler.py; here each decision of the slo policy is pinned on a fake clock.
+"""
+from __future__ import annotations
+
+import pytest
+
+from test_scheduler import FakeClock, advance, check_step, expected_output, make_req, make_sched, run_to_completion
+from tokenmill.config import SCHEDULING_POLICIES, SchedulerConfig
+from tokenmill.core.policies import POLICIES, make_policy
+from tokenmill.core.policies.slo import MIN_DEFERRABLE_TOKENS
+from tokenmill.core.policies.step_time import StepTimeModel
+from tokenmill.core.request import RequestSLO, RequestStatus
+
+
+def test_every_policy_name_is_registered():
+    assert set(POLICIES) == set(SCHEDULING_POLICIES)
+    with pytest.raises(ValueError, match="unknown scheduling policy 'lifo'"):
+        make_policy(SchedulerConfig(policy="lifo"))
+
+
+def test_request_slo_rejects_non_positive_targets():
+    with pytest.raises(ValueError, match="ttft_ms must be a positive"):
+        RequestSLO(ttft_ms=0)
+    with pytest.raises(ValueError, match="tpot_ms must be a positive"):
+        RequestSLO(tpot_ms=-5)
+    assert RequestSLO().empty and not RequestSLO(tpot_ms=5).empty
+
+
+def test_step_time_model_fits_a_line_and_inverts_it():
+    m = StepTimeModel(decay=0.99)
+    for i in range(400):
+        x = 1 + (i * 37) % 512
+        m.observe(x, 0.01 + 0.0002 * x)
+    level, slope = m.coefficients()
+    assert level == pytest.approx(0.01, rel=0.05) and slope == pytest.approx(0.0002, rel=0.05)
+    assert m.tokens_within(0.05) == pytest.approx(200, abs=8)
+    assert m.tokens_within(0.001) == 0  # shorter than an empty step
+
+
+def test_step_time_model_keeps_the_prior_slope_when_every_step_had_one_size():
+    m = StepTimeModel()
+    for _ in range(100):
+        m.observe(8, 0.03)
+    level, slope = m.coefficients()
+    assert slope == pytest.approx(m.per_token, rel=0.2)
+    assert m.predict(8) == pytest.approx(0.03, rel=0.05)  # the level follows the data
+
+
+def slo_sched(clock, **kw):
+    kw.setdefault("budget", 2048)
+    kw.setdefault("num_blocks", 1024)
+    kw.setdefault("max_model_len", 4096)
+    sched, kv = make_sched(policy="slo", clock=clock, **kw)
+    for _ in range(50):  # 10 ms per step + 0.1 ms per token
+        for tokens in (1, 64, 512):
+            sched.policy.observe_step(tokens, 1, 0.01 + 0.0001 * tokens)
+    return sched, kv
+
+
+def test_slo_queue_order_feasible_by_latest_start_then_late_then_batch():
+    clock = FakeClock(10.0)
+    sched, _ = slo_sched(clock, max_seqs=1)
+    tight = make_req([1] * 8, arrival=9.9, rid="tight")  # 100 ms left of 200: starts first
+    loose = make_req([1] * 8, arrival=9.95, rid="loose")
+    loose.slo, tight.slo = RequestSLO(ttft_ms=1000), RequestSLO(ttft_ms=200)
+    late = make_req([1] * 8, arrival=9.0, rid="late")
+    late.slo = RequestSLO(ttft_ms=100)  # its TTFT passed long ago
+    batch_urgent = make_req([1] * 8, arrival=9.5, priority=0, rid="batch0")
+    batch_later = make_req([1] * 8, arrival=1.0, priority=3, rid="batch3")
+    for r in (batch_later, batch_urgent, late, loose, tight):
+        sched.add_request(r)
+    sched.waiting.resort(clock())
+    assert [r.request_id for r in sched.waiting] == ["tight", "loose", "late", "batch0", "batch3"]
+
+
+def test_slo_caps_batch_prompts_while_an_slo_request_decodes():
+    clock = FakeClock(0.0)
+    sched, kv = slo_sched(clock)
+    chat = make_req([5] * 4, max_tokens=6, arrival=0.0, rid="chat")
+    chat.slo = RequestSLO(ttft_ms=1000, tpot_ms=50)
+    sched.add_request(chat)
+    check_step(sched, out := sched.schedule())
+    advance(sched, out)
+    batch = make_req([7] * 3500, max_tokens=2, arrival=0.01, rid="batch")
+    sched.add_request(batch)
+    out = sched.schedule()
+    check_step(sched, out)
+    got = dict((r.request_id, n) for r, n in out.scheduled)
+    # 80 % of 50 ms = 40 ms: (0.04 - 0.01) / 0.0001 = 300 tokens in the step, one of them the decode.
+    assert got["chat"] == 1 and got["batch"] == pytest.approx(299, abs=6)
+    advance(sched, out)
+    while not chat.finished:
+        out = sched.schedule()
+        check_step(sched, out)
+        assert sum(n for r, n in out.scheduled if r is batch) <= 300
+        advance(sched, out)
+    out = sched.schedule()  # the SLO request is gone: the batch prompt takes the whole budget again
+    assert out.scheduled == [(batch, min(batch.num_uncomputed_tokens, 2048))] and batch.num_uncomputed_tokens > 300
+    advance(sched, out)
+    run_to_completion(sched)
+    assert batch.output_token_ids == expected_output(batch.prompt_token_ids, 2)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_batch_prompts_always_progress_under_slo_pressure():
+    clock = FakeClock(0.0)
+    sched, kv = slo_sched(clock)
+    chat = make_req([5] * 4, max_tokens=50, arrival=0.0, rid="chat")
+    chat.slo = RequestSLO(tpot_ms=5)  # shorter than any step: no room at all for batch work
+    batch = make_req([7] * 200, max_tokens=1, arrival=0.01, rid="batch")
+    sched.add_request(chat)
+    sched.add_request(batch)
+    steps = 0
+    while not batch.finished:
+        out = sched.schedule()
+        check_step(sched, out)
+        assert sum(n for r, n in out.scheduled if r is batch) <= MIN_DEFERRABLE_TOKENS
+        advance(sched, out)
+        steps += 1
+    assert steps <= 200 // MIN_DEFERRABLE_TOKENS + 2
+
+
+def test_an_urgent_slo_request_preempts_batch_work_for_a_seat():
+    clock = FakeClock(0.0)
+    sched, kv = slo_sched(clock, max_seqs=2)
+    a = make_req([1, 2, 3], max_tokens=40, arrival=0.0, rid="a")
+    b = make_req([4, 5, 6], max_tokens=40, arrival=0.001, rid="b")
+    for r in (a, b):
+        sched.add_request(r)
+    advance(sched, sched.schedule())
+    chat = make_req([9] * 5, max_tokens=3, arrival=0.0, rid="chat")
+    chat.slo = RequestSLO(ttft_ms=1000)
+    sched.add_request(chat)
+    clock.now = 0.3  # 30 % of its TTFT spent: it waits for a seat
+    out = sched.schedule()
+    assert not out.preempted and chat.status == RequestStatus.WAITING
+    advance(sched, out)
+    clock.now = 0.6  # past half: the latest batch request makes room
+    out = sched.schedule()
+    check_step(sched, out)
+    assert out.preempted == [b] and b.status == RequestStatus.PREEMPTED
+    assert chat in [r for r, _ in out.scheduled] and b not in [r for r, _ in out.scheduled]
+    advance(sched, out)
+    run_to_completion(sched)
+    for r in (a, b, chat):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_tokens)
+    assert kv.num_free_blocks == kv.num_blocks
+    assert sched.policy.describe()["preempted_for_room"] == 1
+
+
+@pytest.mark.parametrize("shed", [True, False])
+def test_a_request_that_cannot_meet_its_ttft_is_shed_or_runs_late(shed):
+    clock = FakeClock(0.0)
+    sched, kv = slo_sched(clock, max_seqs=1, slo_shed=shed)
+    batch = make_req([1, 2, 3], max_tokens=4, arrival=0.0, rid="batch")
+    sched.add_request(batch)
+    advance(sched, sched.schedule())
+    late = make_req([4] * 6, max_tokens=2, arrival=0.0, rid="late")
+    late.slo = RequestSLO(ttft_ms=100)
+    waiting_batch = make_req([5] * 6, max_tokens=2, arrival=0.0, rid="waiting-batch")
+    sched.add_request(waiting_batch)
+    sched.add_request(late)
+    clock.now = 0.5
+    out = sched.schedule()
+    ended = sched.take_ended()
+    if shed:
+        assert [o.request_id for o in ended] == ["late"]
+        assert ended[0].error_status == 503 and ended[0].error_code == "slo_unattainable"
+        assert late.status == RequestStatus.FINISHED_ABORTED and late.block_ids == []
+    else:
+        assert not ended
+        assert [r.request_id for r in sched.waiting][0] == "late"  # late, but still before batch work
+    advance(sched, out)
+    run_to_completion(sched)
+    for r in (batch, waiting_batch) + (() if shed else (late,)):
+        assert r.output_token_ids == expected_output(r.prompt_token_ids, r.max_tokens)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_slo_shed_needs_the_slo_policy():
+    from tokenmill.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="slo_shed needs the slo scheduling policy"):
+        EngineArgs(slo_shed=True).create_engine_config()

@@ -1,0 +1,139 @@
+"""`--scheduling-policy slo`: serve as many requests within their TTFT and TPOT targets as possible.
+
+Requests carry an SLO (core/request.RequestSLO, from their tenant or the request). Those without one are batch
+work: they get what the SLO requests leave, and never the other way round.
+
+- Admission by slack: an SLO request must start its prompt by its latest start time (arrival + TTFT target -
+  the predicted time of its prompt, step_time.StepTimeModel); the waiting queue is ordered by it (earliest
+  first), then requests that can no longer meet their TTFT (they still run before batch work), then batch work
+  in (priority, arrival) order. A preempted SLO request that already streams goes first: its TPOT counts.
+- Protecting TPOT: while SLO requests run or wait, the step is sized to the tightest TPOT among them (a
+  MARGIN of it): batch prompt chunks get the tokens that fit in that time after the decodes and the SLO
+  prompts, and at least MIN_DEFERRABLE_TOKENS so batch work never stops.
+- Making room: an SLO request that has used half its TTFT waiting for a seat (max_num_seqs) or for blocks
+  preempts running batch requests (latest first) until it fits; when the pool runs dry mid-step the victim is
+  batch work first.
+- Shedding (`--slo-shed`): a waiting SLO request whose TTFT can no longer be met even if it started now ends
+  with 503 + Retry-After, instead of taking time from requests that can still make theirs.
+"""
+from __future__ import annotations
+
+import math
+
+from tokenmill.core.policies.base import SchedulingPolicy, StepPlan, register
+from tokenmill.core.policies.step_time import StepTimeModel
+from tokenmill.core.request import Request
+
+MARGIN = 0.8  # steps aim at this fraction of the tightest TPOT target (steps vary; the mean must stay under it)
+MIN_DEFERRABLE_TOKENS = 32  # batch prompt tokens every step may compute, whatever the SLO requests need
+MAKE_ROOM_AFTER = 0.5  # an SLO request preempts batch work once this fraction of its TTFT is spent waiting
+MAX_ROOM_MAKERS = 4  # waiting SLO requests considered for preemptions per step (bounds the step's work)
+
+FEASIBLE, LATE, BATCH = 0, 1, 2  # admission classes, in order
+
+
+def is_batch(req: Request) -> bool:
+    return req.slo is None or req.slo.empty
+
+
+@register
+class SLOPolicy(SchedulingPolicy):
+    name = "slo"
+    dynamic_order = True  # a request turns LATE as time passes
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.step_time = StepTimeModel()
+        self.num_shed = 0
+        self.num_room_preemptions = 0
+
+    # ---- order ---------------------------------------------------------------------------
+    def latest_start(self, req: Request) -> float:
+        """When its prompt must start for its first token to come within its TTFT target."""
+        return req.arrival_time + req.slo.ttft_ms / 1000 - self.step_time.predict(req.num_prompt_tokens)
+
+    def queue_key(self, req: Request, now: float) -> tuple:
+        if is_batch(req):
+            return (BATCH, req.priority, req.arrival_time)
+        if req.first_token_time is not None:  # preempted while streaming: back to decoding first
+            return (FEASIBLE, req.first_token_time)
+        if req.slo.ttft_ms is None:
+            return (FEASIBLE, req.arrival_time)
+        start = self.latest_start(req)
+        return (FEASIBLE, start) if start >= now else (LATE, req.arrival_time)
+
+    def victim_key(self, req: Request) -> tuple:
+        return (is_batch(req), req.priority, req.arrival_time)
+
+    def running_order(self, running: list[Request], now: float) -> list[Request]:
+        return sorted(running, key=lambda r: (r.is_prefill, r.is_prefill and is_batch(r)))
+
+    def deferrable(self, req: Request) -> bool:
+        return is_batch(req)
+
+    # ---- the step ------------------------------------------------------------------------
+    def plan(self, running: list[Request], waiting, now: float, num_free_blocks: int, block_size: int) -> StepPlan:
+        slo_waiting = [r for r in waiting if not is_batch(r)]
+        slo_running = [r for r in running if not is_batch(r)]
+        if not slo_waiting and not slo_running:
+            return StepPlan()  # batch work only: the whole budget, as fcfs
+        shed = self._shed(slo_waiting, now) if self.config.slo_shed else []
+        if shed:
+            slo_waiting = [r for r in slo_waiting if r not in shed]
+            if not slo_waiting and not slo_running:
+                return StepPlan(shed=tuple(shed))
+        return StepPlan(self._deferrable_tokens(running, slo_running, slo_waiting),
+                        tuple(self._make_room(running, slo_waiting, now, num_free_blocks, block_size)), tuple(shed))
+
+    def _shed(self, slo_waiting: list[Request], now: float) -> list[Request]:
+        shed = [r for r in slo_waiting if r.slo.ttft_ms is not None and r.first_scheduled_time is None
+                and self.latest_start(r) < now]
+        self.num_shed += len(shed)
+        return shed
+
+    def _deferrable_tokens(self, running: list[Request], slo_running: list[Request],
+                           slo_waiting: list[Request]) -> int:
+        tpots = [r.slo.tpot_ms for r in slo_running + slo_waiting if r.slo.tpot_ms is not None]
+        if tpots:
+            target = MARGIN * min(tpots) / 1000
+        else:  # TTFT targets only: keep steps to a quarter of the tightest, so a new prompt starts soon
+            target = min(r.slo.ttft_ms for r in slo_running + slo_waiting) / 4000
+        budget = self.config.max_num_batched_tokens
+        decodes = sum(1 + len(r.spec_token_ids) for r in running if not r.is_prefill)
+        slo_prompts = sum(r.num_uncomputed_tokens for r in slo_running if r.is_prefill)
+        slo_prompts += sum(r.num_tokens - r.num_computed_tokens for r in slo_waiting)
+        room = self.step_time.tokens_within(target) - decodes - min(slo_prompts, budget)
+        return max(room, MIN_DEFERRABLE_TOKENS)
+
+    def _make_room(self, running: list[Request], slo_waiting: list[Request], now: float, num_free_blocks: int,
+                   block_size: int) -> list[Request]:
+        """Batch requests to preempt so the SLO requests that have waited long enough can be admitted."""
+        seats = self.config.max_num_seqs - len(running)
+        free = num_free_blocks
+        victims = sorted((r for r in running if is_batch(r)), key=self.victim_key, reverse=True)
+        chosen: list[Request] = []
+        urgent = [r for r in slo_waiting if r.slo.ttft_ms is not None and r.first_scheduled_time is None
+                  and now - r.arrival_time >= MAKE_ROOM_AFTER * r.slo.ttft_ms / 1000 and self.latest_start(r) >= now]
+        for req in urgent[:MAX_ROOM_MAKERS]:
+            need = math.ceil((req.num_tokens + 1) / block_size)
+            picked, s, f = [], seats, free
+            while (s < 1 or f < need) and victims:
+                v = victims.pop(0)
+                picked.append(v)
+                s += 1
+                f += len(v.block_ids)  # at most: blocks shared with other requests stay held
+            if s < 1 or f < need:
+                break  # not enough batch work to preempt: it waits like everyone else
+            chosen += picked
+            seats, free = s - 1, f - need
+        self.num_room_preemptions += len(chosen)
+        return chosen
+
+    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        self.step_time.observe(num_tokens, seconds)
+
+    def describe(self) -> dict:
+        level, slope = self.step_time.coefficients()
+        return {"name": self.name, "step_seconds_fixed": level, "step_seconds_per_token": slope,
+                "steps_observed": self.step_time.steps, "shed": self.num_shed,
+                "preempted_for_room": self.num_room_preemptions}
