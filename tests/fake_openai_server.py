@@ -26,6 +26,7 @@ class FakeConfig:
     api_key: str | None = None
     model: str = "fake-model"
     requests_seen: list[dict] = field(default_factory=list)
+    keys_seen: list[str | None] = field(default_factory=list)  # the Authorization header of each request
     counters: dict[str, float] = field(default_factory=lambda: {"queries": 0.0, "hits": 0.0, "preemptions": 0.0})
     ttft_observed: list[float] = field(default_factory=list)
     healthy: bool = True          # GET /health: 200, else 503
@@ -47,6 +48,7 @@ def make_app(cfg: FakeConfig) -> Starlette:
             return _error(401, "AuthenticationError", "bad api key")
         body = await request.json()
         cfg.requests_seen.append(body)
+        cfg.keys_seen.append(request.headers.get("authorization"))
         if cfg.fail_status is not None:
             return _error(cfg.fail_status, "ServiceUnavailableError", "backend refused")
         chat = "messages" in body

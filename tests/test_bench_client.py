@@ -153,6 +153,42 @@ def test_bench_serve_end_to_end(server, tmp_path, capsys):
     assert not re.search(r'(src|href)\s*=\s*"https?:', page) and "<link" not in page  # nothing to fetch
 
 
+def test_tenants_load_together_with_their_own_keys_rates_and_slos(server, tmp_path, capsys):
+    """--tenants: each tenant's requests carry its key and body, its SLOs judge its requests only, and the
+    result holds a summary per tenant (schema-valid) and the run's goodput against each one's own SLOs."""
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(
+        "tenants:\n"
+        "  - {name: chat, api_key: sk-chat, num_prompts: 6, request_rate: 50, goodput: {ttft: 10000},\n"
+        "     dataset_params: {random_input_len: 8, random_output_len: 3}, extra_body: {priority: 0}}\n"
+        "  - {name: batch, api_key: sk-batch, num_prompts: 3, goodput: {ttft: 1},\n"
+        "     dataset_params: {random_input_len: 20, random_output_len: 5}}\n")
+    out_json = tmp_path / "t.json"
+    rc = main(["serve", "--base-url", server.url, "--model", "fake-model", "--tenants", str(tenants),
+               "--num-warmups", "0", "--result-json", str(out_json), "--disable-tqdm"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "SLO met" in printed and "chat" in printed and "batch" in printed
+    result = json.loads(out_json.read_text())
+    jsonschema.validate(result, load_schema())
+    chat, batch = result["tenants"]
+    assert (chat["name"], chat["num_requests"], chat["first_request"]) == ("chat", 6, 0)
+    assert (batch["name"], batch["num_requests"], batch["first_request"]) == ("batch", 3, 6)
+    assert chat["slo_attainment"] == 1.0 and batch["slo_attainment"] == 0.0  # 100 ms TTFT: never within 1 ms
+    assert chat["summary"]["total_output_tokens"] == 6 * 3 and batch["summary"]["total_output_tokens"] == 3 * 5
+    assert result["summary"]["num_requests"] == 9 and result["summary"]["goodput"]["good_requests"] == 6
+    assert [r["index"] for r in result["requests"]] == list(range(9))
+    keys = server.cfg.keys_seen
+    bodies = server.cfg.requests_seen
+    assert sorted(keys) == ["Bearer sk-batch"] * 3 + ["Bearer sk-chat"] * 6
+    assert all((b.get("priority") == 0) == (k == "Bearer sk-chat") for b, k in zip(bodies, keys))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tenants:\n  - {name: x, api_key: k, rate: 3}\n")
+    assert main(["serve", "--base-url", server.url, "--model", "fake-model", "--tenants", str(bad),
+                 "--disable-tqdm"]) == 2
+    assert "unknown keys ['rate']" in capsys.readouterr().err
+
+
 def test_chat_with_tokenizer_counts_when_no_usage(server, tmp_path, tiny_tokenizer):
     tok_dir = tmp_path / "tok"
     tiny_tokenizer.save_pretrained(str(tok_dir))

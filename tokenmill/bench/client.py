@@ -265,13 +265,14 @@ def make_client(max_connections: int | None, transport: httpx.AsyncBaseTransport
 
 async def run_requests(client: httpx.AsyncClient, cfg: ClientConfig, requests: list[BenchRequest],
                        load: LoadConfig, tokenizer: Tokenizer | None = None,
-                       shaped: bool = True, desc: str = "requests") -> list[RequestRecord]:
+                       shaped: bool = True, desc: str = "requests", t0: float | None = None) -> list[RequestRecord]:
     """Send `requests` at the arrival times of `load` (all at once when not `shaped`), at most
-    `max_concurrency` in flight; records come back in dataset order."""
+    `max_concurrency` in flight; records come back in dataset order. `t0` (time.perf_counter()): when the
+    arrival times start (default: now), for several loads that share one clock."""
     offsets = arrival_offsets(len(requests), load.request_rate if shaped else math.inf, load.burstiness, load.seed)
     limit = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     bar = _progress(len(requests), desc, load.progress)
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
 
     async def one(i: int, req: BenchRequest) -> RequestRecord:
         async with limit if limit is not None else contextlib.nullcontext():

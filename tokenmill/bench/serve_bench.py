@@ -109,6 +109,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--num-warmups", type=int, default=1,
                    help="Requests sent before measuring, excluded from results (default: %(default)s).")
     g.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
+    g.add_argument("--tenants", metavar="FILE",
+                   help="YAML/JSON list of tenants loading the server together, each with its API key, prompts, "
+                        "rate and SLOs (format: docs/bench.md); the report adds each tenant's goodput and SLO "
+                        "attainment.")
 
     g = p.add_argument_group("report")
     g.add_argument("--goodput", nargs="+", metavar="KEY:MS",
@@ -179,6 +183,9 @@ async def _bench(args: argparse.Namespace, transport=None) -> dict[str, Any]:
     load = LoadConfig(request_rate=args.request_rate, burstiness=args.burstiness,
                       max_concurrency=args.max_concurrency, seed=args.seed, progress=not args.disable_tqdm)
     metrics_url = args.metrics_url or api_root(args.base_url) + "/metrics"
+    if getattr(args, "tenants", None):
+        return await _bench_tenants(args, cfg, spec, slos, warmups, tokenizer, transport, metrics_url, model,
+                                    ignore_eos)
     run = await run_benchmark(cfg, requests, load, warmups, tokenizer, transport, metrics_url)
     if run.warmup_errors:
         print(f"warning: {len(run.warmup_errors)} of {len(warmups)} warm-up requests failed, first: "
@@ -189,10 +196,42 @@ async def _bench(args: argparse.Namespace, transport=None) -> dict[str, Any]:
                         run.started_at)
 
 
+async def _bench_tenants(args, cfg: ClientConfig, spec: DatasetSpec, slos: dict[str, float], warmups, tokenizer,
+                         transport, metrics_url: str, model: str, ignore_eos: bool) -> dict[str, Any]:
+    from tokenmill.bench.client import fetch_text, make_client, run_requests
+    from tokenmill.bench.metrics import duration
+    from tokenmill.bench.tenants import load_tenants, overall_goodput, run_tenants, tenant_results
+
+    tenants = load_tenants(args.tenants, args, spec, slos, not args.disable_tqdm)
+    first = replace(cfg, api_key=tenants[0].api_key)
+    if warmups:
+        async with make_client(None, transport) as client:
+            warm = await run_requests(client, first, list(warmups), LoadConfig(progress=False), tokenizer,
+                                      shaped=False, desc="warm-up")
+        if all(r.error is not None for r in warm):
+            raise ValueError(f"all {len(warm)} warm-up requests failed; first: {warm[0].error.key}: "
+                             f"{warm[0].error.message}")
+    before = await fetch_text(metrics_url, first.api_key, transport=transport)
+    runs, started_at = await run_tenants(cfg, tenants, tokenizer, transport)
+    after = await fetch_text(metrics_url, first.api_key, transport=transport)
+    per_tenant, records = tenant_results(runs, args.cost_per_hour)
+    summary = summarize(records, None, args.cost_per_hour)
+    summary.goodput = overall_goodput(runs, duration(records))
+    config = run_config(args, model, len(records), ignore_eos, slos)
+    config["tenants_file"] = args.tenants
+    result = build_result(config, summary, server_stats(metrics_url, before, after), records, started_at)
+    result["tenants"] = per_tenant
+    return result
+
+
 def run_bench_serve(args: argparse.Namespace, transport=None) -> int:
     """Run the benchmark, print the summary, write the files asked for; 1 when no request succeeded."""
     result = asyncio.run(_bench(args, transport))
     print(format_summary(result))
+    if result.get("tenants"):
+        from tokenmill.bench.tenants import format_tenants
+
+        print(format_tenants(result))
     if args.result_json:
         write_result(result, args.result_json)
         print(f"result: {args.result_json}", file=sys.stderr)
