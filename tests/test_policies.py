@@ -60,6 +60,18 @@ def slo_sched(clock, **kw):
     return sched, kv
 
 
+def timed_step(sched, clock, dt: float = 0.04):
+    """One step that takes dt on the fake clock; first tokens are stamped when it ends (as update_from_output)."""
+    out = sched.schedule()
+    check_step(sched, out)
+    clock.now += dt
+    advance(sched, out)
+    for r, _ in out.scheduled:
+        if r.num_output_tokens and r.first_token_time is None:
+            r.first_token_time = clock.now
+    return out
+
+
 def test_slo_queue_order_feasible_by_latest_start_then_late_then_batch():
     clock = FakeClock(10.0)
     sched, _ = slo_sched(clock, max_seqs=1)
@@ -82,26 +94,44 @@ def test_slo_caps_batch_prompts_while_an_slo_request_decodes():
     chat = make_req([5] * 4, max_tokens=6, arrival=0.0, rid="chat")
     chat.slo = RequestSLO(ttft_ms=1000, tpot_ms=50)
     sched.add_request(chat)
-    check_step(sched, out := sched.schedule())
-    advance(sched, out)
+    timed_step(sched, clock)
     batch = make_req([7] * 3500, max_tokens=2, arrival=0.01, rid="batch")
     sched.add_request(batch)
-    out = sched.schedule()
-    check_step(sched, out)
+    out = timed_step(sched, clock)
     got = dict((r.request_id, n) for r, n in out.scheduled)
-    # 80 % of 50 ms = 40 ms: (0.04 - 0.01) / 0.0001 = 300 tokens in the step, one of them the decode.
+    # Its next token is due 80 % of 50 ms after the first: 40 ms, (0.04 - 0.01) / 0.0001 = 300 tokens in the
+    # step, one of them the decode.
     assert got["chat"] == 1 and got["batch"] == pytest.approx(299, abs=6)
-    advance(sched, out)
     while not chat.finished:
-        out = sched.schedule()
-        check_step(sched, out)
+        out = timed_step(sched, clock)
         assert sum(n for r, n in out.scheduled if r is batch) <= 300
-        advance(sched, out)
-    out = sched.schedule()  # the SLO request is gone: the batch prompt takes the whole budget again
-    assert out.scheduled == [(batch, min(batch.num_uncomputed_tokens, 2048))] and batch.num_uncomputed_tokens > 300
-    advance(sched, out)
+    # The SLO request is gone: the batch prompt takes the whole budget again (a recent TTFT of 1 s allows
+    # 250 ms steps: more than the budget's 2048 tokens take).
+    left = batch.num_uncomputed_tokens
+    out = timed_step(sched, clock)
+    assert out.scheduled == [(batch, min(left, 2048))] and left > 1000
     run_to_completion(sched)
     assert batch.output_token_ids == expected_output(batch.prompt_token_ids, 2)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_tpot_mean_that_saved_time_affords_a_longer_step():
+    """Steps shorter than the TPOT target bank time; the policy spends it on one larger batch chunk."""
+    clock = FakeClock(0.0)
+    sched, kv = slo_sched(clock)
+    chat = make_req([5] * 4, max_tokens=30, arrival=0.0, rid="chat")
+    chat.slo = RequestSLO(tpot_ms=30)
+    sched.add_request(chat)
+    for _ in range(5):
+        timed_step(sched, clock, dt=0.01)  # 10 ms steps against a 24 ms budget (80 %): 14 ms saved each
+    batch = make_req([7] * 3500, max_tokens=2, arrival=clock.now, rid="batch")
+    sched.add_request(batch)
+    out = timed_step(sched, clock)
+    # 5 tokens, the first at 10 ms: the 6th is due by 0.01 + 5 * 0.024 = 0.13 s; now 0.05: 80 ms for this step,
+    # (0.08 - 0.01) / 0.0001 = 700 tokens, where a step without savings gets (0.024 - 0.01) / 0.0001 = 140.
+    got = dict((r.request_id, n) for r, n in out.scheduled)["batch"]
+    assert got == pytest.approx(699, abs=20)
+    run_to_completion(sched)
     assert kv.num_free_blocks == kv.num_blocks
 
 

@@ -169,11 +169,17 @@ async def _bench(args: argparse.Namespace, transport=None) -> dict[str, Any]:
         raise ValueError("--num-warmups must not be negative")
     tokenizer = load_tokenizer(args.tokenizer)
     spec = dataset_spec(args)
-    requests = build_dataset(spec, tokenizer)
+    tenants = None
+    if getattr(args, "tenants", None):
+        from tokenmill.bench.tenants import load_tenants
+
+        tenants = load_tenants(args.tenants, args, spec, slos, not args.disable_tqdm)
+    requests = build_dataset(spec, tokenizer) if not tenants else []  # tenants draw their own
     # Warm-ups use another seed, so they do not put the measured prompts in the prefix cache.
     warmups = build_dataset(replace(spec, seed=spec.seed + 1, num_prompts=args.num_warmups), tokenizer) \
         if args.num_warmups else []
-    model = args.model or await first_model(args.base_url, args.api_key, transport)
+    model = args.model or await first_model(args.base_url, args.api_key or (tenants[0].api_key if tenants else None),
+                                            transport)
     if not model:
         raise ValueError(f"could not list models at {api_root(args.base_url)}/v1/models; pass --model")
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset in SYNTHETIC
@@ -183,8 +189,8 @@ async def _bench(args: argparse.Namespace, transport=None) -> dict[str, Any]:
     load = LoadConfig(request_rate=args.request_rate, burstiness=args.burstiness,
                       max_concurrency=args.max_concurrency, seed=args.seed, progress=not args.disable_tqdm)
     metrics_url = args.metrics_url or api_root(args.base_url) + "/metrics"
-    if getattr(args, "tenants", None):
-        return await _bench_tenants(args, cfg, spec, slos, warmups, tokenizer, transport, metrics_url, model,
+    if tenants:
+        return await _bench_tenants(args, cfg, tenants, slos, warmups, tokenizer, transport, metrics_url, model,
                                     ignore_eos)
     run = await run_benchmark(cfg, requests, load, warmups, tokenizer, transport, metrics_url)
     if run.warmup_errors:
@@ -196,13 +202,12 @@ async def _bench(args: argparse.Namespace, transport=None) -> dict[str, Any]:
                         run.started_at)
 
 
-async def _bench_tenants(args, cfg: ClientConfig, spec: DatasetSpec, slos: dict[str, float], warmups, tokenizer,
+async def _bench_tenants(args, cfg: ClientConfig, tenants, slos: dict[str, float], warmups, tokenizer,
                          transport, metrics_url: str, model: str, ignore_eos: bool) -> dict[str, Any]:
     from tokenmill.bench.client import fetch_text, make_client, run_requests
     from tokenmill.bench.metrics import duration
-    from tokenmill.bench.tenants import load_tenants, overall_goodput, run_tenants, tenant_results
+    from tokenmill.bench.tenants import overall_goodput, run_tenants, tenant_results
 
-    tenants = load_tenants(args.tenants, args, spec, slos, not args.disable_tqdm)
     first = replace(cfg, api_key=tenants[0].api_key)
     if warmups:
         async with make_client(None, transport) as client:

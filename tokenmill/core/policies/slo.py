@@ -7,9 +7,10 @@ work: they get what the SLO requests leave, and never the other way round.
   the predicted time of its prompt, step_time.StepTimeModel); the waiting queue is ordered by it (earliest
   first), then requests that can no longer meet their TTFT (they still run before batch work), then batch work
   in (priority, arrival) order. A preempted SLO request that already streams goes first: its TPOT counts.
-- Protecting TPOT: while SLO requests run or wait, the step is sized to the tightest TPOT among them (a
-  MARGIN of it): batch prompt chunks get the tokens that fit in that time after the decodes and the SLO
-  prompts, and at least MIN_DEFERRABLE_TOKENS so batch work never stops.
+- Protecting TPOT and TTFT: while SLO requests run, wait or lately arrived, each step is sized to what the
+  tightest of them can afford (step_limit: the time a TPOT mean has saved, a TTFT's remaining slack, a quarter
+  of a recent TTFT target): batch prompt chunks get the tokens that fit in that time after the decodes and the
+  SLO prompts (step_time.StepTimeModel), and at least MIN_DEFERRABLE_TOKENS so batch work never stops.
 - Making room: an SLO request that has used half its TTFT waiting for a seat (max_num_seqs) or for blocks
   preempts running batch requests (latest first) until it fits; when the pool runs dry mid-step the victim is
   batch work first.
@@ -19,6 +20,7 @@ work: they get what the SLO requests leave, and never the other way round.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 from tokenmill.core.policies.base import SchedulingPolicy, StepPlan, register
 from tokenmill.core.policies.step_time import StepTimeModel
@@ -28,6 +30,7 @@ MARGIN = 0.8  # steps aim at this fraction of the tightest TPOT target (steps va
 MIN_DEFERRABLE_TOKENS = 32  # batch prompt tokens every step may compute, whatever the SLO requests need
 MAKE_ROOM_AFTER = 0.5  # an SLO request preempts batch work once this fraction of its TTFT is spent waiting
 MAX_ROOM_MAKERS = 4  # waiting SLO requests considered for preemptions per step (bounds the step's work)
+RECENT_S = 10.0  # SLO requests seen this recently keep steps short (step_limit), for the next one to arrive
 
 FEASIBLE, LATE, BATCH = 0, 1, 2  # admission classes, in order
 
@@ -44,6 +47,7 @@ class SLOPolicy(SchedulingPolicy):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.step_time = StepTimeModel()
+        self._recent_ttft: deque[tuple[float, float]] = deque()  # (seen at, TTFT target s) of waiting SLO requests
         self.num_shed = 0
         self.num_room_preemptions = 0
 
@@ -75,14 +79,16 @@ class SLOPolicy(SchedulingPolicy):
     def plan(self, running: list[Request], waiting, now: float, num_free_blocks: int, block_size: int) -> StepPlan:
         slo_waiting = [r for r in waiting if not is_batch(r)]
         slo_running = [r for r in running if not is_batch(r)]
-        if not slo_waiting and not slo_running:
-            return StepPlan()  # batch work only: the whole budget, as fcfs
-        shed = self._shed(slo_waiting, now) if self.config.slo_shed else []
+        for r in slo_waiting:
+            if r.slo.ttft_ms is not None:
+                self._recent_ttft.append((now, r.slo.ttft_ms / 1000))
+        shed = self._shed(slo_waiting, now) if self.config.slo_shed and slo_waiting else []
         if shed:
             slo_waiting = [r for r in slo_waiting if r not in shed]
-            if not slo_waiting and not slo_running:
-                return StepPlan(shed=tuple(shed))
-        return StepPlan(self._deferrable_tokens(running, slo_running, slo_waiting),
+        limit = self.step_limit(slo_running, slo_waiting, now)
+        if limit is None:
+            return StepPlan(shed=tuple(shed))  # no SLO work now or lately: the whole budget, as fcfs
+        return StepPlan(self._deferrable_tokens(running, slo_running, slo_waiting, limit),
                         tuple(self._make_room(running, slo_waiting, now, num_free_blocks, block_size)), tuple(shed))
 
     def _shed(self, slo_waiting: list[Request], now: float) -> list[Request]:
@@ -91,18 +97,50 @@ class SLOPolicy(SchedulingPolicy):
         self.num_shed += len(shed)
         return shed
 
-    def _deferrable_tokens(self, running: list[Request], slo_running: list[Request],
-                           slo_waiting: list[Request]) -> int:
-        tpots = [r.slo.tpot_ms for r in slo_running + slo_waiting if r.slo.tpot_ms is not None]
-        if tpots:
-            target = MARGIN * min(tpots) / 1000
-        else:  # TTFT targets only: keep steps to a quarter of the tightest, so a new prompt starts soon
-            target = min(r.slo.ttft_ms for r in slo_running + slo_waiting) / 4000
+    def step_limit(self, slo_running: list[Request], slo_waiting: list[Request], now: float) -> float | None:
+        """The longest this step may take (seconds) without costing an SLO request its targets; None: no limit.
+
+        - A decoding request with a TPOT target must have its next token by first_token_time + tpot * n (n: its
+          tokens so far, MARGIN of the target): its TPOT is a mean, so the time short steps saved pays for a
+          longer one now and then (big prompt chunks, which run efficiently), but never more.
+        - A running request still in its prompt must see its first token by its TTFT; one waiting must start by
+          its latest start time.
+        - While SLO requests arrive (one in the last RECENT_S), a step takes at most a quarter of the tightest
+          recent TTFT, so one arriving now does not wait out a long batch step.
+        Requests that can no longer make a target do not limit the step (nothing can save them).
+        """
+        limits = []
+        for r in slo_running:
+            tpot, ttft = r.slo.tpot_ms, r.slo.ttft_ms
+            if r.first_token_time is not None:
+                if tpot is not None:
+                    limits.append(r.first_token_time + MARGIN * tpot / 1000 * r.num_output_tokens - now)
+            elif ttft is not None:
+                limits.append(r.arrival_time + ttft / 1000 - now)
+            elif tpot is not None:
+                limits.append(MARGIN * tpot / 1000)
+        for r in slo_waiting:
+            if r.slo.ttft_ms is not None:
+                limits.append(self.latest_start(r) - now)
+            else:
+                limits.append(MARGIN * r.slo.tpot_ms / 1000)
+        while self._recent_ttft and self._recent_ttft[0][0] < now - RECENT_S:
+            self._recent_ttft.popleft()
+        if self._recent_ttft:
+            limits.append(min(t for _, t in self._recent_ttft) / 4)
+        limits = [x for x in limits if x > 0]
+        if not limits:
+            return None if not slo_running and not slo_waiting else 0.0
+        return min(limits)
+
+    def _deferrable_tokens(self, running: list[Request], slo_running: list[Request], slo_waiting: list[Request],
+                           limit: float) -> int:
+        """Batch prompt tokens that fit in the step limit after the decodes and the SLO prompts."""
         budget = self.config.max_num_batched_tokens
         decodes = sum(1 + len(r.spec_token_ids) for r in running if not r.is_prefill)
         slo_prompts = sum(r.num_uncomputed_tokens for r in slo_running if r.is_prefill)
         slo_prompts += sum(r.num_tokens - r.num_computed_tokens for r in slo_waiting)
-        room = self.step_time.tokens_within(target) - decodes - min(slo_prompts, budget)
+        room = self.step_time.tokens_within(limit) - decodes - min(slo_prompts, budget)
         return max(room, MIN_DEFERRABLE_TOKENS)
 
     def _make_room(self, running: list[Request], slo_waiting: list[Request], now: float, num_free_blocks: int,
