@@ -354,3 +354,69 @@ def test_pd_through_the_router_equals_one_engine(tmp_path):
     finally:
         producer.stop()
         consumer.stop()
+
+
+# ---- tenants at the router -----------------------------------------------------------------------------------
+ROUTER_KEYS = """
+tenants:
+  - name: team-a
+    keys: ["sk-a"]
+    priority: 2
+    slo: {ttft_ms: 500}
+  - name: team-b
+    keys: ["sk-b"]
+    models: ["other-*"]
+  - name: team-c
+    keys: ["sk-c"]
+    limits: {requests_per_minute: 2}
+"""
+
+
+def test_tenants_at_the_router_hold_over_every_backend(tmp_path):
+    """--api-keys-file on the router: keys, model access, limits counted once for all backends, the tenant's
+    priority and SLO passed on, the backends called with the router's key, usage metered from the backends'
+    answers (a stream's usage chunk kept from a client that did not ask for it), per-tenant counters."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(ROUTER_KEYS)
+    db = tmp_path / "usage.db"
+    with fake(api_key="sk-backend") as a, fake(api_key="sk-backend") as b, \
+            router([a.url, b.url], api_keys_file=str(keys), admin_key="sk-admin", usage_db=str(db),
+                   backend_api_key="sk-backend") as (url, r):
+        def post(key, body, stream=False):
+            headers = {"Authorization": f"Bearer {key}"}
+            if stream:
+                with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=headers,
+                                  timeout=10) as s:
+                    return s.status_code, sse_events(s.read().decode())
+            return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=10)
+
+        body = {"model": "fake-model", "prompt": "one two three four", "max_tokens": 3}
+        assert post("sk-nope", body).status_code == 401
+        assert post("sk-b", body).json()["error"]["code"] == "model_not_found"
+        assert post("sk-a", body).json()["usage"]["completion_tokens"] == 3
+        code, events = post("sk-a", body, stream=True)  # no include_usage: the usage chunk stays at the router
+        assert code == 200 and not any('"usage"' in e for e in events) and events[-1] == "[DONE]"
+        code, events = post("sk-a", {**body, "stream_options": {"include_usage": True}}, stream=True)
+        assert any('"usage"' in e for e in events)
+        seen = a.cfg.requests_seen + b.cfg.requests_seen
+        assert len(seen) == 3 and set(a.cfg.keys_seen + b.cfg.keys_seen) == {"Bearer sk-backend"}
+        assert all(s["priority"] == 2 and s["slo"] == {"ttft_ms": 500} for s in seen)
+        assert all(s["stream_options"] == {"include_usage": True} for s in seen if s.get("stream"))
+        # team-c: two a minute over both backends together (round robin sends them to different ones)
+        codes = [post("sk-c", body).status_code for _ in range(3)]
+        assert codes == [200, 200, 429]
+        listed = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sk-b"}, timeout=5).json()["data"]
+        assert listed == []
+        rows = httpx.get(f"{url}/v1/usage", params={"group_by": "tenant"}, headers={"Authorization": "Bearer sk-admin"},
+                         timeout=10).json()["data"]
+        got = {row["tenant"]: (row["requests"], row["prompt_tokens"], row["completion_tokens"], row["errors"])
+               for row in rows}
+        assert got == {"team-a": (3, 12, 9, 0), "team-b": (1, 0, 0, 1), "team-c": (3, 8, 6, 1)}
+        assert httpx.get(f"{url}/v1/usage", params={"tenant": "team-a"}, headers={"Authorization": "Bearer sk-c"},
+                         timeout=10).status_code == 403
+        metrics = httpx.get(f"{url}/metrics", timeout=5).text
+        assert 'tokenmill:router_tenant_requests_total{outcome="ok",tenant="team-a"} 3.0' in metrics
+        keys.write_text(ROUTER_KEYS + '  - name: team-d\n    keys: ["sk-d"]\n')
+        assert httpx.post(f"{url}/admin/reload", headers={"Authorization": "Bearer sk-admin"}, timeout=10).json()[
+            "tenants"] == ["team-a", "team-b", "team-c", "team-d"]
+        assert post("sk-d", body).status_code == 200

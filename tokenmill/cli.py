@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -380,6 +381,17 @@ def add_router_parser(subparsers) -> None:
                         "kv_producer) for one token, then on a --backend (a kv_consumer) that loads its KV.")
     p.add_argument("--prefill", action="append", default=[], metavar="URL",
                    help="With --pd: a prefill instance; repeatable (taken in turn).")
+    g = p.add_argument_group("tenants (docs/tenants.md): enforced here, over every backend")
+    g.add_argument("--api-keys-file", metavar="FILE",
+                   help="Tenants and their keys (YAML/JSON, as `serve`): the router authenticates, limits and "
+                        "meters them, and passes their priority class and SLO to the backends.")
+    g.add_argument("--admin-key", default=os.environ.get("TOKENMILL_ADMIN_KEY"),
+                   help="Key for /admin/reload and every tenant's /v1/usage (default: $TOKENMILL_ADMIN_KEY).")
+    g.add_argument("--usage-db", metavar="FILE", help="Meter usage per tenant into this SQLite file.")
+    g.add_argument("--pricing", metavar="FILE", help="Prices per million tokens for the metered cost.")
+    g.add_argument("--backend-api-key", default=os.environ.get("TOKENMILL_BACKEND_API_KEY"),
+                   help="With --api-keys-file: the key the router sends to the backends in place of the tenant's "
+                        "(default: $TOKENMILL_BACKEND_API_KEY; none).")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS",
                    help="Seconds between health checks of each backend (default: %(default)s).")
     p.add_argument("--uvicorn-log-level", default="info",
@@ -395,8 +407,12 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     if args.pd != bool(args.prefill):
         raise ValueError("--pd needs at least one --prefill URL, and --prefill needs --pd.")
+    if args.pricing and not args.usage_db:
+        raise ValueError("--pricing needs --usage-db.")
     cfg = RouterConfig(backends=args.backend, policy=args.policy, tokenizer=args.tokenizer,
-                       block_size=args.block_size, health_interval_s=args.health_interval, prefill=args.prefill)
+                       block_size=args.block_size, health_interval_s=args.health_interval, prefill=args.prefill,
+                       api_keys_file=args.api_keys_file, admin_key=args.admin_key, usage_db=args.usage_db,
+                       pricing=args.pricing, backend_api_key=args.backend_api_key)
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0
 

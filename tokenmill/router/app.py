@@ -24,6 +24,13 @@ from tokenmill.router.cache_index import CacheIndex, prompt_hashes
 from tokenmill.router.metrics import CONTENT_TYPE, RouterMetrics
 from tokenmill.router.policies import Policy, make_policy
 from tokenmill.router.prompts import PromptTokenizer, estimate_tokens
+from tokenmill.router.tenants import StreamMeter, apply_tenant, metered_stream
+from tokenmill.serve.errors import APIError
+from tokenmill.serve.middleware import GuardMiddleware
+from tokenmill.serve.tenants.counters import TenantCounters
+from tokenmill.serve.tenants.keys import KeyStore, tenant_of
+from tokenmill.serve.tenants.limits import TenantLimiter, reserve_for
+from tokenmill.serve.tenants.usage import UsageStore, load_pricing, read_usage, rows_to_csv
 
 log = logging.getLogger(__name__)
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
@@ -44,6 +51,13 @@ class RouterConfig:
     # Disaggregated prefill/decode (--pd): each request first runs on a prefill instance (kv_producer) with
     # max_tokens=1, which hands its prompt's KV over; then `backends` (kv_consumer instances) decode it.
     prefill: list[str] = field(default_factory=list)
+    # Tenants at the router (router/tenants.py): keys, limits and metering over all backends.
+    api_keys_file: str | None = None
+    admin_key: str | None = None
+    usage_db: str | None = None
+    pricing: str | None = None
+    backend_api_key: str | None = None  # sent to the backends in place of a tenant's key
+    max_request_body_bytes: int = 64 << 20
 
 
 @dataclass
@@ -94,6 +108,14 @@ class Router:
             self.metrics.healthy.labels(backend=u).set(1)
         self.prefill = [u.rstrip("/") for u in self.cfg.prefill]
         self._prefill_turn = 0
+        self.keys = KeyStore(self.cfg.api_keys_file) if self.cfg.api_keys_file else None
+        self.usage = UsageStore(self.cfg.usage_db, load_pricing(self.cfg.pricing) if self.cfg.pricing else None) \
+            if self.cfg.usage_db else None
+        self.limiter = TenantLimiter()
+        self.tenant_counters = TenantCounters(self.metrics.registry, "tokenmill:router_", {})
+
+    def on_tenant_request(self, tenant: str, prompt: int, cached: int, generated: int, error: str | None) -> None:
+        self.tenant_counters.record(tenant, prompt, cached, generated, error)
 
     # ---- health --------------------------------------------------------------------------
     def healthy(self) -> list[str]:
@@ -165,6 +187,27 @@ class Router:
             return error_response(400, "the request body must be a JSON object.")
         estimate, hashes, n_prompt = await self.prompt_info(body)
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        meter, pass_usage = None, True
+        tenant = tenant_of(request.scope)
+        if self.keys is not None or self.usage is not None:
+            headers.pop("authorization", None)
+            if self.cfg.backend_api_key:
+                headers["authorization"] = f"Bearer {self.cfg.backend_api_key}"
+            meter = StreamMeter(prompt_estimate=max(estimate - _max_output(body), 0))
+            try:
+                if tenant is not None:
+                    pass_usage = apply_tenant(body, tenant)
+                    reserve_for(request.scope, self.limiter, tenant, estimate, meter.total)
+                elif body.get("stream"):
+                    options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+                    pass_usage = bool(options.get("include_usage"))
+                    body["stream_options"] = {**options, "include_usage": True}
+            except APIError as e:
+                return e.response()
+            state = request.scope.setdefault("state", {})
+            state["model"] = str(body.get("model", "-"))
+            state["metered"] = meter.counts
+            raw = json.dumps(body).encode()
         if self.prefill:
             await self.prefill_first(path, body, headers)
         tried: list[str] = []
@@ -182,7 +225,7 @@ class Router:
                 self.metrics.query_tokens.labels(backend=url).inc(n_prompt)
                 self.metrics.hit_tokens.labels(backend=url).inc(blocks * bs)
             try:
-                return await self.forward(url, path, raw, headers, estimate)
+                return await self.forward(url, path, raw, headers, estimate, meter, pass_usage)
             except BackendFailed as e:
                 log.warning("backend %s failed: %s", url, e)
                 last = e
@@ -211,8 +254,10 @@ class Router:
             log.warning("prefill on %s failed (%s): the decode instance computes the prompt", url, e)
             self.metrics.prefill_failures.inc()
 
-    async def forward(self, url: str, path: str, raw: bytes, headers: dict[str, str], estimate: int) -> Response:
-        """Send to one backend; BackendFailed when nothing was returned to the client yet."""
+    async def forward(self, url: str, path: str, raw: bytes, headers: dict[str, str], estimate: int,
+                      meter: StreamMeter | None = None, pass_usage: bool = True) -> Response:
+        """Send to one backend; BackendFailed when nothing was returned to the client yet. `meter` reads the
+        answer's usage (tenants), dropping a stream's usage chunk unless `pass_usage`."""
         assert self.client is not None
         b, m = self.backends[url], self.metrics
         m.requests.labels(backend=url).inc()
@@ -244,8 +289,10 @@ class Router:
             if "text/event-stream" not in resp.headers.get("content-type", ""):
                 content = await resp.aread()
                 release()
+                if meter is not None:
+                    meter.read_json(content)
                 return Response(content, resp.status_code, headers=out_headers)
-            chunks = resp.aiter_raw()
+            chunks = resp.aiter_raw() if meter is None else metered_stream(resp.aiter_raw(), meter, pass_usage)
             first = await anext(chunks, b"")
         except httpx.HTTPError as e:
             await resp.aclose()
@@ -293,14 +340,22 @@ class Router:
     # ---- other routes --------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         assert self.client is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        if self.keys is not None:
+            headers = {"authorization": f"Bearer {self.cfg.backend_api_key}"} if self.cfg.backend_api_key else {}
+        tenant = tenant_of(request.scope)
         for url in self.healthy():
             try:
-                r = await self.client.get(f"{url}/v1/models", headers={
-                    k: v for k, v in request.headers.items() if k.lower() == "authorization"})
+                r = await self.client.get(f"{url}/v1/models", headers=headers)
             except httpx.HTTPError:
                 continue
             if r.status_code < 500:
-                return Response(r.content, r.status_code, media_type="application/json")
+                content = r.content
+                if tenant is not None and r.status_code == 200:  # only what the tenant may use
+                    listed = r.json()
+                    listed["data"] = [m for m in listed.get("data", []) if tenant.may_use(str(m.get("id")))]
+                    content = json.dumps(listed).encode()
+                return Response(content, r.status_code, media_type="application/json")
         return error_response(503, "no healthy backend to list models.", "no_healthy_backend")
 
 
@@ -323,6 +378,8 @@ def create_app(cfg: RouterConfig) -> Starlette:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                if router.usage is not None:
+                    await asyncio.to_thread(router.usage.close)  # the last metered requests reach the file
 
     async def completions(request: Request) -> Response:
         return await router.proxy(request, "/v1/completions")
@@ -338,12 +395,45 @@ def create_app(cfg: RouterConfig) -> Starlette:
     async def metrics(request: Request) -> Response:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE)
 
+    async def usage(request: Request) -> Response:
+        if router.usage is None:
+            return error_response(404, "This router keeps no usage (start it with --usage-db).", "not_found")
+        q = request.query_params
+        try:
+            rows = await asyncio.to_thread(read_usage, router.usage, request.scope, q.get("tenant"), q.get("from"),
+                                           q.get("to"), q.get("group_by", "tenant,model"))
+        except APIError as e:
+            return e.response()
+        if q.get("format") == "csv":
+            return Response(rows_to_csv(rows), media_type="text/csv")
+        return JSONResponse({"object": "list", "data": rows})
+
+    async def admin_reload(request: Request) -> Response:
+        if router.keys is None:
+            return error_response(404, "This router has no --api-keys-file to reload.", "not_found")
+        try:
+            table = await asyncio.to_thread(router.keys.reload)
+        except ValueError as e:
+            return error_response(400, f"the keys file was not reloaded, the old keys stay: {e}")
+        log.info("API keys reloaded from %s: %d tenant(s)", router.keys.path, len(table.tenants))
+        return JSONResponse({"tenants": sorted(table.tenants)})
+
     app = Starlette(lifespan=lifespan, routes=[
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/models", router.models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/usage", usage, methods=["GET"]),
+        Route("/admin/reload", admin_reload, methods=["POST"]),
     ])
     app.state.router = router
+    if router.keys is not None or router.usage is not None or cfg.admin_key:
+        app.add_middleware(GuardMiddleware, api_key=None, max_body_bytes=cfg.max_request_body_bytes,
+                           keys=router.keys, admin_key=cfg.admin_key, limiter=router.limiter, usage=router.usage,
+                           metrics=router)
     return app
+
+
+def _max_output(body: dict) -> int:
+    return int(body.get("max_completion_tokens") or body.get("max_tokens") or 256) * int(body.get("n") or 1)

@@ -27,7 +27,7 @@ from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, 
 from tokenmill.serve.sampling import check_input_chars, check_prompt_ids
 from tokenmill.serve.state import ServerState
 from tokenmill.serve.tenants.keys import tenant_of
-from tokenmill.serve.tenants.usage import rows_to_csv
+from tokenmill.serve.tenants.usage import read_usage, rows_to_csv
 
 log = logging.getLogger(__name__)
 T = TypeVar("T", bound=BaseModel)
@@ -271,24 +271,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         """Metered usage (--usage-db). The admin sees every tenant; a tenant's key sees its own only."""
         if state.usage is None:
             raise APIError(404, "This server keeps no usage (start it with --usage-db).", None, "not_found")
-        who = tenant_of(raw.scope)
-        if who is None and not raw.scope.get("state", {}).get("admin"):
-            raise APIError(403, "/v1/usage needs the admin key or a tenant's key.", None, "permission_denied")
-        if who is not None:
-            if tenant is not None and tenant != who.name:
-                raise APIError(403, "A tenant's key sees only its own usage.", "tenant", "permission_denied")
-            tenant = who.name
-        groups = tuple(g.strip() for g in group_by.split(",") if g.strip())
-        store = state.usage
-
-        def read():
-            store.flush()
-            return store.query(tenant, start, to, groups)
-
-        try:
-            rows = await state.run_blocking(read)
-        except ValueError as e:
-            raise bad_request(str(e), "group_by") from None
+        rows = await state.run_blocking(read_usage, state.usage, raw.scope, tenant, start, to, group_by)
         if format == "csv":
             return Response(rows_to_csv(rows), media_type="text/csv")
         return {"object": "list", "data": rows}

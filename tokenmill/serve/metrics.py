@@ -12,6 +12,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tokenmill.core.outputs import SchedulerStats
 from tokenmill.engine.output import FinishedRequest
+from tokenmill.serve.tenants.counters import TenantCounters
 
 if TYPE_CHECKING:
     from tokenmill.engine.stats import StepStats
@@ -28,9 +29,6 @@ _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384
 # LoRA adapters get a label value each up to this many names; later ones count under "other" (adapters can be
 # loaded at run time without end: the series must stay bounded).
 MAX_ADAPTER_LABELS = 32
-# Tenants (--api-keys-file) likewise: a keys file reloaded with new tenants again and again must not grow the
-# series without end.
-MAX_TENANT_LABELS = 64
 
 
 class ServerMetrics:
@@ -85,14 +83,7 @@ class ServerMetrics:
             ("prompt_tokens", "Prompt tokens of finished requests per LoRA adapter."),
             ("generation_tokens", "Generated tokens of finished requests per LoRA adapter."))}
         self._adapters: set[str] = set()
-        t = m + ["tenant"]
-        self._tenant_requests = counter("tenant_requests", "Generating requests per tenant by outcome (ok, or the "
-                                        "HTTP error: http_429, ...); after 64 tenant names: tenant=\"other\".",
-                                        t + ["outcome"])
-        self._tenant_tokens = {kind: counter(f"tenant_{kind}_tokens", doc, t) for kind, doc in (
-            ("prompt", "Prompt tokens per tenant."), ("cached", "Prompt tokens per tenant served from the prefix cache."),
-            ("generation", "Generated tokens per tenant (a stream cut short: what was produced for it)."))}
-        self._tenants: set[str] = set()
+        self.tenants = TenantCounters(r, "tokenmill:", label)
         self._success = counter("request_success", "Finished requests by finish reason.", m + ["finished_reason"])
         self._model = model_name
         for reason in ("stop", "length", "abort"):
@@ -193,14 +184,7 @@ class ServerMetrics:
                 self.prefill_time.observe(max(0.0, r.first_token_time - r.first_scheduled_time))
 
     def on_tenant_request(self, tenant: str, prompt: int, cached: int, generated: int, error: str | None) -> None:
-        """One finished generating request of a tenant (the middleware's meter)."""
-        if tenant not in self._tenants and len(self._tenants) < MAX_TENANT_LABELS:
-            self._tenants.add(tenant)
-        label = dict(model_name=self._model, tenant=tenant if tenant in self._tenants else "other")
-        self._tenant_requests.labels(outcome=error or "ok", **label).inc()
-        for kind, n in (("prompt", prompt), ("cached", cached), ("generation", generated)):
-            if n:
-                self._tenant_tokens[kind].labels(**label).inc(n)
+        self.tenants.record(tenant, prompt, cached, generated, error)
 
     # ---- exposition -----------------------------------------------------------------------
     def render(self) -> bytes:

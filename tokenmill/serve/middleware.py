@@ -26,6 +26,18 @@ ADMIN_PREFIX = "/admin/"
 DEFAULT_TENANT = Tenant("default")
 
 
+def _counts(state: dict) -> tuple[int, int, int]:
+    """(prompt, cached, completion) tokens of a request: from its Submission (the server), or from the `metered`
+    callable its handler left (the router, from the backend's usage); zeros for a request refused before."""
+    sub = state.get("submission")
+    if sub is not None:
+        u = sub.usage()
+        cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+        return u.prompt_tokens, cached or 0, u.completion_tokens
+    metered = state.get("metered")
+    return metered() if metered is not None else (0, 0, 0)
+
+
 def _header(scope, name: bytes) -> bytes | None:
     for k, v in scope.get("headers", ()):
         if k.lower() == name:
@@ -86,10 +98,7 @@ class GuardMiddleware:
         if self.usage is None and (self.metrics is None or tenant is None):
             return
         state = scope.get("state", {})
-        sub = state.get("submission")
-        u = sub.usage() if sub is not None else None
-        cached = (u.prompt_tokens_details.cached_tokens if u is not None and u.prompt_tokens_details else 0) or 0
-        prompt, completion = (u.prompt_tokens, u.completion_tokens) if u is not None else (0, 0)
+        prompt, cached, completion = _counts(state)
         error = None if status is None or status < 400 else f"http_{status}"
         name = tenant.name if tenant is not None else DEFAULT_TENANT.name
         if self.usage is not None:

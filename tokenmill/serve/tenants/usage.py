@@ -93,6 +93,28 @@ _ADD_ERROR = """INSERT INTO errors VALUES (?, ?, ?, ?, 1) ON CONFLICT (tenant, m
     count = count + 1"""
 
 
+def read_usage(store: "UsageStore", scope: dict, tenant: str | None, start: str | None, to: str | None,
+               group_by: str) -> list[dict]:
+    """GET /v1/usage of the server and the router (blocking: SQLite). The admin sees every tenant, a tenant's key
+    its own only; APIError otherwise."""
+    from tokenmill.serve.errors import APIError, bad_request
+
+    state = scope.get("state", {})
+    who = state.get("tenant")
+    if who is None and not state.get("admin"):
+        raise APIError(403, "/v1/usage needs the admin key or a tenant's key.", None, "permission_denied")
+    if who is not None:
+        if tenant is not None and tenant != who.name:
+            raise APIError(403, "A tenant's key sees only its own usage.", "tenant", "permission_denied")
+        tenant = who.name
+    groups = tuple(g.strip() for g in group_by.split(",") if g.strip())
+    store.flush()
+    try:
+        return store.query(tenant, start, to, groups)
+    except ValueError as e:
+        raise bad_request(str(e), "group_by") from None
+
+
 def mark(scope: dict, model: str, submission) -> None:
     """A route handler's half: which model the request ran and its Submission, for the middleware to meter."""
     state = scope.setdefault("state", {})

@@ -1,0 +1,118 @@
+"""Tenants at the router: with `--api-keys-file`, the router (not each backend) authenticates tenants, enforces
+their limits and meters their usage, so one tenant's limits hold over every backend behind it (the counts live
+in the router process; metering goes to the router's `--usage-db`).
+
+What each request passes to a backend: the tenant's priority class and SLO as the request's `priority` and `slo`
+fields (so the backends' `priority` / `slo` scheduling policies act on them), and the router's own
+`--backend-api-key` instead of the tenant's key. Usage comes from the backends' answers: a non-streamed
+response's `usage`; for a stream the router asks for the final usage chunk (`stream_options.include_usage`) and
+passes it on only when the client asked for it. A stream cut short before its usage chunk is metered with its
+prompt as the router estimated it and one completion token per content chunk received (tokenmill sends at least
+one token per chunk: a lower bound).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from tokenmill.serve.errors import APIError
+from tokenmill.serve.tenants.keys import Tenant, priority_for, request_slo, slo_for
+
+
+@dataclass
+class StreamMeter:
+    """What a backend's answer says the request used, filled as it passes through the router."""
+
+    prompt_estimate: int = 0
+    prompt_tokens: int | None = None  # from the backend's usage, once seen
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    chunks: int = 0  # content chunks seen (the fallback count of a stream cut short)
+    has_usage: bool = False
+
+    def counts(self) -> tuple[int, int, int]:
+        if self.has_usage:
+            return self.prompt_tokens or 0, self.cached_tokens, self.completion_tokens
+        return self.prompt_estimate, 0, self.chunks
+
+    def total(self) -> int:
+        prompt, _, completion = self.counts()
+        return prompt + completion
+
+    def take_usage(self, usage: dict) -> None:
+        self.has_usage = True
+        self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        self.completion_tokens = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        self.cached_tokens = int(details.get("cached_tokens") or 0)
+
+    def read_json(self, content: bytes) -> None:
+        try:
+            usage = json.loads(content).get("usage")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(usage, dict):
+            self.take_usage(usage)
+
+
+def apply_tenant(body: dict, tenant: Tenant) -> bool:
+    """Check the tenant may use the body's model and write its priority class and SLO into the body (what the
+    backends' schedulers read). Returns whether the client asked for the stream's usage chunk itself. APIError
+    for a model the tenant may not use (404, as for one that does not exist) or a bad `slo`."""
+    model = body.get("model")
+    if not isinstance(model, str) or not tenant.may_use(model):
+        raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+    priority = body.get("priority", 0)
+    body["priority"] = priority_for(tenant, priority if isinstance(priority, int) else 0)
+    asked = body.get("slo") if isinstance(body.get("slo"), dict) else {}
+    try:
+        slo = slo_for(tenant, request_slo(_SLOField(asked.get("ttft_ms"), asked.get("tpot_ms"))))
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), "slo") from None
+    if slo is None:
+        body.pop("slo", None)
+    else:
+        body["slo"] = {k: v for k, v in (("ttft_ms", slo.ttft_ms), ("tpot_ms", slo.tpot_ms)) if v is not None}
+    if not body.get("stream"):
+        return False
+    options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+    asked_usage = bool(options.get("include_usage"))
+    body["stream_options"] = {**options, "include_usage": True}
+    return asked_usage
+
+
+@dataclass
+class _SLOField:
+    ttft_ms: float | None
+    tpot_ms: float | None
+
+
+async def metered_stream(chunks: AsyncIterator[bytes], meter: StreamMeter, pass_usage: bool) -> AsyncIterator[bytes]:
+    """Pass an SSE stream through event by event, reading the usage chunk (dropped unless `pass_usage`) and
+    counting content chunks."""
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            if _keep(event, meter, pass_usage):
+                yield event + b"\n\n"
+    if buf:
+        yield buf
+
+
+def _keep(event: bytes, meter: StreamMeter, pass_usage: bool) -> bool:
+    if not event.startswith(b"data: {"):
+        return True
+    try:
+        data = json.loads(event[6:])
+    except ValueError:
+        return True
+    if isinstance(data.get("usage"), dict):
+        meter.take_usage(data["usage"])
+        if not data.get("choices"):  # the usage-only chunk
+            return pass_usage
+    if data.get("choices"):
+        meter.chunks += 1
+    return True
