@@ -36,6 +36,9 @@ tenants:
   - name: team-s
     keys: ["sk-s"]
     slo: {{ttft_ms: 0.001}}
+  - name: team-q
+    keys: ["sk-q"]
+    limits: {{tokens_per_minute: 100}}
 """
 
 
@@ -252,8 +255,8 @@ def test_admin_routes_and_reload(server):
     assert post(srv, "sk-b", {}, "/admin/reload").status_code == 403
     write_yaml(keys, '  - name: team-c\n    keys: ["sk-c"]\n')
     r = post(srv, "sk-admin", {}, "/admin/reload")
-    assert r.status_code == 200 and r.json()["tenants"] == ["team-a", "team-b", "team-c", "team-s", "team-t",
-                                                            "team-x"]
+    assert r.status_code == 200 and r.json()["tenants"] == ["team-a", "team-b", "team-c", "team-q", "team-s",
+                                                            "team-t", "team-x"]
     assert post(srv, "sk-c", completion()).status_code == 200
     keys.write_text("tenants: [")  # broken: refused, the old keys stay
     r = post(srv, "sk-admin", {}, "/admin/reload")
@@ -349,3 +352,23 @@ def test_tenant_label_values_are_bounded():
     other = [line for line in text.splitlines()
              if line.startswith("tokenmill:tenant_requests_total{") and 'tenant="other"' in line]
     assert len(other) == 1 and other[0].endswith(" 10.0")
+
+
+def test_a_token_quota_holds_at_its_boundary_with_concurrent_clients(server):
+    """Twelve clients at once against 100 tokens a minute: what the admitted ones use never passes the budget
+    (each reserved its worst case before it ran), and as many run as the worst cases allow."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    srv, _ = server
+    body = completion(max_tokens=10, ignore_eos=True)
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(lambda _: post(srv, "sk-q", body), range(12)))
+    allowed = 100 + 100 * (time.monotonic() - t0) / 60  # the bucket refills continuously meanwhile
+    ok = [r for r in answers if r.status_code == 200]
+    refused = [r for r in answers if r.status_code == 429]
+    assert len(ok) + len(refused) == 12 and refused
+    assert all(r.json()["error"]["code"] == "rate_limit_exceeded" for r in refused)
+    worst = ok[0].json()["usage"]["total_tokens"]  # ignore_eos: each used its worst case
+    assert sum(r.json()["usage"]["total_tokens"] for r in ok) <= allowed
+    assert 100 // worst <= len(ok) <= allowed // worst
