@@ -84,7 +84,7 @@ def test_slo_queue_order_feasible_by_latest_start_then_late_then_batch():
     batch_later = make_req([1] * 8, arrival=1.0, priority=3, rid="batch3")
     for r in (batch_later, batch_urgent, late, loose, tight):
         sched.add_request(r)
-    sched.waiting.resort(clock())
+    sched.policy.reorder(sched.waiting, clock())
     assert [r.request_id for r in sched.waiting] == ["tight", "loose", "late", "batch0", "batch3"]
 
 

@@ -102,6 +102,10 @@ class WaitingQueue:
         self._keys = [k for k, _ in keyed]
         self._reqs = [r for _, r in keyed]
 
+    def items(self):
+        """(key, request) pairs in order (the key without its tie-breaking counter)."""
+        return ((k[:-1], r) for k, r in zip(self._keys, self._reqs))
+
     def peek(self) -> Request:
         return self._reqs[0]
 
@@ -261,8 +265,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[int, int] = {}  # id(req) -> tokens
         policy = self.policy
-        if policy.dynamic_order:
-            self.waiting.resort(now)
+        policy.reorder(self.waiting, now)
         plan = policy.plan(self.running, self.waiting, now, self.kv.num_free_blocks, self.kv.block_size)
         for req in plan.shed:  # their outputs wait in self.ended, so an exception below cannot lose them
             self.ended.append(self.fail_request(

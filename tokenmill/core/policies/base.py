@@ -25,8 +25,6 @@ class SchedulingPolicy:
     """The questions the scheduler asks. The defaults are first come, first served."""
 
     name: ClassVar[str] = ""
-    # True when queue_key changes with time: the scheduler re-sorts the waiting queue once per step.
-    dynamic_order: ClassVar[bool] = False
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -34,6 +32,10 @@ class SchedulingPolicy:
     def queue_key(self, req: Request, now: float) -> tuple:
         """Admission order: the waiting request with the smallest key is admitted first."""
         return (req.arrival_time,)
+
+    def reorder(self, queue, now: float) -> None:
+        """Called at the start of every step: a policy whose queue keys change with time brings the waiting
+        queue (scheduler.WaitingQueue) back in order here."""
 
     def victim_key(self, req: Request) -> tuple:
         """When the pool runs dry, the running request with the largest key is preempted first."""

@@ -20,7 +20,6 @@ work: they get what the SLO requests leave, and never the other way round.
 from __future__ import annotations
 
 import math
-from collections import deque
 
 from tokenmill.core.policies.base import SchedulingPolicy, StepPlan, register
 from tokenmill.core.policies.step_time import StepTimeModel
@@ -30,6 +29,7 @@ MARGIN = 0.8  # steps aim at this fraction of the tightest TPOT target (steps va
 MIN_DEFERRABLE_TOKENS = 32  # batch prompt tokens every step may compute, whatever the SLO requests need
 MAKE_ROOM_AFTER = 0.5  # an SLO request preempts batch work once this fraction of its TTFT is spent waiting
 MAX_ROOM_MAKERS = 4  # waiting SLO requests considered for preemptions per step (bounds the step's work)
+RESNAPSHOT_S = 1.0  # how often the queue order follows the step-time model's latest fit
 RECENT_S = 10.0  # SLO requests seen this recently keep steps short (step_limit), for the next one to arrive
 
 FEASIBLE, LATE, BATCH = 0, 1, 2  # admission classes, in order
@@ -42,19 +42,41 @@ def is_batch(req: Request) -> bool:
 @register
 class SLOPolicy(SchedulingPolicy):
     name = "slo"
-    dynamic_order = True  # a request turns LATE as time passes
 
     def __init__(self, config) -> None:
         super().__init__(config)
         self.step_time = StepTimeModel()
-        self._recent_ttft: deque[tuple[float, float]] = deque()  # (seen at, TTFT target s) of waiting SLO requests
+        # The fit latest_start uses, refreshed every RESNAPSHOT_S (then the queue is re-sorted): between refreshes
+        # a key changes only when its request turns LATE, which reorder() handles at the queue's head.
+        self._fit = self.step_time.coefficients()
+        self._fit_time: float | None = None
+        # TTFT target (s) -> when a waiting request last had it: as many entries as distinct targets
+        self._recent_ttft: dict[float, float] = {}
         self.num_shed = 0
         self.num_room_preemptions = 0
 
     # ---- order ---------------------------------------------------------------------------
     def latest_start(self, req: Request) -> float:
         """When its prompt must start for its first token to come within its TTFT target."""
-        return req.arrival_time + req.slo.ttft_ms / 1000 - self.step_time.predict(req.num_prompt_tokens)
+        level, slope = self._fit
+        return req.arrival_time + req.slo.ttft_ms / 1000 - (level + slope * req.num_prompt_tokens)
+
+    def reorder(self, queue, now: float) -> None:
+        if self._fit_time is None or now - self._fit_time >= RESNAPSHOT_S:
+            self._fit, self._fit_time = self.step_time.coefficients(), now
+            queue.resort(now)
+            return
+        # FEASIBLE keys are times: those now in the past are at the head. Requests whose latest start passed
+        # turn LATE (a preempted stream and a TPOT-only request, also keyed by a past time, stay).
+        expired = []
+        for key, req in queue.items():
+            if key[0] != FEASIBLE or key[1] >= now:
+                break
+            if req.first_token_time is None and req.slo is not None and req.slo.ttft_ms is not None:
+                expired.append(req)
+        for req in expired:
+            queue.remove(req)
+            queue.add(req)
 
     def queue_key(self, req: Request, now: float) -> tuple:
         if is_batch(req):
@@ -77,11 +99,15 @@ class SLOPolicy(SchedulingPolicy):
 
     # ---- the step ------------------------------------------------------------------------
     def plan(self, running: list[Request], waiting, now: float, num_free_blocks: int, block_size: int) -> StepPlan:
-        slo_waiting = [r for r in waiting if not is_batch(r)]
+        slo_waiting = []
+        for key, r in waiting.items():  # in order: the SLO requests, then batch work
+            if key[0] == BATCH:
+                break
+            slo_waiting.append(r)
         slo_running = [r for r in running if not is_batch(r)]
         for r in slo_waiting:
             if r.slo.ttft_ms is not None:
-                self._recent_ttft.append((now, r.slo.ttft_ms / 1000))
+                self._recent_ttft[r.slo.ttft_ms / 1000] = now
         shed = self._shed(slo_waiting, now) if self.config.slo_shed and slo_waiting else []
         if shed:
             slo_waiting = [r for r in slo_waiting if r not in shed]
@@ -124,10 +150,10 @@ class SLOPolicy(SchedulingPolicy):
                 limits.append(self.latest_start(r) - now)
             else:
                 limits.append(MARGIN * r.slo.tpot_ms / 1000)
-        while self._recent_ttft and self._recent_ttft[0][0] < now - RECENT_S:
-            self._recent_ttft.popleft()
+        for target in [t for t, seen in self._recent_ttft.items() if seen < now - RECENT_S]:
+            del self._recent_ttft[target]
         if self._recent_ttft:
-            limits.append(min(t for _, t in self._recent_ttft) / 4)
+            limits.append(min(self._recent_ttft) / 4)
         limits = [x for x in limits if x > 0]
         if not limits:
             return None if not slo_running and not slo_waiting else 0.0

@@ -20,6 +20,7 @@ class StepTimeModel:
     prior_weight: float = 0.05
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, w*x, w*y, w*x*x, w*x*y
     steps: int = 0
+    _fit: tuple[float, float] | None = None  # coefficients() until the next observe()
 
     def observe(self, tokens: int, seconds: float) -> None:
         s = self._sums
@@ -32,9 +33,15 @@ class StepTimeModel:
         s[3] += x * x
         s[4] += x * y
         self.steps += 1
+        self._fit = None
 
     def coefficients(self) -> tuple[float, float]:
         """(fixed seconds, seconds per token) of the current fit, both > 0."""
+        if self._fit is None:
+            self._fit = self._solve()
+        return self._fit
+
+    def _solve(self) -> tuple[float, float]:
         w, sx, sy, sxx, sxy = self._sums
         pw = self.prior_weight
         for x in (1.0, 512.0):  # the prior as two pseudo-steps
