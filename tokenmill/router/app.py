@@ -28,7 +28,7 @@ from tokenmill.router.tenants import StreamMeter, apply_tenant, metered_stream
 from tokenmill.serve.errors import APIError
 from tokenmill.serve.middleware import GuardMiddleware
 from tokenmill.serve.tenants.counters import TenantCounters
-from tokenmill.serve.tenants.keys import KeyStore, tenant_of
+from tokenmill.serve.tenants.keys import KeyStore, reload_on_sighup, tenant_of
 from tokenmill.serve.tenants.limits import TenantLimiter, reserve_for
 from tokenmill.serve.tenants.usage import UsageStore, load_pricing, read_usage, rows_to_csv
 
@@ -368,6 +368,8 @@ def create_app(cfg: RouterConfig) -> Starlette:
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             router.client = client
+            if router.keys is not None:
+                reload_on_sighup(router.keys)
             await router.check_all()
             tasks = [asyncio.create_task(router.health_forever())]
             if router.policy.uses_cache:

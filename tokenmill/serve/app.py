@@ -27,6 +27,7 @@ from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, 
 from tokenmill.serve.sampling import check_input_chars, check_prompt_ids
 from tokenmill.serve.state import ServerState
 from tokenmill.serve.tenants.keys import tenant_of
+from tokenmill.serve.tenants.keys import reload_on_sighup
 from tokenmill.serve.tenants.usage import read_usage, rows_to_csv
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI):
         state.engine.start()
         if state.keys is not None:
-            _reload_keys_on_sighup(state)
+            reload_on_sighup(state.keys)
         yield
         await asyncio.get_running_loop().run_in_executor(None, state.engine.shutdown)
         state.shutdown()
@@ -161,23 +162,6 @@ def build_app(state: ServerState) -> FastAPI:
                        keys=state.keys, admin_key=settings.admin_key, limiter=state.limiter, usage=state.usage,
                        metrics=state.metrics)
     return app
-
-
-def _reload_keys_on_sighup(state: ServerState) -> None:
-    """SIGHUP re-reads --api-keys-file (a bad file keeps the old table, logged); requests in flight go on."""
-    import signal
-
-    def reload() -> None:
-        try:
-            table = state.keys.reload()
-            log.info("API keys reloaded from %s: %d tenant(s)", state.keys.path, len(table.tenants))
-        except ValueError as e:
-            log.error("API keys not reloaded, the old ones stay: %s", e)
-
-    try:
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
-    except (NotImplementedError, RuntimeError, AttributeError):  # no SIGHUP here (Windows) or not the main thread
-        log.warning("SIGHUP cannot reload the API keys here; use POST /admin/reload")
 
 
 def register_lora_modules(state: ServerState) -> None:

@@ -213,3 +213,25 @@ class KeyStore:
 
     def lookup(self, key: str) -> Tenant | None:
         return self.table.lookup(key)
+
+
+def reload_on_sighup(keys: KeyStore) -> None:
+    """SIGHUP re-reads the keys file (a bad file keeps the old table, logged); requests in flight go on. Call it
+    from the event loop (the server's and the router's lifespan)."""
+    import asyncio
+    import logging
+    import signal
+
+    log = logging.getLogger("tokenmill.serve")
+
+    def reload() -> None:
+        try:
+            table = keys.reload()
+            log.info("API keys reloaded from %s: %d tenant(s)", keys.path, len(table.tenants))
+        except ValueError as e:
+            log.error("API keys not reloaded, the old ones stay: %s", e)
+
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+    except (NotImplementedError, RuntimeError, AttributeError, ValueError):  # no SIGHUP, or not the main thread
+        log.warning("SIGHUP cannot reload the API keys here; use POST /admin/reload")
