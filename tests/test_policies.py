@@ -10,7 +10,7 @@ import pytest
 from test_scheduler import FakeClock, advance, check_step, expected_output, make_req, make_sched, run_to_completion
 from tokenmill.config import SCHEDULING_POLICIES, SchedulerConfig
 from tokenmill.core.policies import POLICIES, make_policy
-from tokenmill.core.policies.slo import MIN_DEFERRABLE_TOKENS
+from tokenmill.core.policies.slo import MARGIN, MIN_DEFERRABLE_TOKENS
 from tokenmill.core.policies.step_time import StepTimeModel
 from tokenmill.core.request import RequestSLO, RequestStatus
 
@@ -94,17 +94,19 @@ def test_slo_caps_batch_prompts_while_an_slo_request_decodes():
     chat = make_req([5] * 4, max_tokens=6, arrival=0.0, rid="chat")
     chat.slo = RequestSLO(ttft_ms=1000, tpot_ms=50)
     sched.add_request(chat)
-    timed_step(sched, clock)
+    step = MARGIN * 0.05  # steps exactly as long as the policy aims for: no time is saved
+    timed_step(sched, clock, step)
     batch = make_req([7] * 3500, max_tokens=2, arrival=0.01, rid="batch")
     sched.add_request(batch)
-    out = timed_step(sched, clock)
+    out = timed_step(sched, clock, step)
     got = dict((r.request_id, n) for r, n in out.scheduled)
-    # Its next token is due 80 % of 50 ms after the first: 40 ms, (0.04 - 0.01) / 0.0001 = 300 tokens in the
-    # step, one of them the decode.
-    assert got["chat"] == 1 and got["batch"] == pytest.approx(299, abs=6)
+    # Its next token is due MARGIN x 50 ms after the first: (step - 0.01) / 0.0001 tokens in the step (10 ms
+    # fixed, 0.1 ms a token), one of them the decode.
+    fits = round((step - 0.01) / 0.0001)
+    assert got["chat"] == 1 and got["batch"] == pytest.approx(fits - 1, abs=12)
     while not chat.finished:
-        out = timed_step(sched, clock)
-        assert sum(n for r, n in out.scheduled if r is batch) <= 300
+        out = timed_step(sched, clock, step)
+        assert sum(n for r, n in out.scheduled if r is batch) <= fits
     # The SLO request is gone: the batch prompt takes the whole budget again (a recent TTFT of 1 s allows
     # 250 ms steps: more than the budget's 2048 tokens take).
     left = batch.num_uncomputed_tokens
@@ -123,14 +125,16 @@ def test_a_tpot_mean_that_saved_time_affords_a_longer_step():
     chat.slo = RequestSLO(tpot_ms=30)
     sched.add_request(chat)
     for _ in range(5):
-        timed_step(sched, clock, dt=0.01)  # 10 ms steps against a 24 ms budget (80 %): 14 ms saved each
+        timed_step(sched, clock, dt=0.01)  # 10 ms steps against a budget of MARGIN x 30 ms: time saved each
     batch = make_req([7] * 3500, max_tokens=2, arrival=clock.now, rid="batch")
     sched.add_request(batch)
     out = timed_step(sched, clock)
-    # 5 tokens, the first at 10 ms: the 6th is due by 0.01 + 5 * 0.024 = 0.13 s; now 0.05: 80 ms for this step,
-    # (0.08 - 0.01) / 0.0001 = 700 tokens, where a step without savings gets (0.024 - 0.01) / 0.0001 = 140.
+    # 5 tokens, the first at 10 ms: the 6th is due by 0.01 + 5 x MARGIN x 0.03 s; now 0.05. A step without
+    # savings would get (MARGIN x 0.03 - 0.01) / 0.0001 tokens.
+    limit = 0.01 + 5 * MARGIN * 0.03 - 0.05
     got = dict((r.request_id, n) for r, n in out.scheduled)["batch"]
-    assert got == pytest.approx(699, abs=20)
+    assert got == pytest.approx((limit - 0.01) / 0.0001 - 1, abs=20)
+    assert got > 3 * (MARGIN * 0.03 - 0.01) / 0.0001
     run_to_completion(sched)
     assert kv.num_free_blocks == kv.num_blocks
 

@@ -25,7 +25,7 @@ from tokenmill.core.policies.base import SchedulingPolicy, StepPlan, register
 from tokenmill.core.policies.step_time import StepTimeModel
 from tokenmill.core.request import Request
 
-MARGIN = 0.8  # steps aim at this fraction of the tightest TPOT target (steps vary; the mean must stay under it)
+MARGIN = 0.9  # steps aim at this fraction of the tightest TPOT target (steps vary; the mean must stay under it)
 MIN_DEFERRABLE_TOKENS = 32  # batch prompt tokens every step may compute, whatever the SLO requests need
 MAKE_ROOM_AFTER = 0.5  # an SLO request preempts batch work once this fraction of its TTFT is spent waiting
 MAX_ROOM_MAKERS = 4  # waiting SLO requests considered for preemptions per step (bounds the step's work)
