@@ -94,6 +94,7 @@ def test_engine_report_on_tiny_model(tmp_path, monkeypatch):
     assert r["verdict"] in ("compute-bound", "bandwidth-bound", "overhead-bound")
     assert "verdict:" in d.format_report(r) and "attention:" in d.format_report(r)
     assert r["attention"]["timed"] and 0 < r["attention"]["share_of_forward"] <= 1
+    assert r["scheduling_policy"] == {"name": "fcfs"}
 
 
 def test_steps_carry_the_idle_time_before_them():

@@ -509,6 +509,8 @@ def test_slo_policy_changes_the_order_never_the_tokens(path, llm):
     shed = done["hopeless"].outputs[0]
     assert shed.finish_reason == "abort" and "time-to-first-token" in str(shed.stop_reason) and not shed.token_ids
     assert_engine_idle(slo_llm)
+    state = engine.scheduler.policy.describe()  # the step-time model learned from the engine's own steps
+    assert state["shed"] == 1 and state["steps_observed"] >= 10 and state["step_seconds_per_token"] > 0
 
 
 def test_long_prefill_token_threshold_keeps_outputs_and_chunks_steps(path, llm):
