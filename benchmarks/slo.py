@@ -8,52 +8,31 @@ interactive SLO attainment and goodput, batch throughput, and the ratios to fcfs
 
 Goals (issue 28): interactive goodput with `slo` >= 1.5x fcfs, batch throughput >= 0.9x fcfs.
 
-    python benchmarks/slo.py                      # defaults sized for a 2-core CPU
-    python benchmarks/slo.py --ttft-ms 1000 --tpot-ms 100 --interactive-rate 1 --batch-requests 16
+    python benchmarks/slo.py                          # load and targets sized for a 2-core CPU (docs/tenants.md)
+    python benchmarks/slo.py --ttft-ms 1000 --tpot-ms 100   # the issue's targets, for a faster machine
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from measure import OtherLoad, env_str  # noqa: E402
-from server_harness import LiveServer, free_port  # noqa: E402
+from server_harness import LiveServer, start_server  # noqa: E402
 
 POLICIES = ("fcfs", "priority", "slo")
 
 
 def start(policy: str, keys: Path, log: Path, args) -> LiveServer:
-    port = free_port()
-    cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--disable-uvicorn-access-log",
-           "--api-keys-file", str(keys), "--scheduling-policy", policy, "--max-model-len", str(args.max_model_len),
-           *args.server_args.split()]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    server = LiveServer(proc, f"http://127.0.0.1:{port}", log, None)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(server.url("/health"), timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    server.stop()
-    raise TimeoutError(f"server did not start:\n{server.log()}")
+    """A fresh server on the embedded model, with torch's default threads (the harness's tests use one)."""
+    return start_server(None, log, "--api-keys-file", str(keys), "--scheduling-policy", policy, "--max-model-len",
+                        str(args.max_model_len), *args.server_args.split(), timeout=300, one_thread=False)
 
 
 def write_files(tmp: Path, args) -> tuple[Path, Path]:
@@ -106,8 +85,8 @@ def figures(result: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    p.add_argument("--ttft-ms", type=float, default=1000)
-    p.add_argument("--tpot-ms", type=float, default=100)
+    p.add_argument("--ttft-ms", type=float, default=1500, help="interactive TTFT target (default: scaled to a 2-core CPU)")
+    p.add_argument("--tpot-ms", type=float, default=300, help="interactive TPOT target (default: scaled to a 2-core CPU)")
     p.add_argument("--interactive-rate", type=float, default=1.0, help="requests/s")
     p.add_argument("--interactive-requests", type=int, default=30)
     p.add_argument("--interactive-input", type=int, default=96)

@@ -72,12 +72,15 @@ class LiveServer:
 
 
 def start_server(model: str | None, log_path: Path, *args: str, api_key: str | None = None,
-                 timeout: float = 120.0, port: int | None = None) -> LiveServer:
+                 timeout: float = 120.0, port: int | None = None, one_thread: bool = True) -> LiveServer:
+    """`tokenmill serve` in a subprocess, healthy; `one_thread`: OMP_NUM_THREADS=1 (tests), else torch's default
+    (benchmarks)."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "tokenmill", "serve"] + ([str(model)] if model else [])
     cmd += ["--port", str(port), "--disable-uvicorn-access-log", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=str(REPO))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO))
+    if one_thread:
+        env["OMP_NUM_THREADS"] = "1"
     env.pop("TOKENMILL_API_KEY", None)
     if api_key:
         env["TOKENMILL_API_KEY"] = api_key
