@@ -85,8 +85,8 @@ def figures(result: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    p.add_argument("--ttft-ms", type=float, default=1500, help="interactive TTFT target (default: scaled to a 2-core CPU)")
-    p.add_argument("--tpot-ms", type=float, default=300, help="interactive TPOT target (default: scaled to a 2-core CPU)")
+    p.add_argument("--ttft-ms", type=float, default=1500, help="interactive TTFT target (default: for a 2-core CPU)")
+    p.add_argument("--tpot-ms", type=float, default=300, help="interactive TPOT target (default: for a 2-core CPU)")
     p.add_argument("--interactive-rate", type=float, default=1.0, help="requests/s")
     p.add_argument("--interactive-requests", type=int, default=30)
     p.add_argument("--interactive-input", type=int, default=96)

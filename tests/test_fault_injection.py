@@ -50,19 +50,22 @@ def llm(path):
                max_num_batched_tokens=32, enable_prefix_caching=True)
 
 
-def run(llm: LLM, order: list[str], late: list[str] = (), rid_suffix: str = "") -> dict[str, list]:
-    """Add `order` at once, step twice, add `late`, step until done. Returns {id: [(tokens, finish, stop)]}."""
+def run(llm: LLM, order: list[str], late: list[str] = (), rid_suffix: str = "",
+        slo=lambda rid: None) -> dict[str, list]:
+    """Add `order` at once, step twice, add `late`, step until done. Returns {id: [(tokens, finish, stop)]}.
+    `slo(rid)`: the request's latency targets (the slo policy)."""
     engine = llm.engine
     outs: dict[str, list] = {}
     for rid in order:
-        engine.add_request(rid + rid_suffix, None, params_for(rid), prompt_token_ids=PROMPTS[rid])
+        engine.add_request(rid + rid_suffix, None, params_for(rid), prompt_token_ids=PROMPTS[rid], slo=slo(rid))
     deadline = time.monotonic() + DEADLINE_S
     steps = 0
     while engine.has_unfinished_requests() or late:
         assert time.monotonic() < deadline, "the engine did not finish in time"
         if steps == 2:
             for rid in late:
-                engine.add_request(rid + rid_suffix, None, params_for(rid), prompt_token_ids=PROMPTS[rid])
+                engine.add_request(rid + rid_suffix, None, params_for(rid), prompt_token_ids=PROMPTS[rid],
+                                   slo=slo(rid))
             late = []
         for o in engine.step():
             if o.finished:
@@ -154,6 +157,28 @@ def test_random_faults_at_every_stage_never_leak_or_change_survivors(llm, solo, 
     monkeypatch.delenv(faults.ENV)
     assert_idle(llm)
     assert run(llm, list(PROMPTS), rid_suffix="-calm") == solo
+
+
+def test_random_faults_under_the_slo_policy_never_leak_or_change_survivors(path, solo, monkeypatch):
+    """The same under --scheduling-policy slo, half the requests with targets (their steps capped, batch work
+    deferred): failures stay with their requests, the survivors' outputs are their solo ones."""
+    from tokenmill.core.request import RequestSLO
+
+    slo_llm = LLM(str(path), max_model_len=MAX_LEN, num_gpu_blocks_override=64, block_size=4,
+                  max_num_batched_tokens=32, enable_prefix_caching=True, scheduling_policy="slo")
+    targets = {rid: RequestSLO(ttft_ms=60_000, tpot_ms=1) if i % 2 else None for i, rid in enumerate(PROMPTS)}
+    spec = ",".join(f"{s}=*@0.03" for s in ("schedule", "build_batch", "bitmask", "forward", "sample", "update"))
+    monkeypatch.setenv(faults.ENV, spec)
+    for round_ in range(3):
+        outs = run(slo_llm, list(PROMPTS)[:3], late=list(PROMPTS)[3:], rid_suffix=f"-s{round_}", slo=targets.get)
+        for rid, seqs in outs.items():
+            if any(f == "abort" for _, f, _ in seqs):
+                assert any("injected fault" in str(s) for _, _, s in seqs), seqs
+            else:
+                assert seqs == solo[rid], rid
+    monkeypatch.delenv(faults.ENV)
+    assert_idle(slo_llm)
+    assert run(slo_llm, list(PROMPTS), rid_suffix="-calm", slo=targets.get) == solo
 
 
 def test_names_given_in_a_failed_schedule_are_dropped(llm, solo, monkeypatch):

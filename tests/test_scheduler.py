@@ -509,7 +509,8 @@ def workloads(draw):
                 prompt_logprobs=draw(st.integers(0, 9)) == 0,
                 abort_step=draw(st.one_of(st.none(), st.none(), st.integers(0, 30))),
                 # slo policy: batch work, or targets of a few fake steps (10 ms each) so some turn late
-                slo=draw(st.sampled_from([None, None, (50, 20), (200, None), (None, 20), (20, 100), (400, 50), (150, 30)])),
+                slo=draw(st.sampled_from([None, None, (50, 20), (200, None), (None, 20), (20, 100), (400, 50),
+                                          (150, 30)])),
             )
         )
     return dict(bs=bs, mml=mml, num_blocks=num_blocks, budget=budget, max_seqs=max_seqs,
