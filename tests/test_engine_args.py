@@ -42,6 +42,8 @@ ROUND_TRIP = {
                                      "scheduler.long_prefill_token_threshold"),
     "scheduling_policy": (["--scheduling-policy", "priority"], "priority", "scheduler.policy"),
     "slo_shed": (["--slo-shed"], True, "scheduler.slo_shed"),
+    "disable_hybrid_kv_cache_manager": (["--disable-hybrid-kv-cache-manager"], True,
+                                        "scheduler.disable_hybrid_kv_cache_manager"),
     "tensor_parallel_size": (["-tp", "2"], 2, "parallel.tensor_parallel_size"),
     "pipeline_parallel_size": (["--pipeline-parallel-size", "3"], 3, "parallel.pipeline_parallel_size"),
     "distributed_executor_backend": (["--distributed-executor-backend", "mp"], "mp",

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kv_shadow import ShadowTransfer
 from tokenmill.config import SchedulerConfig
-from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.kv_cache import RELEASED, KVCacheManager
 from tokenmill.core.kv_offload import OffloadTiers
 from tokenmill.core.policies.fcfs import PriorityPolicy
 from tokenmill.core.request import Request, RequestSLO, RequestStatus
@@ -41,12 +41,12 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def make_sched(num_blocks=64, block_size=4, budget=64, max_seqs=8, policy="fcfs", caching=True, max_model_len=64,
-               offload: OffloadTiers | None = None, clock=None, slo_shed=False):
+               offload: OffloadTiers | None = None, clock=None, slo_shed=False, window: int | None = None):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, offload=offload)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy, slo_shed=slo_shed)
     if clock is None:
-        return Scheduler(cfg, kv, max_model_len), kv
-    return Scheduler(cfg, kv, max_model_len, clock=clock), kv
+        return Scheduler(cfg, kv, max_model_len, sliding_window=window), kv
+    return Scheduler(cfg, kv, max_model_len, clock=clock, sliding_window=window), kv
 
 
 class FakeClock:
@@ -100,8 +100,9 @@ def check_state(sched: Scheduler) -> None:
     owners = [0] * kv.num_blocks
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
-        assert len(set(r.block_ids)) == len(r.block_ids)
-        for b in r.block_ids:
+        live = [b for b in r.block_ids if b != RELEASED]
+        assert len(set(live)) == len(live) and r.block_ids[: r.num_released_blocks] == [RELEASED] * r.num_released_blocks
+        for b in live:
             owners[b] += 1
     assert [b.ref_count for b in kv.blocks] == owners
     assert kv.num_free_blocks + sum(1 for o in owners if o) == kv.num_blocks
@@ -483,6 +484,7 @@ def workloads(draw):
     max_seqs = draw(st.integers(1, 6))
     policy = draw(st.sampled_from(["fcfs", "priority", "slo"]))
     slo_shed = policy == "slo" and draw(st.booleans())
+    window = draw(st.sampled_from([None, None, None, 1, 2, 3, 5, 8]))  # every layer's sliding window
     caching = draw(st.sampled_from([True, True, False]))
     offload = None
     if caching and draw(st.booleans()):
@@ -515,7 +517,7 @@ def workloads(draw):
         )
     return dict(bs=bs, mml=mml, num_blocks=num_blocks, budget=budget, max_seqs=max_seqs,
                 policy=policy, caching=caching, offload=offload, corrupt=corrupt, reqs=reqs,
-                long_prefill=long_prefill, slo_shed=slo_shed)
+                long_prefill=long_prefill, slo_shed=slo_shed, window=window)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -524,8 +526,9 @@ def test_random_workloads(w):
     bs, mml = w["bs"], w["mml"]
     offload = OffloadTiers(**w["offload"]) if w["offload"] else None
     clock = FakeClock()
+    window = w["window"]
     sched, kv = make_sched(w["num_blocks"], bs, w["budget"], w["max_seqs"], w["policy"], w["caching"], mml, offload,
-                           clock, w["slo_shed"])
+                           clock, w["slo_shed"], window)
     sched.config.long_prefill_token_threshold = w["long_prefill"]
     defers = w["policy"] == "slo"  # batch prompts may get fewer tokens than the budget; urgent ones make room
     transfer = ShadowTransfer()
@@ -626,14 +629,21 @@ def test_random_workloads(w):
         for r, n in out.scheduled:
             keys = prefix_keys(r.token_ids[: r.num_computed_tokens + n])
             for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
+                # every key this step's queries read (from the first query's window start on) is held
+                assert RELEASED not in r.block_ids[max(r.num_computed_tokens - (window or mml) + 1, 0) // bs:]
                 content.setdefault(r.block_ids[p // bs], {})[p % bs] = keys[p]
         for r, n in out.scheduled:
             r.num_computed_tokens += n
+            if window is not None:  # the engine's update_from_output releases what slid out of the window
+                kv.release_out_of_window(r, window)
         for r in sched.running:
             assert len(r.block_ids) == kv.blocks_needed(r.num_computed_tokens)
             assert len(r.block_ids) <= -(-mml // bs)
+            if window is not None:  # released: exactly the blocks no later query reads
+                assert r.num_released_blocks == max(r.num_computed_tokens - window + 1, 0) // bs
             for p, k in enumerate(prefix_keys(r.token_ids[: r.num_computed_tokens])):
-                assert content[r.block_ids[p // bs]][p % bs] == k
+                if r.block_ids[p // bs] != RELEASED:
+                    assert content[r.block_ids[p // bs]][p % bs] == k
         # Every named block, held or free, holds the KV of the token chain its name stands for.
         chain_of = {h: r.token_ids[: (i + 1) * bs] for r in reqs for i, h in enumerate(r.block_hashes)}
         for h, b in kv.cached.items():

@@ -53,6 +53,9 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | priority | slo (core/policies)
     # slo policy: end a waiting request with 503 once its TTFT target can no longer be met (else it runs late)
     slo_shed: bool = False
+    # Keep KV blocks that slid out of the attention window (vLLM's flag); by default a model whose layers all
+    # share one sliding window releases them as requests advance.
+    disable_hybrid_kv_cache_manager: bool = False
     # Most prompt tokens one request computes per step (vLLM's long_prefill_token_threshold); 0: no cap
     # beyond the budget. With a cap, a long prompt shares each step with other prompts instead of filling it,
     # and the step (so the running requests' inter-token latency) stays short.

@@ -133,6 +133,9 @@ class EngineArgs:
                                   "priority by each request's priority, lower first; slo by each request's TTFT "
                                   "and TPOT targets, batch work (no SLO) in the time left (default: %(default)s).",
                                   choices=SCHEDULING_POLICIES)
+    disable_hybrid_kv_cache_manager: bool = _arg(
+        SchedulerConfig.disable_hybrid_kv_cache_manager, "Keep every KV block of a request to its end; by default "
+        "a model whose attention layers all share one sliding window (Mistral) releases blocks that slid out of it.")
     slo_shed: bool = _arg(SchedulerConfig.slo_shed, "With --scheduling-policy slo: end a waiting request with 503 + "
                           "Retry-After once its TTFT target can no longer be met (default: it runs late).")
     # parallelism
@@ -240,7 +243,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold,
-                                      policy=self.scheduling_policy, slo_shed=self.slo_shed),
+                                      policy=self.scheduling_policy, slo_shed=self.slo_shed,
+                                      disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     pipeline_parallel_size=self.pipeline_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend,

@@ -26,6 +26,12 @@ from tokenmill.core.kv_offload import LoadOp, OffloadTiers
 from tokenmill.core.request import Request
 
 
+# In a request's block table: a block released because it slid out of every layer's attention window
+# (release_out_of_window). The workers keep the id they were sent there; no kernel reads it (the native paged
+# kernels start at the window, the masked backends mask it).
+RELEASED = -1
+
+
 def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
     """Name of a full block. `extra_keys` (ints, strings, bytes: e.g. an adapter name, an image hash)
     separate equal token ids whose KV differs. Token bytes have a fixed length per block, so the
@@ -78,6 +84,7 @@ class KVCacheManager:
         # them once the forward ran (`names_written`) or drops their names on every failure path
         # (`drop_unwritten_names`): a name in the cache always stands for KV that is there.
         self.unwritten: set[int] = set()
+        self.num_released = 0  # blocks released out of the attention window (release_out_of_window), in total
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -222,6 +229,8 @@ class KVCacheManager:
         num_tokens = min(num_tokens, req.num_tokens)
         self._update_hashes(req, num_tokens)
         for i in range(num_tokens // self.block_size):
+            if req.block_ids[i] == RELEASED:
+                continue  # slid out of the window: named when it was full, or left unnamed
             block = self.blocks[req.block_ids[i]]
             if block.hash is not None:
                 continue
@@ -250,6 +259,8 @@ class KVCacheManager:
         """Release req's blocks. Tail blocks go to the LRU first so they are evicted before the
         shared prefix they extend."""
         for block_id in reversed(req.block_ids):
+            if block_id == RELEASED:
+                continue
             block = self.blocks[block_id]
             if block.ref_count <= 0:
                 raise RuntimeError(f"double free of block {block_id}")
@@ -260,7 +271,32 @@ class KVCacheManager:
                     block.hash = None
                 self.free_queue[block_id] = None
         req.block_ids = []
+        req.num_released_blocks = 0
         req.num_computed_tokens = 0
+
+    def release_out_of_window(self, req: Request, window: int) -> int:
+        """Release req's blocks that no later query reads: with every attention layer's window `window`, the
+        next query (position num_computed_tokens) and all after it see keys from num_computed_tokens - window + 1
+        on. The released entries become RELEASED; a named block stays in the prefix cache until evicted.
+        Returns how many blocks were released."""
+        first_read = req.num_computed_tokens - window + 1
+        released = 0
+        for i in range(req.num_released_blocks, max(first_read, 0) // self.block_size):
+            block_id = req.block_ids[i]
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"double free of block {block_id}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None and not self.enable_prefix_caching:
+                    self.cached.pop(block.hash, None)
+                    block.hash = None
+                self.free_queue[block_id] = None
+            req.block_ids[i] = RELEASED
+            released += 1
+        req.num_released_blocks += released
+        self.num_released += released
+        return released
 
     def trim(self, req: Request, num_tokens: int) -> None:
         """Free req's tail blocks beyond those `num_tokens` tokens need: slots written by rejected

@@ -59,6 +59,7 @@ class Request:
     num_preemptions: int = 0
     admission_skips: int = 0  # steps it was passed over in the queue because the pool could not hold it
     block_ids: list[int] = field(default_factory=list)
+    num_released_blocks: int = 0  # leading block_ids released out of the attention window (kv_cache.RELEASED)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks, in order
     extra_keys: tuple = ()  # mixed into every block hash: reserved for adapters (LoRA) and multimodal inputs
     stop_reason: int | str | None = None

@@ -129,7 +129,10 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, structured=None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, sliding_window: int | None = None) -> None:
+        # Every attention layer's window (None: some layer reads the whole context): blocks that slid out of it
+        # are released as requests advance (kv.release_out_of_window), so a long request holds about a window.
+        self.sliding_window = sliding_window
         # Monotonic seconds, system-wide (request timestamps are compared across processes); tests step a fake one.
         self.clock = clock
         self.config = config
@@ -440,7 +443,7 @@ class Scheduler:
                 b.num_sample_rows.append(1 if start + n >= req.num_tokens else 0)
             if req.sent is None:
                 b.new_requests.append(NewRequestData(
-                    rid, list(req.token_ids), req.num_prompt_tokens, list(req.block_ids), start, req.params,
+                    rid, list(req.token_ids), req.num_prompt_tokens, self._table(req), start, req.params,
                     req.seed, tuple(sorted(req.eos_token_ids)), req.lora))
             else:
                 ntok, nblk = req.sent
@@ -451,6 +454,15 @@ class Scheduler:
                 b.prompt_logprob_ranges[rid] = (start, min(n, req.num_prompt_tokens - 1 - start))
         self._forget = []  # only once the batch is whole (a failed build keeps them for the next one)
         return b
+
+    @staticmethod
+    def _table(req: Request) -> list[int]:
+        """Its block table for a worker that has none: released entries (never read) name a block it holds,
+        so every id is a real block with finite KV."""
+        if not req.num_released_blocks:
+            return list(req.block_ids)
+        live = req.block_ids[req.num_released_blocks]
+        return [live] * req.num_released_blocks + req.block_ids[req.num_released_blocks:]
 
     def unbuild(self, batch: ScheduledBatch) -> None:
         """The last batch built did not reach the workers: what they hold of its requests is what it was
@@ -480,6 +492,8 @@ class Scheduler:
                                      result, now)
             except Exception as e:
                 o = self.fail_request(req, f"the request failed in the engine: {type(e).__name__}: {e}")
+            if self.sliding_window is not None and req.status == RequestStatus.RUNNING:
+                self.kv.release_out_of_window(req, self.sliding_window)
             if o is not None:
                 outputs.append(o)
         self.current = None

@@ -49,7 +49,11 @@ class EngineCore:
                                  make_connector(getattr(config, "kv_transfer", None)))
         self._tokenizer = tokenizer
         self.structured = StructuredOutputManager(self._load_tokenizer, info.vocab_size, self._eos_token_ids)
-        self.scheduler = Scheduler(config.scheduler, self.kv, info.max_model_len, self.structured)
+        # Blocks out of every layer's window are released as requests advance (vLLM's hybrid KV cache manager,
+        # for models whose layers share one window; --disable-hybrid-kv-cache-manager keeps them).
+        window = None if config.scheduler.disable_hybrid_kv_cache_manager else info.sliding_window
+        self.scheduler = Scheduler(config.scheduler, self.kv, info.max_model_len, self.structured,
+                                   sliding_window=window)
         self.stats = EngineStats()
         self._refused: list[EngineCoreOutput] = []  # requests refused when added, answered by the next step
         self._sent = False  # this step's batch reached the workers

@@ -46,6 +46,10 @@ class ModelRunner:
         self.device = device
         self.backend = backend
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        # Every layer's window in the whole model (a pipeline stage holds only some of the layers).
+        decoder = getattr(model, "spec", None)
+        self.model_windows = ({layer.sliding_window for layer in decoder.layers} if decoder is not None
+                              else {a.sliding_window for a in self.attn_layers})
         self.input_batch = InputBatch(block_size, device, vocab_size)
         self.sampler = Sampler()
         self.spec = spec  # spec_decode.decoder.SpecDecoder: proposes each request's next drafts
@@ -80,6 +84,14 @@ class ModelRunner:
             per_token = kv_quant.block_bytes(1, a.num_kv_heads, a.head_dim, kv_dtype)
             groups[a.sliding_window] = groups.get(a.sliding_window, 0) + per_token
         self._attn_read_groups = list(groups.items())
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The sliding window every attention layer has (None: some layer attends to the whole context, or a
+        speculative drafter with its own KV reads the same blocks)."""
+        if self.spec is not None or len(self.model_windows) != 1:
+            return None
+        return next(iter(self.model_windows))
 
     def attn_read_bytes(self, query_len: torch.Tensor, kv_len: torch.Tensor) -> int:
         """K/V bytes this step's attention must read: per layer, every request's attended cache tokens x

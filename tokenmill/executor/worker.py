@@ -40,6 +40,7 @@ class WorkerInfo:
     attention_backend: str = ""
     lora_shapes: dict | None = None  # --enable-lora: checkpoint module (q_proj, ...) -> (in, out), to check adapters
     num_layers: int = 0
+    sliding_window: int | None = None  # every attention layer's window, when they share one (model_runner)
 
 
 def available_memory_bytes() -> int:
@@ -182,7 +183,8 @@ class Worker:
         return WorkerInfo(num_blocks, cache.block_size, self.runner.bytes_per_block, self.max_model_len, vocab,
                           str(self.device), str(kv_dtype).removeprefix("torch."),
                           str(model.compute_dtype).removeprefix("torch."), self.model_cost(), offload,
-                          backend_cls.name, targets.shapes if targets else None, targets.num_layers if targets else 0)
+                          backend_cls.name, targets.shapes if targets else None, targets.num_layers if targets else 0,
+                          self.runner.uniform_window)
 
     def log_resident_memory(self, model: torch.nn.Module, quant) -> None:
         """One INFO line on what this process holds after loading: weight bytes by kind (GGUF blocks, packed,

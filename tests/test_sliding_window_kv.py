@@ -1,0 +1,133 @@
+"""Sliding-window KV (issue 29, first part): a model whose attention layers all share one window releases the
+blocks that slid out of it as requests advance, so a long request holds about a window of KV. Outputs equal
+transformers' in plain, chunked, preempted, prefix-cached and n = 2 runs, on the native and the masked (torch
+SDPA) backends; a pool too small for whole contexts runs more requests at once; the flag turns it off; a model
+mixing windowed and full layers (Gemma 3) keeps everything (its KV groups are the next part)."""
+from __future__ import annotations
+
+import pytest
+
+from test_parity import NEW_TOKENS, check_against_oracle, hf_greedy
+from tiny import make_tiny_model
+from tokenmill import LLM, SamplingParams
+
+WINDOW = 24  # tests/tiny.py's mistral
+LENS = [40, 52, 61, 70, 77, 85, 90, 93]
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("swa") / "mistral", "mistral")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 380, (n,), generator=g).tolist() for n in LENS]
+
+
+@pytest.fixture(scope="module")
+def oracle(mistral, prompts):
+    return hf_greedy(mistral, prompts)
+
+
+SP = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=3)
+
+
+def idle(llm: LLM) -> None:
+    kv = llm.engine.kv
+    assert not llm.engine.has_unfinished_requests()
+    assert kv.num_free_blocks == kv.num_blocks, "KV blocks leaked"
+    kv.check_invariants()
+
+
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_sdpa"])
+def test_released_blocks_never_change_the_output(mistral, prompts, oracle, backend):
+    kw = dict(max_model_len=128, attention_backend=backend)
+    plain = LLM(str(mistral), num_gpu_blocks_override=128, block_size=8, **kw)
+    assert plain.engine.scheduler.sliding_window == WINDOW
+    check_against_oracle(plain.generate(prompts, SP, use_tqdm=False), oracle, f"{backend} plain")
+    check_against_oracle(plain.generate(prompts, SP, use_tqdm=False), oracle, f"{backend} prefix hits")
+    assert plain.engine.kv.num_released > 0
+    chunked = LLM(str(mistral), num_gpu_blocks_override=128, block_size=8, max_num_batched_tokens=16, **kw)
+    check_against_oracle(chunked.generate(prompts, SP, use_tqdm=False), oracle, f"{backend} chunked")
+    # 16 blocks of 8 tokens: one whole context (up to 125 tokens) at a time; released blocks let several run,
+    # and the pool still runs dry (preemption) while prompts are computed
+    tight = LLM(str(mistral), num_gpu_blocks_override=16, block_size=8, max_num_batched_tokens=64, **kw)
+    check_against_oracle(tight.generate(prompts, SP, use_tqdm=False), oracle, f"{backend} tight pool")
+    two = plain.generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, n=2), use_tqdm=False)
+    for out, (tokens, _) in zip(two, oracle[:3]):
+        assert [c.token_ids for c in out.outputs] == [tokens, tokens]
+    for llm in (plain, chunked, tight):
+        idle(llm)
+
+
+def test_a_request_holds_about_a_window_so_a_small_pool_never_preempts(mistral, prompts, oracle):
+    """32 blocks of 8, eight requests of up to 125 tokens, prompts in chunks of 8: holding whole contexts (up to
+    16 blocks each) the pool runs dry and requests are preempted; holding the window (24 tokens) and the chunk
+    being computed, none is."""
+    def run(**kw):
+        llm = LLM(str(mistral), max_model_len=128, num_gpu_blocks_override=32, block_size=8,
+                  long_prefill_token_threshold=8, **kw)
+        engine, most, done = llm.engine, 0, {}
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), None, SP, prompt_token_ids=p)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[int(o.request_id)] = o
+            most = max([most] + [len(r.block_ids) - r.num_released_blocks for r in engine.scheduler.running])
+        idle(llm)
+        return [done[i] for i in range(len(prompts))], most, engine.scheduler.num_preemptions, engine.kv.num_released
+
+    outs, most, preempted, released = run()
+    kept_outs, kept_most, kept_preempted, kept_released = run(disable_hybrid_kv_cache_manager=True)
+    check_against_oracle(outs, oracle, "released")
+    check_against_oracle(kept_outs, oracle, "kept")
+    assert released > 0 and kept_released == 0
+    assert most <= (WINDOW + 8) // 8 + 1 and kept_most >= 15, (most, kept_most)
+    assert preempted == 0 and kept_preempted > 0
+
+
+def test_mixed_windows_keep_every_block(tmp_path):
+    path = make_tiny_model(tmp_path / "gemma3", "gemma3", layer_types=["sliding_attention", "full_attention"])
+    llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=64, block_size=8)
+    assert llm.engine.scheduler.sliding_window is None
+    llm.generate([list(range(3, 80))], SamplingParams(max_tokens=8), use_tqdm=False)
+    assert llm.engine.kv.num_released == 0
+
+
+def test_a_model_whose_layers_all_slide_releases(tmp_path):
+    path = make_tiny_model(tmp_path / "gemma3", "gemma3", layer_types=["sliding_attention"] * 2)
+    llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=64, block_size=8)
+    assert llm.engine.scheduler.sliding_window == 24
+    llm.generate([list(range(3, 80))], SamplingParams(max_tokens=8), use_tqdm=False)
+    assert llm.engine.kv.num_released > 0
+
+
+def test_failed_steps_resend_tables_with_released_blocks(mistral, prompts, oracle, monkeypatch):
+    """Request 6 fails in sampling at its first step, admitted while earlier ones (of staggered lengths) have
+    released blocks: the step reruns one request at a time and the workers get those requests' block tables
+    whole again, their released entries naming a block they hold. Only request 6 fails; the others finish with
+    transformers' output."""
+    from tokenmill.core.scheduler import Scheduler
+    from tokenmill.testing import faults
+
+    resent = []
+    table = Scheduler._table
+    monkeypatch.setattr(Scheduler, "_table", staticmethod(
+        lambda req: resent.append(req.num_released_blocks) or table(req)))
+    llm = LLM(str(mistral), max_model_len=128, num_gpu_blocks_override=64, block_size=8, max_num_seqs=4)
+    lengths = [8 + 3 * i for i in range(len(prompts))]
+    sps = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in lengths]
+    monkeypatch.setenv(faults.ENV, "sample=6")
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    monkeypatch.delenv(faults.ENV)
+    assert [o.outputs[0].finish_reason == "abort" for o in outs] == [i == 6 for i in range(len(prompts))]
+    for i, (o, (tokens, _)) in enumerate(zip(outs, oracle)):
+        if i != 6:
+            assert o.outputs[0].token_ids == tokens[: lengths[i]], i
+    assert any(resent[len(prompts):]), resent  # a resent table had released entries
+    idle(llm)
