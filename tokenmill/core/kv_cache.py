@@ -259,20 +259,23 @@ class KVCacheManager:
         """Release req's blocks. Tail blocks go to the LRU first so they are evicted before the
         shared prefix they extend."""
         for block_id in reversed(req.block_ids):
-            if block_id == RELEASED:
-                continue
-            block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"double free of block {block_id}")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None and not self.enable_prefix_caching:
-                    self.cached.pop(block.hash, None)
-                    block.hash = None
-                self.free_queue[block_id] = None
+            if block_id != RELEASED:
+                self._unref(block_id)
         req.block_ids = []
         req.num_released_blocks = 0
         req.num_computed_tokens = 0
+
+    def _unref(self, block_id: int) -> None:
+        """One holder fewer; at none the block is free (named: revivable by a prefix hit until evicted)."""
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"double free of block {block_id}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None and not self.enable_prefix_caching:
+                self.cached.pop(block.hash, None)
+                block.hash = None
+            self.free_queue[block_id] = None
 
     def release_out_of_window(self, req: Request, window: int) -> int:
         """Release req's blocks that no later query reads: with every attention layer's window `window`, the
@@ -282,16 +285,7 @@ class KVCacheManager:
         first_read = req.num_computed_tokens - window + 1
         released = 0
         for i in range(req.num_released_blocks, max(first_read, 0) // self.block_size):
-            block_id = req.block_ids[i]
-            block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"double free of block {block_id}")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None and not self.enable_prefix_caching:
-                    self.cached.pop(block.hash, None)
-                    block.hash = None
-                self.free_queue[block_id] = None
+            self._unref(req.block_ids[i])
             req.block_ids[i] = RELEASED
             released += 1
         req.num_released_blocks += released
