@@ -23,8 +23,8 @@ from starlette.routing import Route
 from tokenmill.router.cache_index import CacheIndex, prompt_hashes
 from tokenmill.router.metrics import CONTENT_TYPE, RouterMetrics
 from tokenmill.router.policies import Policy, make_policy
-from tokenmill.router.prompts import PromptTokenizer, estimate_tokens
-from tokenmill.router.tenants import StreamMeter, apply_tenant, metered_stream
+from tokenmill.router.prompts import PromptTokenizer, estimate_tokens, max_output_tokens
+from tokenmill.router.tenants import StreamMeter, apply_tenant, ask_for_usage, metered_stream
 from tokenmill.serve.errors import APIError
 from tokenmill.serve.middleware import GuardMiddleware
 from tokenmill.serve.tenants.counters import TenantCounters
@@ -193,17 +193,14 @@ class Router:
             headers.pop("authorization", None)
             if self.cfg.backend_api_key:
                 headers["authorization"] = f"Bearer {self.cfg.backend_api_key}"
-            meter = StreamMeter(prompt_estimate=max(estimate - _max_output(body), 0))
+            meter = StreamMeter(prompt_estimate=max(estimate - max_output_tokens(body), 0))
             try:
                 if tenant is not None:
-                    pass_usage = apply_tenant(body, tenant)
+                    apply_tenant(body, tenant)
                     reserve_for(request.scope, self.limiter, tenant, estimate, meter.total)
-                elif body.get("stream"):
-                    options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
-                    pass_usage = bool(options.get("include_usage"))
-                    body["stream_options"] = {**options, "include_usage": True}
             except APIError as e:
                 return e.response()
+            pass_usage = ask_for_usage(body)
             state = request.scope.setdefault("state", {})
             state["model"] = str(body.get("model", "-"))
             state["metered"] = meter.counts
@@ -435,7 +432,3 @@ def create_app(cfg: RouterConfig) -> Starlette:
                            keys=router.keys, admin_key=cfg.admin_key, limiter=router.limiter, usage=router.usage,
                            metrics=router)
     return app
-
-
-def _max_output(body: dict) -> int:
-    return int(body.get("max_completion_tokens") or body.get("max_tokens") or 256) * int(body.get("n") or 1)

@@ -44,6 +44,9 @@ def estimate_tokens(body: dict[str, Any], ids: list[int] | None) -> int:
         prompt = len(str(body["messages"])) // 4
     else:
         prompt = len(str(body.get("prompt", ""))) // 4
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 256
-    n = body.get("n") or 1
-    return prompt + int(max_tokens) * int(n)
+    return prompt + max_output_tokens(body)
+
+
+def max_output_tokens(body: dict[str, Any]) -> int:
+    """The output a request asks for at most: max_tokens (256 when unset) x n."""
+    return int(body.get("max_completion_tokens") or body.get("max_tokens") or 256) * int(body.get("n") or 1)

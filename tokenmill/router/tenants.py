@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from tokenmill.serve.errors import APIError
-from tokenmill.serve.tenants.keys import Tenant, priority_for, request_slo, slo_for
+from tokenmill.core.request import RequestSLO
+from tokenmill.serve.tenants.keys import Tenant, priority_for, slo_for
 
 
 @dataclass
@@ -56,10 +57,10 @@ class StreamMeter:
             self.take_usage(usage)
 
 
-def apply_tenant(body: dict, tenant: Tenant) -> bool:
+def apply_tenant(body: dict, tenant: Tenant) -> None:
     """Check the tenant may use the body's model and write its priority class and SLO into the body (what the
-    backends' schedulers read). Returns whether the client asked for the stream's usage chunk itself. APIError
-    for a model the tenant may not use (404, as for one that does not exist) or a bad `slo`."""
+    backends' schedulers read). APIError for a model the tenant may not use (404, as for one that does not
+    exist) or a bad `slo`."""
     model = body.get("model")
     if not isinstance(model, str) or not tenant.may_use(model):
         raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
@@ -67,25 +68,23 @@ def apply_tenant(body: dict, tenant: Tenant) -> bool:
     body["priority"] = priority_for(tenant, priority if isinstance(priority, int) else 0)
     asked = body.get("slo") if isinstance(body.get("slo"), dict) else {}
     try:
-        slo = slo_for(tenant, request_slo(_SLOField(asked.get("ttft_ms"), asked.get("tpot_ms"))))
-    except (ValueError, TypeError) as e:
+        slo = slo_for(tenant, RequestSLO(asked.get("ttft_ms"), asked.get("tpot_ms")))
+    except ValueError as e:
         raise APIError(400, str(e), "slo") from None
     if slo is None:
         body.pop("slo", None)
     else:
         body["slo"] = {k: v for k, v in (("ttft_ms", slo.ttft_ms), ("tpot_ms", slo.tpot_ms)) if v is not None}
+
+
+def ask_for_usage(body: dict) -> bool:
+    """Make a streamed request end with its usage chunk (what the router meters). Returns whether the client
+    asked for that chunk itself (else the router keeps it from the client); True for a non-streamed request."""
     if not body.get("stream"):
-        return False
+        return True
     options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
-    asked_usage = bool(options.get("include_usage"))
     body["stream_options"] = {**options, "include_usage": True}
-    return asked_usage
-
-
-@dataclass
-class _SLOField:
-    ttft_ms: float | None
-    tpot_ms: float | None
+    return bool(options.get("include_usage"))
 
 
 async def metered_stream(chunks: AsyncIterator[bytes], meter: StreamMeter, pass_usage: bool) -> AsyncIterator[bytes]:
