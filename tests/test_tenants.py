@@ -344,7 +344,7 @@ def test_tenant_label_values_are_bounded():
 
     m = ServerMetrics("m")
     for i in range(MAX_TENANT_LABELS + 10):
-        m.on_tenant_request(f"t{i}", 5, 0, 1, None)
+        m.tenants.record(f"t{i}", 5, 0, 1, None)
     text = m.render().decode()
     tenants = {line.split('tenant="')[1].split('"')[0] for line in text.splitlines()
                if line.startswith("tokenmill:tenant_requests_total{")}

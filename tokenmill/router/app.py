@@ -28,7 +28,7 @@ from tokenmill.router.tenants import StreamMeter, apply_tenant, ask_for_usage, m
 from tokenmill.serve.errors import APIError
 from tokenmill.serve.middleware import GuardMiddleware
 from tokenmill.serve.tenants.counters import TenantCounters
-from tokenmill.serve.tenants.keys import KeyStore, reload_on_sighup, tenant_of
+from tokenmill.serve.tenants.keys import KeyStore, reload_keys, reload_on_sighup, tenant_of
 from tokenmill.serve.tenants.limits import TenantLimiter, reserve_for
 from tokenmill.serve.tenants.usage import UsageStore, load_pricing, read_usage, rows_to_csv
 
@@ -113,9 +113,6 @@ class Router:
             if self.cfg.usage_db else None
         self.limiter = TenantLimiter()
         self.tenant_counters = TenantCounters(self.metrics.registry, "tokenmill:router_", {})
-
-    def on_tenant_request(self, tenant: str, prompt: int, cached: int, generated: int, error: str | None) -> None:
-        self.tenant_counters.record(tenant, prompt, cached, generated, error)
 
     # ---- health --------------------------------------------------------------------------
     def healthy(self) -> list[str]:
@@ -411,11 +408,9 @@ def create_app(cfg: RouterConfig) -> Starlette:
         if router.keys is None:
             return error_response(404, "This router has no --api-keys-file to reload.", "not_found")
         try:
-            table = await asyncio.to_thread(router.keys.reload)
+            return JSONResponse({"tenants": await asyncio.to_thread(reload_keys, router.keys)})
         except ValueError as e:
             return error_response(400, f"the keys file was not reloaded, the old keys stay: {e}")
-        log.info("API keys reloaded from %s: %d tenant(s)", router.keys.path, len(table.tenants))
-        return JSONResponse({"tenants": sorted(table.tenants)})
 
     app = Starlette(lifespan=lifespan, routes=[
         Route("/v1/completions", completions, methods=["POST"]),
@@ -430,5 +425,5 @@ def create_app(cfg: RouterConfig) -> Starlette:
     if router.keys is not None or router.usage is not None or cfg.admin_key:
         app.add_middleware(GuardMiddleware, api_key=None, max_body_bytes=cfg.max_request_body_bytes,
                            keys=router.keys, admin_key=cfg.admin_key, limiter=router.limiter, usage=router.usage,
-                           metrics=router)
+                           counters=router.tenant_counters)
     return app

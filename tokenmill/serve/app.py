@@ -26,8 +26,7 @@ from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, 
                                       DetokenizeResponse, UnloadLoRAAdapterRequest)
 from tokenmill.serve.sampling import check_input_chars, check_prompt_ids
 from tokenmill.serve.state import ServerState
-from tokenmill.serve.tenants.keys import tenant_of
-from tokenmill.serve.tenants.keys import reload_on_sighup
+from tokenmill.serve.tenants.keys import reload_keys, reload_on_sighup, tenant_of
 from tokenmill.serve.tenants.usage import read_usage, rows_to_csv
 
 log = logging.getLogger(__name__)
@@ -160,7 +159,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes,
                        protect_metrics=settings.protect_metrics, body_timeout_s=settings.request_body_timeout_s,
                        keys=state.keys, admin_key=settings.admin_key, limiter=state.limiter, usage=state.usage,
-                       metrics=state.metrics)
+                       counters=state.metrics.tenants)
     return app
 
 
@@ -266,11 +265,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if state.keys is None:
             raise APIError(404, "This server has no --api-keys-file to reload.", None, "not_found")
         try:
-            table = await state.run_blocking(state.keys.reload)
+            return {"tenants": await state.run_blocking(reload_keys, state.keys)}
         except ValueError as e:
             raise bad_request(f"the keys file was not reloaded, the old keys stay: {e}", None) from None
-        log.info("API keys reloaded from %s: %d tenant(s)", state.keys.path, len(table.tenants))
-        return {"tenants": sorted(table.tenants)}
 
     @app.get("/health")
     async def health():

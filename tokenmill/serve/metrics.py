@@ -183,9 +183,6 @@ class ServerMetrics:
             if r.first_scheduled_time is not None:
                 self.prefill_time.observe(max(0.0, r.first_token_time - r.first_scheduled_time))
 
-    def on_tenant_request(self, tenant: str, prompt: int, cached: int, generated: int, error: str | None) -> None:
-        self.tenants.record(tenant, prompt, cached, generated, error)
-
     # ---- exposition -----------------------------------------------------------------------
     def render(self) -> bytes:
         return generate_latest(self.registry)

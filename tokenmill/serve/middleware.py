@@ -9,6 +9,7 @@ import hmac
 import time
 
 from tokenmill.serve.errors import APIError, BodyTimeout, BodyTooLarge
+from tokenmill.serve.tenants.counters import TenantCounters
 from tokenmill.serve.tenants.keys import KeyStore, Tenant
 from tokenmill.serve.tenants.limits import TenantLimiter
 from tokenmill.serve.tenants.usage import UsageStore
@@ -48,10 +49,11 @@ def _header(scope, name: bytes) -> bytes | None:
 class GuardMiddleware:
     def __init__(self, app, api_key: str | None, max_body_bytes: int, protect_metrics: bool = False,
                  body_timeout_s: float = 30.0, keys: KeyStore | None = None, admin_key: str | None = None,
-                 limiter: TenantLimiter | None = None, usage: UsageStore | None = None, metrics=None) -> None:
+                 limiter: TenantLimiter | None = None, usage: UsageStore | None = None,
+                 counters: TenantCounters | None = None) -> None:
         self.app = app
         self.usage = usage
-        self.metrics = metrics  # serve.metrics.ServerMetrics: per-tenant counters
+        self.counters = counters
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.keys = keys
         self.admin = f"Bearer {admin_key}".encode() if admin_key else None
@@ -95,7 +97,7 @@ class GuardMiddleware:
     def _meter(self, scope, tenant: Tenant | None, status: int | None) -> None:
         """One finished generating request into the usage store and the tenant's counters: the tokens its
         Submission produced (what was sent, also for a stream cut short), and an error kind for a 4xx/5xx answer."""
-        if self.usage is None and (self.metrics is None or tenant is None):
+        if self.usage is None and (self.counters is None or tenant is None):
             return
         state = scope.get("state", {})
         prompt, cached, completion = _counts(state)
@@ -103,8 +105,8 @@ class GuardMiddleware:
         name = tenant.name if tenant is not None else DEFAULT_TENANT.name
         if self.usage is not None:
             self.usage.record(name, state.get("model", "-"), prompt, cached, completion, error)
-        if self.metrics is not None and tenant is not None:
-            self.metrics.on_tenant_request(name, prompt, cached, completion, error)
+        if self.counters is not None and tenant is not None:
+            self.counters.record(name, prompt, cached, completion, error)
 
     def _authenticate(self, scope) -> tuple[APIError | None, Tenant | None]:
         """Who is asking: (None, None) for no one in particular (an open path, no keys configured, the admin or

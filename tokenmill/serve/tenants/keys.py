@@ -17,14 +17,19 @@ server does not start, on reload the old table stays.
 """
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import hashlib
 import hmac
 import json
+import logging
+import signal
 import threading
 from dataclasses import dataclass, field, fields
 
 from tokenmill.core.request import RequestSLO
+
+log = logging.getLogger("tokenmill.serve")
 
 LIMIT_NAMES = ("requests_per_minute", "tokens_per_minute", "concurrent", "tokens_per_day")
 
@@ -41,16 +46,13 @@ class TenantLimits:
     tokens_per_day: int | None = None
 
 
-TenantSLO = RequestSLO  # a tenant's targets are its requests' (the slo scheduling policy reads them)
-
-
 @dataclass(frozen=True)
 class Tenant:
     name: str
     models: tuple[str, ...] = ("*",)
     limits: TenantLimits = field(default_factory=TenantLimits)
     priority: int = 0
-    slo: TenantSLO = field(default_factory=TenantSLO)
+    slo: RequestSLO = field(default_factory=RequestSLO)  # its requests' targets (the slo scheduling policy)
 
     def may_use(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
@@ -178,7 +180,7 @@ def load_keys(path: str) -> KeyTable:
             if v is not None and not isinstance(v, int):
                 raise KeysFileError(f"{path}: tenant {name!r} limits.{k} must be an integer, got {v!r}.")
         tenant = Tenant(name, tuple(models), limits, priority,
-                        _section(t.get("slo"), TenantSLO, f"tenant {name!r} slo", path))
+                        _section(t.get("slo"), RequestSLO, f"tenant {name!r} slo", path))
         tenants[name] = tenant
         for key in keys:
             if key.startswith("sha256:"):
@@ -215,19 +217,20 @@ class KeyStore:
         return self.table.lookup(key)
 
 
+def reload_keys(keys: KeyStore) -> list[str]:
+    """Re-read the keys file (POST /admin/reload, SIGHUP) and name its tenants; KeysFileError keeps the old table."""
+    table = keys.reload()
+    log.info("API keys reloaded from %s: %d tenant(s)", keys.path, len(table.tenants))
+    return sorted(table.tenants)
+
+
 def reload_on_sighup(keys: KeyStore) -> None:
     """SIGHUP re-reads the keys file (a bad file keeps the old table, logged); requests in flight go on. Call it
     from the event loop (the server's and the router's lifespan)."""
-    import asyncio
-    import logging
-    import signal
-
-    log = logging.getLogger("tokenmill.serve")
 
     def reload() -> None:
         try:
-            table = keys.reload()
-            log.info("API keys reloaded from %s: %d tenant(s)", keys.path, len(table.tenants))
+            reload_keys(keys)
         except ValueError as e:
             log.error("API keys not reloaded, the old ones stay: %s", e)
 
