@@ -56,7 +56,7 @@ def slo_sched(clock, **kw):
     sched, kv = make_sched(policy="slo", clock=clock, **kw)
     for _ in range(50):  # 10 ms per step + 0.1 ms per token
         for tokens in (1, 64, 512):
-            sched.policy.observe_step(tokens, 1, 0.01 + 0.0001 * tokens)
+            sched.policy.observe_step(tokens, 0.01 + 0.0001 * tokens)
     return sched, kv
 
 

@@ -292,6 +292,18 @@ async def run_requests(client: httpx.AsyncClient, cfg: ClientConfig, requests: l
         bar.close()
 
 
+async def warm_up(client: httpx.AsyncClient, cfg: ClientConfig, warmups: Sequence[BenchRequest], load: LoadConfig,
+                  tokenizer: Tokenizer | None = None) -> list[RequestRecord]:
+    """Send the warm-up requests all at once (results discarded by the caller); WarmupFailed when every one
+    failed, rather than measuring a server that cannot answer."""
+    warm = await run_requests(client, cfg, list(warmups), load, tokenizer, shaped=False, desc="warm-up") \
+        if warmups else []
+    if warm and all(r.error is not None for r in warm):
+        e = warm[0].error
+        raise WarmupFailed(f"all {len(warm)} warm-up requests to {cfg.url} failed; first: {e.key}: {e.message}")
+    return warm
+
+
 async def run_benchmark(cfg: ClientConfig, requests: list[BenchRequest], load: LoadConfig,
                         warmups: Sequence[BenchRequest] = (), tokenizer: Tokenizer | None = None,
                         transport: httpx.AsyncBaseTransport | None = None,
@@ -300,11 +312,7 @@ async def run_benchmark(cfg: ClientConfig, requests: list[BenchRequest], load: L
     scrape again. Raises WarmupFailed when every warm-up request failed, rather than measuring a
     server that cannot answer."""
     async with make_client(load.max_concurrency, transport) as client:
-        warm = await run_requests(client, cfg, list(warmups), load, tokenizer, shaped=False, desc="warm-up") \
-            if warmups else []
-        if warm and all(r.error is not None for r in warm):
-            e = warm[0].error
-            raise WarmupFailed(f"all {len(warm)} warm-up requests to {cfg.url} failed; first: {e.key}: {e.message}")
+        warm = await warm_up(client, cfg, warmups, load, tokenizer)
         before = await fetch_text(metrics_url, cfg.api_key, transport=transport) if metrics_url else None
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         records = await run_requests(client, cfg, requests, load, tokenizer)

@@ -204,18 +204,13 @@ async def _bench(args: argparse.Namespace, transport=None) -> dict[str, Any]:
 
 async def _bench_tenants(args, cfg: ClientConfig, tenants, slos: dict[str, float], warmups, tokenizer,
                          transport, metrics_url: str, model: str, ignore_eos: bool) -> dict[str, Any]:
-    from tokenmill.bench.client import fetch_text, make_client, run_requests
+    from tokenmill.bench.client import fetch_text, make_client, warm_up
     from tokenmill.bench.metrics import duration
     from tokenmill.bench.tenants import overall_goodput, run_tenants, tenant_results
 
     first = replace(cfg, api_key=tenants[0].api_key)
-    if warmups:
-        async with make_client(None, transport) as client:
-            warm = await run_requests(client, first, list(warmups), LoadConfig(progress=False), tokenizer,
-                                      shaped=False, desc="warm-up")
-        if all(r.error is not None for r in warm):
-            raise ValueError(f"all {len(warm)} warm-up requests failed; first: {warm[0].error.key}: "
-                             f"{warm[0].error.message}")
+    async with make_client(None, transport) as client:
+        await warm_up(client, first, warmups, LoadConfig(progress=False), tokenizer)
     before = await fetch_text(metrics_url, first.api_key, transport=transport)
     runs, started_at = await run_tenants(cfg, tenants, tokenizer, transport)
     after = await fetch_text(metrics_url, first.api_key, transport=transport)

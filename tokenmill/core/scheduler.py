@@ -151,9 +151,9 @@ class Scheduler:
         self._forget: list[str] = []  # requests the worker holds and must drop at the next batch
         self.current: Request | None = None  # the request schedule()/update_from_output() is handling (blame)
         self._built: tuple = (None, [])  # the last batch built, and what the workers held of its requests before
-        # The last step's (tokens, requests, start time), for the policy's step-time model; _continuing: work was
-        # left when it ended, so the next schedule() follows it at once and the gap between the two is its time.
-        self._last_step: tuple[int, int, float] | None = None
+        # The last step's (tokens, start time), for the policy's step-time model; _continuing: work was left when
+        # it ended, so the next schedule() follows it at once and the gap between the two is its time.
+        self._last_step: tuple[int, float] | None = None
         self._continuing = False
         self.ended: list[EngineCoreOutput] = []  # requests schedule() ended (shed by the policy): see take_ended
 
@@ -330,13 +330,13 @@ class Scheduler:
                 if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                     self.waiting.add(req)
         self.current = None
-        self._last_step = (out.num_tokens, len(out.scheduled), now) if out.scheduled else None
+        self._last_step = (out.num_tokens, now) if out.scheduled else None
         return out
 
     def _observe_last_step(self, now: float) -> None:
         if self._last_step is not None and self._continuing:
-            tokens, seqs, start = self._last_step
-            self.policy.observe_step(tokens, seqs, now - start)
+            tokens, start = self._last_step
+            self.policy.observe_step(tokens, now - start)
         self._last_step = None
 
     def _unadmit(self, out: SchedulerOutput, admitted: list[tuple[Request, int]]) -> None:

@@ -53,8 +53,8 @@ class SchedulingPolicy:
     def plan(self, running: list[Request], waiting, now: float, num_free_blocks: int, block_size: int) -> StepPlan:
         return StepPlan()
 
-    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
-        """The wall time of a step that computed num_tokens tokens for num_seqs requests."""
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The wall time of a step that computed num_tokens tokens."""
 
     def describe(self) -> dict:
         """State for /v1/diagnostics."""

@@ -193,7 +193,7 @@ class SLOPolicy(SchedulingPolicy):
         self.num_room_preemptions += len(chosen)
         return chosen
 
-    def observe_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.step_time.observe(num_tokens, seconds)
 
     def describe(self) -> dict:
