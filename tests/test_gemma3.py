@@ -1,6 +1,7 @@
 """Gemma 3 (text) greedy output and logprobs equal transformers (the oracle) on tiny random models
 with both layer types (sliding window 24, shorter than most prompts), however the batch is formed:
-one at a time, all at once, chunked by a 16-token budget, and under a KV pool that forces preemption."""
+one at a time, all at once, chunked by a 16-token budget, and under a KV pool that forces preemption (with KV
+cache groups, the default, and without)."""
 from __future__ import annotations
 
 import pytest
@@ -44,10 +45,18 @@ def test_gemma3_matches_transformers(tmp_path, variant):
     check_against_oracle(llm.generate(prompts, sp, use_tqdm=False), oracle, "batched")
     chunked = LLM(str(path), max_model_len=128, num_gpu_blocks_override=128, max_num_batched_tokens=16)
     check_against_oracle(chunked.generate(prompts, sp, use_tqdm=False), oracle, "chunked")
-    tight = LLM(str(path), max_model_len=96, num_gpu_blocks_override=12, block_size=8, max_num_batched_tokens=64)
+    # The bytes of 12 blocks of 8 tokens of every layer (K and V, 2 KV heads of 16, float32): one 96-token context.
+    # With KV cache groups (the default) and without.
+    kv_bytes = 12 * 6 * 2 * 8 * 2 * 16 * 4
+    tight = LLM(str(path), max_model_len=96, kv_cache_memory_bytes=kv_bytes, block_size=8, max_num_batched_tokens=64)
+    assert len(tight.engine.kv.group_windows) > 1
     check_against_oracle(tight.generate(prompts, sp, use_tqdm=False), oracle, "preempted")
     assert tight.engine.scheduler.num_preemptions > 0
-    for engine in (llm.engine, chunked.engine, tight.engine):
+    kept = LLM(str(path), max_model_len=96, num_gpu_blocks_override=12, block_size=8, max_num_batched_tokens=64,
+               disable_hybrid_kv_cache_manager=True)
+    check_against_oracle(kept.generate(prompts, sp, use_tqdm=False), oracle, "preempted, whole contexts")
+    assert kept.engine.scheduler.num_preemptions > 0
+    for engine in (llm.engine, chunked.engine, tight.engine, kept.engine):
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 

@@ -2,7 +2,7 @@
 step's diffs, hold what the request lists hold, and the step's tensors equal those rebuilt from whole lists
 (the runner's way before the arrays), through random sequences of admissions, prompt chunks, decodes with
 drafts (accepted or rejected, blocks freed and replaced), finishes and preemptions, and pipeline
-micro-batches."""
+micro-batches; with KV cache groups, every group's table (here group g's block b is b + 1000 g)."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,7 +24,8 @@ class Core:
     """Plays the scheduler's part (core/scheduler.py build_batch and update_from_output): each request's
     tokens, computed count and block table, sent in full once (again after a preemption), then as diffs."""
 
-    def __init__(self) -> None:
+    def __init__(self, groups: int = 1) -> None:
+        self.groups = groups
         self.reqs: dict[str, dict] = {}
         self.finished: list[str] = []
         self.next_block = 1
@@ -77,11 +78,13 @@ class Core:
             b.num_sample_rows.append(rows)
             if r["sent"] is None:
                 b.new_requests.append(NewRequestData(rid, list(r["tokens"]), r["num_prompt"], list(r["blocks"]), c,
-                                                     SamplingParams(), None))
+                                                     SamplingParams(), None, group_block_ids=[
+                                                         group_table(r["blocks"], g) for g in range(1, self.groups)]))
             else:
                 ntok, nblk = r["sent"]
                 b.cached_requests.append(CachedRequestData(rid, r["tokens"][ntok:], r["blocks"][nblk:], c,
-                                                           len(r["blocks"])))
+                                                           len(r["blocks"]), [group_table(r["blocks"][nblk:], g)
+                                                                              for g in range(1, self.groups)]))
             r["sent"] = (len(r["tokens"]), len(r["blocks"]))
             plan[rid] = (n, rows, spec)
         return b, plan
@@ -102,7 +105,11 @@ class Core:
                     r["sent"] = (r["sent"][0], min(r["sent"][1], keep))
 
 
-def reference(core: Core, batch: ScheduledBatch) -> dict:
+def group_table(blocks: list[int], group: int) -> list[int]:
+    return [b + 1000 * group for b in blocks]
+
+
+def reference(core: Core, batch: ScheduledBatch, group: int = 0) -> dict:
     """The step's inputs rebuilt from the core's lists, as the runner built them before the arrays."""
     ids, pos, slots, rows, tables, prompt_rows = [], [], [], [], [], []
     q_start, q_len, kv_len = [], [], []
@@ -113,9 +120,10 @@ def reference(core: Core, batch: ScheduledBatch) -> dict:
         ids += r["tokens"][c : c + n - len(spec)] + spec
         p = list(range(c, c + n))
         pos += p
-        slots += [r["blocks"][x // BLOCK] * BLOCK + x % BLOCK for x in p]
+        blocks = group_table(r["blocks"], group)
+        slots += [blocks[x // BLOCK] * BLOCK + x % BLOCK for x in p]
         rows += list(range(start + n - s, start + n))
-        tables.append(r["blocks"])
+        tables.append(blocks)
         q_start.append(start)
         q_len.append(n)
         kv_len.append(c + n)
@@ -130,8 +138,14 @@ def reference(core: Core, batch: ScheduledBatch) -> dict:
                 kv_tokens=sum(kv_len), attn_pairs=sum(x + 1 for x in pos))
 
 
-def check_inputs(inp: StepInputs, want: dict, batch: ScheduledBatch) -> None:
+def check_inputs(inp: StepInputs, want: dict, batch: ScheduledBatch, core: Core | None = None) -> None:
     lay = inp.layout
+    if core is not None:
+        assert len(inp.group_layouts) == core.groups - 1
+        for g, glay in enumerate(inp.group_layouts, 1):
+            gwant = reference(core, batch, g)
+            assert glay.block_table.tolist() == gwant["block_table"] and glay.slot_mapping.tolist() == gwant["slot_mapping"]
+            assert glay.query_len is lay.query_len and glay.kv_len is lay.kv_len
     got = dict(input_ids=inp.input_ids.tolist(), positions=inp.positions.tolist(),
                slot_mapping=lay.slot_mapping.tolist(), sample_rows=inp.sample_rows.tolist(),
                block_table=lay.block_table.tolist(), query_start=lay.query_start.tolist(),
@@ -163,15 +177,17 @@ def check_arrays(ib: InputBatch, core: Core) -> None:
         n, nb = ib.num_tokens[row], ib.num_blocks[row]
         assert n == len(s.token_ids) and nb == len(s.block_ids)
         assert ib.token_ids[row, :n].tolist() == s.token_ids
-        assert ib.block_table[row, :nb].tolist() == s.block_ids
-        assert not ib.block_table[row, nb:].any()
+        for g in range(ib.num_groups):
+            assert ib.block_table[g, row, :nb].tolist() == group_table(s.block_ids, g)
+        assert not ib.block_table[:, row, nb:].any()
         assert ib.num_computed[row] == s.num_computed_tokens
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_arrays_and_step_inputs_match_lists(data):
-    core, ib = Core(), InputBatch(BLOCK, torch.device("cpu"), VOCAB)
+    groups = data.draw(st.sampled_from([1, 1, 2, 3]), label="groups")
+    core, ib = Core(groups), InputBatch(BLOCK, torch.device("cpu"), VOCAB, groups)
     for _ in range(data.draw(st.integers(1, 14), label="steps")):
         for _ in range(data.draw(st.integers(0, 3), label="admit")):
             prompt = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40), label="prompt")
@@ -186,12 +202,12 @@ def test_arrays_and_step_inputs_match_lists(data):
         ib.update(batch)
         if batch:
             want = reference(core, batch)
-            check_inputs(ib.prepare(batch), want, batch)
+            check_inputs(ib.prepare(batch), want, batch, core)
             # Pipeline parallelism prepares each micro-batch in turn; the first's inputs must survive the second.
             parts = micro_batches(batch, 2)
             inputs = [ib.prepare(mb) for mb in parts]
             for mb, inp in zip(parts, inputs):
-                check_inputs(inp, reference(core, mb), mb)
+                check_inputs(inp, reference(core, mb), mb, core)
         check_arrays(ib, core)
         core.complete(plan, data)
 
@@ -215,7 +231,7 @@ def test_rows_and_columns_grow_and_rows_are_reused():
         r["sent"] = (n, len(r["blocks"]))
     ib.update(b)
     check_inputs(ib.prepare(b), reference(core, b), b)
-    assert ib.token_ids.shape[0] >= 40 and ib.token_ids.shape[1] >= 300 and ib.block_table.shape[1] >= 75
+    assert ib.token_ids.shape[0] >= 40 and ib.token_ids.shape[1] >= 300 and ib.block_table.shape[2] >= 75
     check_arrays(ib, core)
     row7 = ib.requests["r7"].row
     core.finish("r7")
@@ -241,3 +257,11 @@ def test_positions_past_the_block_table_raise():
     ib.update(b)
     with pytest.raises(IndexError, match="request a"):
         ib.prepare(b)
+
+
+def test_a_request_with_the_wrong_number_of_tables_is_refused():
+    ib = InputBatch(BLOCK, torch.device("cpu"), VOCAB, 2)
+    b = ScheduledBatch(req_ids=["a"], num_scheduled_tokens=[2], num_sample_rows=[1], new_requests=[
+        NewRequestData("a", [1, 2], 2, [3], 0, SamplingParams(), None)])
+    with pytest.raises(ValueError, match="1 KV cache group.*keeps 2"):
+        ib.update(b)

@@ -24,7 +24,7 @@ from hypothesis.stateful import (
 )
 
 from kv_shadow import ShadowTransfer
-from tokenmill.core.kv_cache import KVCacheManager, hash_block
+from tokenmill.core.kv_cache import RELEASED, KVCacheManager, blocks_for_tokens, group_key, hash_block
 from tokenmill.core.kv_offload import OffloadTiers
 from tokenmill.core.request import Request
 from tokenmill.sampling_params import SamplingParams
@@ -731,3 +731,58 @@ KVOffloadMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestKVOffloadMachine = KVOffloadMachine.TestCase
+
+
+# ---- KV cache groups (a full group and windowed ones over one pool) -------------------------------------------
+def test_groups_allocate_a_table_each_and_windowed_ones_release():
+    kv = KVCacheManager(64, BS, group_windows=(None, 6, 6))
+    req = make_req(range(20))  # 5 blocks
+    admit(kv, req)
+    assert [len(t) for t in req.tables] == [5, 5, 5] and kv.num_free_blocks == 64 - 15
+    assert kv.release_out_of_window(req) == 2 * 3  # keys 15..19 are read next: blocks 0-2 are out of the window
+    assert req.tables[0][:3] != [RELEASED] * 3 and req.tables[1][:3] == req.tables[2][:3] == [RELEASED] * 3
+    assert req.num_released == [0, 3, 3] and req.num_held_blocks == 5 + 2 + 2
+    assert kv.num_free_blocks == 64 - 9
+    kv.free(req)
+    assert kv.num_free_blocks == 64 and req.tables == [[], [], []]
+    kv.check_invariants()
+
+
+def test_a_prefix_hit_needs_the_full_chain_and_the_windows_end():
+    """A hit of m blocks is usable when the full group holds blocks 0..m-1 and each windowed group the blocks its
+    window reaches back to from token m*BS; entries before that reach are RELEASED in the hit."""
+    kv = KVCacheManager(64, BS, group_windows=(None, 6))
+    a = make_req(range(21))
+    admit(kv, a)
+    kv.release_out_of_window(a)  # keys 15.. are read next: the windowed copies of blocks 0-2 are free, still named
+    window_copies = [kv.cached[group_key(1, h)] for h in a.block_hashes]
+    b = make_req(range(21))  # its hit may cover 5 blocks (token 20 is left to compute): keys 15..19, blocks 3-4
+    hit = kv.get_computed_blocks(b)
+    assert list(hit) == a.tables[0][:5] and hit.others == [[RELEASED] * 3 + window_copies[3:]]
+    kv.free(a)
+    kv._unname({window_copies[3]})  # evicted: a hit of 5 or 4 blocks would read it (keys 15.. / 11..)
+    hit = kv.get_computed_blocks(b)
+    assert len(hit) == 3 and hit.others == [[RELEASED] + window_copies[1:3]]  # 3 blocks: keys 7..11, blocks 1-2
+    assert kv.allocate_slots(b, b.num_tokens - 3 * BS, hit)
+    assert b.num_released == [0, 1] and len(b.tables[1]) == len(b.tables[0]) == 6
+    kv.free(b)
+    assert kv.num_free_blocks == 64
+    kv.check_invariants()
+
+
+def test_a_hit_is_refused_when_a_group_cannot_supply_it():
+    kv = KVCacheManager(64, BS, group_windows=(None, 6))
+    with pytest.raises(ValueError, match="group"):
+        kv.allocate_slots(make_req(range(9)), 1, [0, 1])  # a hit without the windowed group's entries
+
+
+def test_blocks_for_tokens_and_capacity():
+    # full: 25 blocks; window 6 with chunks of 8: keys 13 tokens wide, at most ceil(13 / 4) + 1 = 5 blocks
+    assert blocks_for_tokens(100, (None, 6, 6), BS, 8) == 25 + 5 + 5
+    assert blocks_for_tokens(8, (None, 6), BS, 8) == 2 + 2
+    kv = KVCacheManager(35, BS, group_windows=(None, 6, 6))
+    assert kv.capacity_tokens(8) == 100
+    assert KVCacheManager(35, BS).capacity_tokens(8) == 35 * BS
+    assert KVCacheManager(5, BS, group_windows=(6,)).capacity_tokens(8) >= 2**30  # only windows: unbounded
+    with pytest.raises(ValueError, match="offloading"):
+        KVCacheManager(8, BS, group_windows=(None, 6), offload=OffloadTiers(host_slots=2))

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kv_shadow import ShadowTransfer
 from tokenmill.config import SchedulerConfig
-from tokenmill.core.kv_cache import RELEASED, KVCacheManager
+from tokenmill.core.kv_cache import RELEASED, KVCacheManager, blocks_for_tokens, group_key
 from tokenmill.core.kv_offload import OffloadTiers
 from tokenmill.core.policies.fcfs import PriorityPolicy
 from tokenmill.core.request import Request, RequestSLO, RequestStatus
@@ -41,12 +41,12 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def make_sched(num_blocks=64, block_size=4, budget=64, max_seqs=8, policy="fcfs", caching=True, max_model_len=64,
-               offload: OffloadTiers | None = None, clock=None, slo_shed=False, window: int | None = None):
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, offload=offload)
+               offload: OffloadTiers | None = None, clock=None, slo_shed=False, windows=(None,)):
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching, offload=offload, group_windows=windows)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy, slo_shed=slo_shed)
     if clock is None:
-        return Scheduler(cfg, kv, max_model_len, sliding_window=window), kv
-    return Scheduler(cfg, kv, max_model_len, clock=clock, sliding_window=window), kv
+        return Scheduler(cfg, kv, max_model_len), kv
+    return Scheduler(cfg, kv, max_model_len, clock=clock), kv
 
 
 class FakeClock:
@@ -100,8 +100,11 @@ def check_state(sched: Scheduler) -> None:
     owners = [0] * kv.num_blocks
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
-        live = [b for b in r.block_ids if b != RELEASED]
-        assert len(set(live)) == len(live) and r.block_ids[: r.num_released_blocks] == [RELEASED] * r.num_released_blocks
+        live = list(r.held_block_ids())
+        assert len(set(live)) == len(live) and RELEASED not in live
+        assert len(r.tables) == kv.num_groups and len({len(t) for t in r.tables}) == 1  # one entry per block each
+        for table, released in zip(r.tables, r.num_released):
+            assert table[:released] == [RELEASED] * released
         for b in live:
             owners[b] += 1
     assert [b.ref_count for b in kv.blocks] == owners
@@ -478,16 +481,19 @@ def prefix_keys(tokens) -> list[int]:
 def workloads(draw):
     bs = draw(st.integers(1, 4))
     mml = draw(st.integers(2, 32))
-    min_blocks = -(-mml // bs)
-    num_blocks = min_blocks + draw(st.sampled_from([0, 0, 1, 2, 4, 8, 32]))  # mostly tight: preemptions
     budget = draw(st.integers(1, 24))
+    # KV cache groups' windows: one full table; one table of a shared window (Mistral); a full group and windowed
+    # ones (Gemma 3); two windows.
+    w1, w2 = draw(st.sampled_from([1, 2, 3, 5, 8])), draw(st.sampled_from([1, 2, 3, 5, 8]))
+    windows = draw(st.sampled_from([(None,), (None,), (None,), (w1,), (None, w1), (None, w1, w1), (w1, w2)]))
+    min_blocks = blocks_for_tokens(mml, windows, bs, budget)
+    num_blocks = min_blocks + draw(st.sampled_from([0, 0, 1, 2, 4, 8, 32]))  # mostly tight: preemptions
     max_seqs = draw(st.integers(1, 6))
     policy = draw(st.sampled_from(["fcfs", "priority", "slo"]))
     slo_shed = policy == "slo" and draw(st.booleans())
-    window = draw(st.sampled_from([None, None, None, 1, 2, 3, 5, 8]))  # every layer's sliding window
     caching = draw(st.sampled_from([True, True, False]))
     offload = None
-    if caching and draw(st.booleans()):
+    if caching and len(windows) == 1 and draw(st.booleans()):
         offload = dict(host_slots=draw(st.integers(1, 4)), disk=draw(st.booleans()),
                        group_blocks=draw(st.integers(1, 3)), min_chain_blocks=draw(st.integers(1, 2)))
     corrupt = draw(st.sampled_from([False, False, True]))
@@ -517,7 +523,7 @@ def workloads(draw):
         )
     return dict(bs=bs, mml=mml, num_blocks=num_blocks, budget=budget, max_seqs=max_seqs,
                 policy=policy, caching=caching, offload=offload, corrupt=corrupt, reqs=reqs,
-                long_prefill=long_prefill, slo_shed=slo_shed, window=window)
+                long_prefill=long_prefill, slo_shed=slo_shed, windows=windows)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -526,9 +532,9 @@ def test_random_workloads(w):
     bs, mml = w["bs"], w["mml"]
     offload = OffloadTiers(**w["offload"]) if w["offload"] else None
     clock = FakeClock()
-    window = w["window"]
+    windows = w["windows"]
     sched, kv = make_sched(w["num_blocks"], bs, w["budget"], w["max_seqs"], w["policy"], w["caching"], mml, offload,
-                           clock, w["slo_shed"], window)
+                           clock, w["slo_shed"], windows)
     sched.config.long_prefill_token_threshold = w["long_prefill"]
     defers = w["policy"] == "slo"  # batch prompts may get fewer tokens than the budget; urgent ones make room
     transfer = ShadowTransfer()
@@ -626,26 +632,31 @@ def test_random_workloads(w):
         # The "forward pass": write the KV of the scheduled positions, then every running request
         # must read back its own tokens' KV (catches a prefix hit on the wrong block, or a write
         # into a block someone else shares).
+        # Each group writes its own blocks (a group's layers keep their K/V in the group's blocks).
         for r, n in out.scheduled:
             keys = prefix_keys(r.token_ids[: r.num_computed_tokens + n])
-            for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
+            for table, gw in zip(r.tables, windows):
                 # every key this step's queries read (from the first query's window start on) is held
-                assert RELEASED not in r.block_ids[max(r.num_computed_tokens - (window or mml) + 1, 0) // bs:]
-                content.setdefault(r.block_ids[p // bs], {})[p % bs] = keys[p]
+                assert RELEASED not in table[max(r.num_computed_tokens - (gw or mml) + 1, 0) // bs:]
+                for p in range(r.num_computed_tokens, r.num_computed_tokens + n):
+                    content.setdefault(table[p // bs], {})[p % bs] = keys[p]
         for r, n in out.scheduled:
             r.num_computed_tokens += n
-            if window is not None:  # the engine's update_from_output releases what slid out of the window
-                kv.release_out_of_window(r, window)
+            if kv.has_windows:  # the engine's update_from_output releases what slid out of the windows
+                kv.release_out_of_window(r)
         for r in sched.running:
             assert len(r.block_ids) == kv.blocks_needed(r.num_computed_tokens)
             assert len(r.block_ids) <= -(-mml // bs)
-            if window is not None:  # released: exactly the blocks no later query reads
-                assert r.num_released_blocks == max(r.num_computed_tokens - window + 1, 0) // bs
-            for p, k in enumerate(prefix_keys(r.token_ids[: r.num_computed_tokens])):
-                if r.block_ids[p // bs] != RELEASED:
-                    assert content[r.block_ids[p // bs]][p % bs] == k
+            assert r.num_held_blocks <= blocks_for_tokens(r.num_computed_tokens, windows, bs, budget)
+            for table, released, gw in zip(r.tables, r.num_released, windows):
+                # released: exactly the blocks no later query reads
+                assert released == (0 if gw is None else max(r.num_computed_tokens - gw + 1, 0) // bs)
+                for p, k in enumerate(prefix_keys(r.token_ids[: r.num_computed_tokens])):
+                    if table[p // bs] != RELEASED:
+                        assert content[table[p // bs]][p % bs] == k
         # Every named block, held or free, holds the KV of the token chain its name stands for.
-        chain_of = {h: r.token_ids[: (i + 1) * bs] for r in reqs for i, h in enumerate(r.block_hashes)}
+        chain_of = {group_key(g, h): r.token_ids[: (i + 1) * bs] for r in reqs for i, h in enumerate(r.block_hashes)
+                    for g in range(kv.num_groups)}
         for h, b in kv.cached.items():
             keys = prefix_keys(chain_of[h])
             assert [content.get(b, {}).get(s) for s in range(bs)] == keys[-bs:], "named block with other KV"

@@ -1,8 +1,10 @@
-"""Sliding-window KV (issue 29, first part): a model whose attention layers all share one window releases the
-blocks that slid out of it as requests advance, so a long request holds about a window of KV. Outputs equal
-transformers' in plain, chunked, preempted, prefix-cached and n = 2 runs, on the native and the masked (torch
-SDPA) backends; a pool too small for whole contexts runs more requests at once; the flag turns it off; a model
-mixing windowed and full layers (Gemma 3) keeps everything (its KV groups are the next part)."""
+"""Sliding-window KV (issue 29): blocks that slid out of an attention window are released as requests advance.
+
+A model whose layers all share one window (Mistral) releases them from its one block table; a model mixing
+windowed and full layers (Gemma 3) gets KV cache groups (executor/kv_groups.py), a block table per group over
+one pool, and only the windowed groups release. Outputs equal transformers' in plain, chunked, preempted,
+prefix-cached and n = 2 runs, on the native and the masked (torch SDPA) backends; a pool too small for whole
+contexts runs more requests at once; --disable-hybrid-kv-cache-manager turns it off."""
 from __future__ import annotations
 
 import pytest
@@ -47,7 +49,7 @@ def idle(llm: LLM) -> None:
 def test_released_blocks_never_change_the_output(mistral, prompts, oracle, backend):
     kw = dict(max_model_len=128, attention_backend=backend)
     plain = LLM(str(mistral), num_gpu_blocks_override=128, block_size=8, **kw)
-    assert plain.engine.scheduler.sliding_window == WINDOW
+    assert plain.engine.kv.group_windows == (WINDOW,)
     check_against_oracle(plain.generate(prompts, SP, use_tqdm=False), oracle, f"{backend} plain")
     check_against_oracle(plain.generate(prompts, SP, use_tqdm=False), oracle, f"{backend} prefix hits")
     assert plain.engine.kv.num_released > 0
@@ -78,7 +80,7 @@ def test_a_request_holds_about_a_window_so_a_small_pool_never_preempts(mistral, 
             for o in engine.step():
                 if o.finished:
                     done[int(o.request_id)] = o
-            most = max([most] + [len(r.block_ids) - r.num_released_blocks for r in engine.scheduler.running])
+            most = max([most] + [r.num_held_blocks for r in engine.scheduler.running])
         idle(llm)
         return [done[i] for i in range(len(prompts))], most, engine.scheduler.num_preemptions, engine.kv.num_released
 
@@ -91,18 +93,10 @@ def test_a_request_holds_about_a_window_so_a_small_pool_never_preempts(mistral, 
     assert preempted == 0 and kept_preempted > 0
 
 
-def test_mixed_windows_keep_every_block(tmp_path):
-    path = make_tiny_model(tmp_path / "gemma3", "gemma3", layer_types=["sliding_attention", "full_attention"])
-    llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=64, block_size=8)
-    assert llm.engine.scheduler.sliding_window is None
-    llm.generate([list(range(3, 80))], SamplingParams(max_tokens=8), use_tqdm=False)
-    assert llm.engine.kv.num_released == 0
-
-
 def test_a_model_whose_layers_all_slide_releases(tmp_path):
     path = make_tiny_model(tmp_path / "gemma3", "gemma3", layer_types=["sliding_attention"] * 2)
     llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=64, block_size=8)
-    assert llm.engine.scheduler.sliding_window == 24
+    assert llm.engine.kv.group_windows == (24,)
     llm.generate([list(range(3, 80))], SamplingParams(max_tokens=8), use_tqdm=False)
     assert llm.engine.kv.num_released > 0
 
@@ -118,7 +112,7 @@ def test_failed_steps_resend_tables_with_released_blocks(mistral, prompts, oracl
     resent = []
     table = Scheduler._table
     monkeypatch.setattr(Scheduler, "_table", staticmethod(
-        lambda req: resent.append(req.num_released_blocks) or table(req)))
+        lambda req, group: resent.append(req.num_released[group]) or table(req, group)))
     llm = LLM(str(mistral), max_model_len=128, num_gpu_blocks_override=64, block_size=8, max_num_seqs=4)
     lengths = [8 + 3 * i for i in range(len(prompts))]
     sps = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in lengths]
@@ -130,4 +124,112 @@ def test_failed_steps_resend_tables_with_released_blocks(mistral, prompts, oracl
         if i != 6:
             assert o.outputs[0].token_ids == tokens[: lengths[i]], i
     assert any(resent[len(prompts):]), resent  # a resent table had released entries
+    idle(llm)
+
+
+# ---- KV cache groups: Gemma 3's windowed layers release, its full layers keep -------------------------------
+GEMMA_LAYERS = ["sliding_attention", "sliding_attention", "full_attention"]  # 3 groups of one layer: full, 24, 24
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("swa") / "gemma3", "gemma3", num_hidden_layers=3,
+                           layer_types=GEMMA_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def gemma3_oracle(gemma3, prompts):
+    return hf_greedy(gemma3, prompts)
+
+
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_sdpa"])
+def test_kv_groups_never_change_the_output(gemma3, prompts, gemma3_oracle, backend):
+    kw = dict(max_model_len=128, attention_backend=backend, block_size=8)
+    plain = LLM(str(gemma3), num_gpu_blocks_override=400, **kw)
+    kv = plain.engine.kv
+    assert kv.group_windows == (None, WINDOW, WINDOW)
+    check_against_oracle(plain.generate(prompts, SP, use_tqdm=False), gemma3_oracle, f"{backend} plain")
+    first = kv.stats.hits
+    check_against_oracle(plain.generate(prompts, SP, use_tqdm=False), gemma3_oracle, f"{backend} prefix hits")
+    assert kv.num_released > 0 and kv.stats.hits - first > 0.8 * sum(map(len, prompts))  # the windows were there
+    chunked = LLM(str(gemma3), num_gpu_blocks_override=400, max_num_batched_tokens=16, **kw)
+    check_against_oracle(chunked.generate(prompts, SP, use_tqdm=False), gemma3_oracle, f"{backend} chunked")
+    # 40 blocks: one whole context takes 16 in the full group and up to 5 in each windowed one; eight requests
+    # preempt each other
+    tight = LLM(str(gemma3), num_gpu_blocks_override=40, max_num_batched_tokens=64, **kw)
+    check_against_oracle(tight.generate(prompts, SP, use_tqdm=False), gemma3_oracle, f"{backend} tight pool")
+    assert tight.engine.scheduler.num_preemptions > 0
+    two = plain.generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, n=2), use_tqdm=False)
+    for out, (tokens, _) in zip(two, gemma3_oracle[:3]):
+        assert [c.token_ids for c in out.outputs] == [tokens, tokens]
+    for llm in (plain, chunked, tight):
+        idle(llm)
+
+
+def test_kv_groups_fit_more_requests_in_the_same_memory(gemma3, prompts, gemma3_oracle):
+    """The same KV bytes with and without groups: a block of the grouped pool is one layer's K/V (three layers'
+    without), and a request holds its context in the full group and about a window in the windowed ones, so the
+    grouped pool runs the eight requests without preempting; holding every layer's whole context it preempts.
+    (With one full layer in three the saving is at most 3x; Gemma 3's one in six: benchmarks/long_context.py.)"""
+    def run(**kw):
+        llm = LLM(str(gemma3), max_model_len=128, block_size=8, long_prefill_token_threshold=8,
+                  kv_cache_memory_bytes=kv_bytes, **kw)
+        engine, most, done = llm.engine, 0, {}
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), None, SP, prompt_token_ids=p)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[int(o.request_id)] = o
+            most = max([most] + [r.num_held_blocks for r in engine.scheduler.running])
+        idle(llm)
+        info = engine.core.info
+        return [done[i] for i in range(len(prompts))], most * info.bytes_per_block, engine.scheduler.num_preemptions, info
+
+    per_layer_block = 2 * 8 * 2 * 16 * 4  # K and V, 8 tokens, 2 KV heads, head_dim 16, float32
+    # 80 blocks of all three layers: five whole contexts of up to 125 tokens, fewer than the eight requests; grouped,
+    # 240 blocks of one layer, and each request needs at most 16 + 2 x 5 of them
+    kv_bytes = 3 * per_layer_block * 80
+    outs, most, preempted, info = run()
+    kept_outs, kept_most, kept_preempted, kept_info = run(disable_hybrid_kv_cache_manager=True)
+    assert info.kv_group_windows == (None, WINDOW, WINDOW) and kept_info.kv_group_windows == (None,)
+    assert info.bytes_per_block == per_layer_block and kept_info.bytes_per_block == 3 * per_layer_block
+    assert info.num_blocks == 3 * kept_info.num_blocks
+    check_against_oracle(outs, gemma3_oracle, "groups")
+    check_against_oracle(kept_outs, gemma3_oracle, "kept")
+    # one request's most: its whole context in one layer and (24 + 8) tokens in two, against three whole contexts
+    assert most <= per_layer_block * (16 + 2 * ((WINDOW + 8) // 8 + 1)) and kept_most >= 15 * 3 * per_layer_block
+    assert preempted == 0 and kept_preempted > 0
+
+
+def test_a_failed_step_resends_every_groups_table(gemma3, prompts, gemma3_oracle, monkeypatch):
+    """As test_failed_steps_resend_tables_with_released_blocks, with three block tables per request."""
+    from tokenmill.core.scheduler import Scheduler
+    from tokenmill.testing import faults
+
+    resent = []
+    table = Scheduler._table
+    monkeypatch.setattr(Scheduler, "_table", staticmethod(
+        lambda req, group: resent.append((group, req.num_released[group])) or table(req, group)))
+    llm = LLM(str(gemma3), max_model_len=128, num_gpu_blocks_override=200, block_size=8, max_num_seqs=4)
+    lengths = [8 + 3 * i for i in range(len(prompts))]
+    sps = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in lengths]
+    monkeypatch.setenv(faults.ENV, "sample=6")
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    monkeypatch.delenv(faults.ENV)
+    assert [o.outputs[0].finish_reason == "abort" for o in outs] == [i == 6 for i in range(len(prompts))]
+    for i, (o, (tokens, _)) in enumerate(zip(outs, gemma3_oracle)):
+        if i != 6:
+            assert o.outputs[0].token_ids == tokens[: lengths[i]], i
+    assert {g for g, _ in resent} == {0, 1, 2}
+    assert any(n for g, n in resent[3 * len(prompts):] if g) and not any(n for g, n in resent if g == 0)
+    idle(llm)
+
+
+def test_groups_off_keeps_one_table(gemma3):
+    llm = LLM(str(gemma3), max_model_len=128, num_gpu_blocks_override=64, block_size=8,
+              disable_hybrid_kv_cache_manager=True)
+    assert llm.engine.kv.group_windows == (None,)
+    llm.generate([list(range(3, 80))], SamplingParams(max_tokens=8), use_tqdm=False)
+    assert llm.engine.kv.num_released == 0
     idle(llm)

@@ -28,6 +28,8 @@ class NewRequestData:
     seed: int | None  # the request's own generator seed (params.seed + index), None: the worker's global one
     eos_token_ids: tuple[int, ...] = ()
     lora: LoRARequest | None = None  # the adapter its tokens run with
+    # KV cache groups after the first (core/kv_cache.py): each group's block table, as long as block_ids.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -39,6 +41,7 @@ class CachedRequestData:
     new_block_ids: list[int]  # the tail of its block table
     num_computed_tokens: int  # before this step
     block_table_len: int  # the table's length with new_block_ids (shorter before them: blocks of rejected drafts freed)
+    group_new_block_ids: list[list[int]] = field(default_factory=list)  # the other groups' tails, as new_block_ids
 
 
 @dataclass

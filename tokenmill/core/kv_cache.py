@@ -10,6 +10,17 @@ Why sha256: a name collision would hand a request another prompt's KV, silently.
 digest, the token ids as little-endian int64, then the extra keys) is collision-safe and costs about
 a microsecond per block, far below the forward pass that computes the block.
 
+KV cache groups (vLLM V1's hybrid manager). A model whose layers differ in attention window (Gemma 3: five
+sliding-window layers per full one) has one group per window type (`group_windows`), each group the same
+number of layers, and every group its own block table per request over one shared pool: block b is the K/V
+of block_size tokens for G layers, and a group's layer i keeps it in the pool's i-th tensor (the model
+runner shares those tensors between the groups). A windowed group releases a request's blocks once they
+slide out of its window (`release_out_of_window`) while the full group keeps them, so a long request holds
+its whole context in the full group and about a window in the others. A group's full blocks are named by
+the same hash chain with the group mixed in; a prefix hit is as long as the full group's chain and the
+windowed groups hold the blocks a window before its end (`get_computed_blocks`). One group with a window
+(every layer the same window: Mistral) releases the same way.
+
 With offloading (`offload`, see kv_offload.py), a named block that is evicted is saved to the host
 tier first, and a prefix chain that leaves the device pool continues into the host and disk tiers:
 those blocks are loaded into fresh device blocks instead of being recomputed.
@@ -32,6 +43,29 @@ from tokenmill.core.request import Request
 RELEASED = -1
 
 
+def group_key(group: int, h: bytes) -> bytes:
+    """The prefix cache's key for group `group`'s copy of the block named `h` (group 0's is the hash itself)."""
+    return h if group == 0 else h + group.to_bytes(2, "little")
+
+
+def blocks_for_tokens(num_tokens: int, group_windows: tuple[int | None, ...], block_size: int, chunk: int) -> int:
+    """The most blocks one request of `num_tokens` tokens holds at once over all groups, computed in chunks of
+    at most `chunk` tokens: its whole context in a full group; in a windowed one the window before its chunk
+    and the chunk (keys num_computed - W + 1 .. num_computed + chunk - 1: at most ceil((W - 1 + chunk) / B) + 1
+    blocks)."""
+    n = -(-num_tokens // block_size)
+    return sum(n if w is None else min(n, -(-(w - 1 + chunk) // block_size) + 1) for w in group_windows)
+
+
+class PrefixHit(list):
+    """A device prefix hit: the first group's blocks (the list itself) and, in `others`, every other group's
+    table entries for the same tokens (RELEASED before the group's window reaches back)."""
+
+    def __init__(self, blocks: list[int] = (), others: list[list[int]] = ()) -> None:
+        super().__init__(blocks)
+        self.others = list(others)
+
+
 def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
     """Name of a full block. `extra_keys` (ints, strings, bytes: e.g. an adapter name, an image hash)
     separate equal token ids whose KV differs. Token bytes have a fixed length per block, so the
@@ -47,7 +81,8 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = (
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: bytes | None = None
+    hash: bytes | None = None  # its prefix-cache key (group_key), None: unnamed
+    group: int = 0  # the KV cache group whose copy it holds while named
 
 
 @dataclass
@@ -64,10 +99,20 @@ class PrefixCacheStats:
 class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, offload: OffloadTiers | None = None,
-        connector=None,
+        connector=None, group_windows: tuple[int | None, ...] = (None,),
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}.")
+        if len(group_windows) > 1 and offload is not None:
+            raise ValueError("KV cache groups (layers with different attention windows) do not work with KV "
+                             "offloading: run with --disable-hybrid-kv-cache-manager.")
+        if connector is not None and any(w is not None for w in group_windows):
+            raise ValueError("a KV connector hands over whole prefixes: blocks released out of a window cannot "
+                             "follow; run with --disable-hybrid-kv-cache-manager.")
+        # Each group's attention window (None: full attention), in the workers' group order (kv_groups.py).
+        self.group_windows = tuple(group_windows)
+        self.num_groups = len(self.group_windows)
+        self.has_windows = any(w is not None for w in self.group_windows)
         if offload is not None and not enable_prefix_caching:
             raise ValueError("KV offloading needs prefix caching: blocks are found again by their prefix hash.")
         self.offload = offload
@@ -99,6 +144,20 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def capacity_tokens(self, chunk: int) -> int:
+        """The longest sequence (in whole blocks) one request can hold in the whole pool, computed in chunks of
+        at most `chunk` tokens (blocks_for_tokens). With only windowed groups nothing bounds it: a large number."""
+        bs, lo, hi = self.block_size, 0, 2**31  # in blocks: blocks_for_tokens(lo * bs) fits, hi * bs does not
+        if blocks_for_tokens(hi * bs, self.group_windows, bs, chunk) <= self.num_blocks:
+            return hi * bs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if blocks_for_tokens(mid * bs, self.group_windows, bs, chunk) <= self.num_blocks:
+                lo = mid
+            else:
+                hi = mid
+        return lo * bs
+
     # ---- hashing -------------------------------------------------------------------------
     def _update_hashes(self, req: Request, num_tokens: int) -> None:
         """Extend req.block_hashes over the full blocks within its first `num_tokens` tokens."""
@@ -114,14 +173,43 @@ class KVCacheManager:
         if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return []
         self._update_hashes(req, req.num_tokens - 1)
-        hit: list[int] = []
         # block_hashes may already name a block holding the last token (named when it was allocated).
-        for h in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:
+        hashes = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
+        if self.has_windows:
+            return self._window_hit(hashes)
+        hit: list[int] = []
+        for h in hashes:
             block_id = self.cached.get(h)
             if block_id is None:
                 break
             hit.append(block_id)
         return hit
+
+    def _window_hit(self, hashes: list[bytes]) -> PrefixHit:
+        """The longest prefix every group can continue from: a full group needs all its blocks, a windowed one
+        only those its window reaches back to from the first uncomputed token (the entries before are RELEASED)."""
+        bs = self.block_size
+        limit = len(hashes)
+        for g, w in enumerate(self.group_windows):
+            if w is None:  # a full group's hit is its chain
+                limit = next((i for i, h in enumerate(hashes[:limit]) if group_key(g, h) not in self.cached), limit)
+        groups = []  # (window, run of cached blocks ending at each index, blocks)
+        for g, w in enumerate(self.group_windows):
+            blocks = [self.cached.get(group_key(g, h)) for h in hashes[:limit]]
+            run, r = [], 0
+            for b in blocks:
+                r = r + 1 if b is not None else 0
+                run.append(r)
+            groups.append((w, run, blocks))
+
+        def first_read(w: int | None, m: int) -> int:
+            return 0 if w is None else max(m * bs - w + 1, 0) // bs
+
+        m = limit
+        while m and not all(run[m - 1] >= m - first_read(w, m) for w, run, _ in groups):
+            m -= 1
+        tables = [[RELEASED] * first_read(w, m) + blocks[first_read(w, m) : m] for w, _, blocks in groups]
+        return PrefixHit(tables[0], tables[1:])
 
     def get_offloaded_chain(self, req: Request, num_device_blocks: int) -> list[bytes]:
         """Hashes that continue req's device hit (`num_device_blocks` long) in the host/disk tiers, cut
@@ -170,20 +258,41 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         offloaded = offloaded or []
         remote = remote or []
+        if len(req.tables) != self.num_groups:  # a request's first allocation: a table per group
+            req.tables = [[] for _ in range(self.num_groups)]
+            req.num_released = [0] * self.num_groups
+        hits = [computed_blocks, *getattr(computed_blocks, "others", ())]
+        if len(hits) != self.num_groups:
+            if computed_blocks:
+                raise ValueError(f"a prefix hit for {len(hits)} KV cache group(s), this pool has {self.num_groups}")
+            hits = [[] for _ in range(self.num_groups)]
         num_computed = req.num_computed_tokens + (len(computed_blocks) + len(offloaded) + len(remote)) * self.block_size
-        need = (self.blocks_needed(num_computed + num_new_tokens + num_lookahead_tokens)
-                - len(req.block_ids) - len(computed_blocks))
+        total = self.blocks_needed(num_computed + num_new_tokens + num_lookahead_tokens)
+        # A windowed group holds nothing before its window's reach from the first uncomputed token: such hit
+        # entries stay RELEASED, and the host tier's blocks there are not loaded.
+        reach = [0 if w is None else max(num_computed - w + 1, 0) // self.block_size for w in self.group_windows]
+        hits = [[RELEASED if i < reach[g] else b for i, b in enumerate(hit)] for g, hit in enumerate(hits)]
+        skipped = min(max(reach[0] - len(computed_blocks), 0), len(offloaded))
+        need = [max(total - len(table) - len(hit), 0) for table, hit in zip(req.tables, hits)]
+        need[0] -= skipped
         # Reviving a free cached block takes it out of the free queue too.
-        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
-        if need + revived > len(self.free_queue):
+        revived = sum(1 for hit in hits for b in hit if b != RELEASED and self.blocks[b].ref_count == 0)
+        if sum(need) + revived > len(self.free_queue):
             return False
-        for b in computed_blocks:
-            block = self.blocks[b]
-            if block.ref_count == 0:
-                del self.free_queue[b]
-            block.ref_count += 1
-        req.block_ids.extend(computed_blocks)
+        for g, hit in enumerate(hits):
+            for b in hit:
+                if b == RELEASED:  # before the group's window: never read
+                    req.num_released[g] += 1
+                    continue
+                block = self.blocks[b]
+                if block.ref_count == 0:
+                    del self.free_queue[b]
+                block.ref_count += 1
+            req.tables[g].extend(hit)
         req.num_computed_tokens = num_computed
+        req.block_ids.extend([RELEASED] * skipped)
+        req.num_released[0] += skipped
+        offloaded = offloaded[skipped:]
         if offloaded:
             # Pinned first: the evictions below save blocks to the host tier and must not spill these.
             self.offload.pin(offloaded)
@@ -202,8 +311,10 @@ class KVCacheManager:
             self.events.stored(h)
             self.connector.load(h, block_id)
             req.block_ids.append(block_id)
-        for _ in range(max(need - len(offloaded) - len(remote), 0)):
+        for _ in range(max(need[0] - len(offloaded) - len(remote), 0)):
             req.block_ids.append(self._take_free_block())
+        for g in range(1, self.num_groups):
+            req.tables[g].extend(self._take_free_block() for _ in range(need[g]))
         if self.enable_prefix_caching:
             self._cache_full_blocks(req, num_computed + num_new_tokens)
         return True
@@ -214,7 +325,8 @@ class KVCacheManager:
         if block.hash is not None:
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
-                self.events.removed(block.hash)
+                if block.group == 0:
+                    self.events.removed(block.hash)
                 if self.offload is not None:
                     self.offload.save(block_id, block.hash)  # runs before this step's forward overwrites it
             block.hash = None
@@ -228,21 +340,21 @@ class KVCacheManager:
         Until the engine confirms the write (`names_written`) they are listed in `unwritten`."""
         num_tokens = min(num_tokens, req.num_tokens)
         self._update_hashes(req, num_tokens)
-        for i in range(num_tokens // self.block_size):
-            if req.block_ids[i] == RELEASED:
-                continue  # slid out of the window: named when it was full, or left unnamed
-            block = self.blocks[req.block_ids[i]]
-            if block.hash is not None:
-                continue
-            h = req.block_hashes[i]
-            if h in self.cached:
-                continue  # same content already cached in another block; this copy stays private
-            block.hash = h
-            self.cached[h] = block.block_id
-            self.unwritten.add(block.block_id)
-            self.events.stored(h)
-            if self.connector is not None:
-                self.connector.export(block.block_id, h)
+        for g, table in enumerate(req.tables):
+            for i in range(req.num_released[g], num_tokens // self.block_size):
+                block = self.blocks[table[i]]  # (entries before num_released slid out of the window)
+                if block.hash is not None:
+                    continue
+                h = group_key(g, req.block_hashes[i])
+                if h in self.cached:
+                    continue  # same content already cached in another block; this copy stays private
+                block.hash, block.group = h, g
+                self.cached[h] = block.block_id
+                self.unwritten.add(block.block_id)
+                if g == 0:
+                    self.events.stored(h)
+                    if self.connector is not None:
+                        self.connector.export(block.block_id, h)
 
     def names_written(self, block_ids: list[int] | None = None) -> None:
         """The forward pass wrote these blocks (None: every block named this step)."""
@@ -258,11 +370,11 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Release req's blocks. Tail blocks go to the LRU first so they are evicted before the
         shared prefix they extend."""
-        for block_id in reversed(req.block_ids):
-            if block_id != RELEASED:
+        for table, released in zip(req.tables, req.num_released):
+            for block_id in reversed(table[released:]):
                 self._unref(block_id)
-        req.block_ids = []
-        req.num_released_blocks = 0
+        req.tables = [[] for _ in range(self.num_groups)]
+        req.num_released = [0] * self.num_groups
         req.num_computed_tokens = 0
 
     def _unref(self, block_id: int) -> None:
@@ -277,18 +389,21 @@ class KVCacheManager:
                 block.hash = None
             self.free_queue[block_id] = None
 
-    def release_out_of_window(self, req: Request, window: int) -> int:
-        """Release req's blocks that no later query reads: with every attention layer's window `window`, the
-        next query (position num_computed_tokens) and all after it see keys from num_computed_tokens - window + 1
-        on. The released entries become RELEASED; a named block stays in the prefix cache until evicted.
-        Returns how many blocks were released."""
-        first_read = req.num_computed_tokens - window + 1
+    def release_out_of_window(self, req: Request) -> int:
+        """Release req's blocks that no later query reads: in a group with window W the next query (position
+        num_computed_tokens) and all after it see keys from num_computed_tokens - W + 1 on. The released entries
+        become RELEASED; a named block stays in the prefix cache until evicted. Returns how many were released."""
         released = 0
-        for i in range(req.num_released_blocks, max(first_read, 0) // self.block_size):
-            self._unref(req.block_ids[i])
-            req.block_ids[i] = RELEASED
-            released += 1
-        req.num_released_blocks += released
+        for g, window in enumerate(self.group_windows):
+            if window is None or len(req.tables) <= g:
+                continue
+            table = req.tables[g]
+            first_read = max(req.num_computed_tokens - window + 1, 0) // self.block_size
+            for i in range(req.num_released[g], min(first_read, len(table))):
+                self._unref(table[i])
+                table[i] = RELEASED
+                released += 1
+            req.num_released[g] = max(req.num_released[g], min(first_read, len(table)))
         self.num_released += released
         return released
 
@@ -296,13 +411,9 @@ class KVCacheManager:
         """Free req's tail blocks beyond those `num_tokens` tokens need: slots written by rejected
         speculative drafts. Such blocks hold no accepted token, so they were never named."""
         keep = self.blocks_needed(num_tokens)
-        while len(req.block_ids) > keep:
-            block = self.blocks[req.block_ids.pop()]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"double free of block {block.block_id}")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block.block_id] = None
+        for table in req.tables:
+            while len(table) > keep:
+                self._unref(table.pop())
 
     def record_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.stats.queries += num_prompt_tokens
@@ -344,8 +455,8 @@ class KVCacheManager:
         return bad
 
     def unname_from(self, req: Request, index: int) -> None:
-        """Drop the names of req's blocks from `index` on (content not written, or not trusted)."""
-        self._unname(set(req.block_ids[index:]))
+        """Drop the names of req's blocks from `index` on, in every group (content not written, or not trusted)."""
+        self._unname({b for table in req.tables for b in table[index:] if b != RELEASED})
 
     def _unname(self, block_ids: set[int]) -> None:
         """These blocks hold no KV their names could stand for: forget the names, and hand none of them to
@@ -354,7 +465,8 @@ class KVCacheManager:
             block = self.blocks[block_id]
             if block.hash is not None and self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
-                self.events.removed(block.hash)
+                if block.group == 0:
+                    self.events.removed(block.hash)
             block.hash = None
         self.unwritten -= block_ids
         if self.connector is not None and block_ids:
@@ -365,7 +477,7 @@ class KVCacheManager:
         for block_id in self.free_queue:
             block = self.blocks[block_id]
             if block.hash is not None:
-                if self.cached.pop(block.hash, None) is not None:
+                if self.cached.pop(block.hash, None) is not None and block.group == 0:
                     self.events.removed(block.hash)
                 block.hash = None
         if self.offload is not None:

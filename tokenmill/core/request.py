@@ -58,8 +58,11 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache on first admission (-1: not yet admitted)
     num_preemptions: int = 0
     admission_skips: int = 0  # steps it was passed over in the queue because the pool could not hold it
-    block_ids: list[int] = field(default_factory=list)
-    num_released_blocks: int = 0  # leading block_ids released out of the attention window (kv_cache.RELEASED)
+    # Its block table per KV cache group (kv_cache.py: layers of one attention type share a group; one group unless
+    # the model mixes sliding-window and full layers). Every table has one entry per block of the sequence.
+    tables: list[list[int]] = field(default_factory=lambda: [[]])
+    # Per group: leading entries released out of the group's attention window (kv_cache.RELEASED).
+    num_released: list[int] = field(default_factory=lambda: [0])
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of this request's full blocks, in order
     extra_keys: tuple = ()  # mixed into every block hash: reserved for adapters (LoRA) and multimodal inputs
     stop_reason: int | str | None = None
@@ -82,6 +85,25 @@ class Request:
         # What the worker holds of this request (see core/batch.py): None until sent, and again after a
         # preemption; else (tokens, blocks) it has.
         self.sent: tuple[int, int] | None = None
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first group's block table (the only one for most models; a full-attention group when there is one)."""
+        return self.tables[0]
+
+    @block_ids.setter
+    def block_ids(self, ids: list[int]) -> None:
+        self.tables[0] = ids
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks it holds over all groups (released entries not counted; shared blocks counted once per holder)."""
+        return sum(len(t) for t in self.tables) - sum(self.num_released)
+
+    def held_block_ids(self):
+        """Every block it holds, all groups."""
+        for table, released in zip(self.tables, self.num_released):
+            yield from table[released:]
 
     @property
     def num_tokens(self) -> int:

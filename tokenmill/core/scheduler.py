@@ -129,10 +129,7 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, structured=None,
-                 clock: Callable[[], float] = time.monotonic, sliding_window: int | None = None) -> None:
-        # Every attention layer's window (None: some layer reads the whole context): blocks that slid out of it
-        # are released as requests advance (kv.release_out_of_window), so a long request holds about a window.
-        self.sliding_window = sliding_window
+                 clock: Callable[[], float] = time.monotonic) -> None:
         # Monotonic seconds, system-wide (request timestamps are compared across processes); tests step a fake one.
         self.clock = clock
         self.config = config
@@ -166,7 +163,7 @@ class Scheduler:
     @property
     def capacity_tokens(self) -> int:
         """Tokens one request can hold in the whole pool, its speculative lookahead slots included."""
-        return self.kv.num_blocks * self.kv.block_size - self.num_lookahead_tokens
+        return self.kv.capacity_tokens(self.config.max_num_batched_tokens) - self.num_lookahead_tokens
 
     def add_request(self, req: Request) -> None:
         """Queue a request. ValueError if even the whole pool could not hold its prompt (it could never run);
@@ -442,13 +439,15 @@ class Scheduler:
             else:
                 b.num_sample_rows.append(1 if start + n >= req.num_tokens else 0)
             if req.sent is None:
+                tables = [self._table(req, g) for g in range(len(req.tables))]
                 b.new_requests.append(NewRequestData(
-                    rid, list(req.token_ids), req.num_prompt_tokens, self._table(req), start, req.params,
-                    req.seed, tuple(sorted(req.eos_token_ids)), req.lora))
+                    rid, list(req.token_ids), req.num_prompt_tokens, tables[0], start, req.params,
+                    req.seed, tuple(sorted(req.eos_token_ids)), req.lora, tables[1:]))
             else:
                 ntok, nblk = req.sent
                 b.cached_requests.append(CachedRequestData(
-                    rid, req.token_ids[ntok:], req.block_ids[nblk:], start, len(req.block_ids)))
+                    rid, req.token_ids[ntok:], req.block_ids[nblk:], start, len(req.block_ids),
+                    [t[nblk:] for t in req.tables[1:]]))
             req.sent = (len(req.token_ids), len(req.block_ids))
             if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 b.prompt_logprob_ranges[rid] = (start, min(n, req.num_prompt_tokens - 1 - start))
@@ -456,13 +455,13 @@ class Scheduler:
         return b
 
     @staticmethod
-    def _table(req: Request) -> list[int]:
-        """Its block table for a worker that has none: released entries (never read) name a block it holds,
-        so every id is a real block with finite KV."""
-        if not req.num_released_blocks:
-            return list(req.block_ids)
-        live = req.block_ids[req.num_released_blocks]
-        return [live] * req.num_released_blocks + req.block_ids[req.num_released_blocks:]
+    def _table(req: Request, group: int) -> list[int]:
+        """A group's block table for a worker that has none: released entries (never read) name a block the
+        request holds in that group, so every id is a real block with finite KV."""
+        table, released = req.tables[group], req.num_released[group]
+        if not released:
+            return list(table)
+        return [table[released]] * released + table[released:]
 
     def unbuild(self, batch: ScheduledBatch) -> None:
         """The last batch built did not reach the workers: what they hold of its requests is what it was
@@ -492,8 +491,8 @@ class Scheduler:
                                      result, now)
             except Exception as e:
                 o = self.fail_request(req, f"the request failed in the engine: {type(e).__name__}: {e}")
-            if self.sliding_window is not None and req.status == RequestStatus.RUNNING:
-                self.kv.release_out_of_window(req, self.sliding_window)
+            if self.kv.has_windows and req.status == RequestStatus.RUNNING:
+                self.kv.release_out_of_window(req)
             if o is not None:
                 outputs.append(o)
         self.current = None

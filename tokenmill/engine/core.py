@@ -45,15 +45,13 @@ class EngineCore:
         offload = build_tiers(config.cache, info.offload, info.bytes_per_block)
         from tokenmill.core.kv_connector import make_connector
 
+        # The workers' KV cache groups, each with its attention window (worker.kv_group_windows): blocks out of a
+        # group's window are released as requests advance (vLLM's hybrid KV cache manager).
         self.kv = KVCacheManager(info.num_blocks, info.block_size, config.cache.enable_prefix_caching, offload,
-                                 make_connector(getattr(config, "kv_transfer", None)))
+                                 make_connector(getattr(config, "kv_transfer", None)), info.kv_group_windows)
         self._tokenizer = tokenizer
         self.structured = StructuredOutputManager(self._load_tokenizer, info.vocab_size, self._eos_token_ids)
-        # Blocks out of every layer's window are released as requests advance (vLLM's hybrid KV cache manager,
-        # for models whose layers share one window; --disable-hybrid-kv-cache-manager keeps them).
-        window = None if config.scheduler.disable_hybrid_kv_cache_manager else info.sliding_window
-        self.scheduler = Scheduler(config.scheduler, self.kv, info.max_model_len, self.structured,
-                                   sliding_window=window)
+        self.scheduler = Scheduler(config.scheduler, self.kv, info.max_model_len, self.structured)
         self.stats = EngineStats()
         self._refused: list[EngineCoreOutput] = []  # requests refused when added, answered by the next step
         self._sent = False  # this step's batch reached the workers
@@ -272,7 +270,7 @@ class EngineCore:
         for req, n in out.scheduled:
             if req.status != RequestStatus.RUNNING:
                 continue
-            if tainted & set(req.block_ids):  # reads KV a failed request was to write: recompute it later
+            if not tainted.isdisjoint(req.held_block_ids()):  # reads KV a failed request was to write: recompute it later
                 sched.preempt(req)
                 continue
             one = SchedulerOutput([(req, n)], spec={k: v for k, v in out.spec.items() if k == req.request_id})
@@ -289,11 +287,11 @@ class EngineCore:
                     sched.unbuild(batch)
                 sched.unsend(req)  # (finishing it below tells the workers to drop it)
                 first = req.num_computed_tokens // bs
-                tainted.update(req.block_ids[first:])
+                tainted.update(b for table in req.tables for b in table[first:])
                 self.kv.unname_from(req, first)
                 failed.append(sched.fail_request(req, f"the request failed in the engine: {type(e).__name__}: {e}"))
                 continue
-            self.kv.names_written(req.block_ids)
+            self.kv.names_written(list(req.held_block_ids()))
             ran.append((req, n))
             merged.merge(result)
             last = batch

@@ -5,7 +5,7 @@ turns the batch into the packed, unpadded tensors the model and the attention ba
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Any
 
@@ -56,6 +56,7 @@ class StepInputs:
     kv_tokens: int
     attn_pairs: int
     prompt_rows: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)  # (req, row, rows, pos)
+    group_layouts: list[BatchLayout] = field(default_factory=list)  # KV cache groups after the first: their tables
 
 
 class InputBatch:
@@ -64,8 +65,9 @@ class InputBatch:
     numpy ops, whatever the batch size or the context lengths (no per-token Python, and per-request
     Python only to look requests up and extend their lists)."""
 
-    def __init__(self, block_size: int, device: torch.device, vocab_size: int) -> None:
+    def __init__(self, block_size: int, device: torch.device, vocab_size: int, num_groups: int = 1) -> None:
         self.block_size = block_size
+        self.num_groups = num_groups  # KV cache groups (executor/kv_groups.py): a block table each
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}
         # Sampling parameters as tensors, converted once per request here and then updated in place with
@@ -77,7 +79,7 @@ class InputBatch:
         self.token_ids = np.zeros((0, 0), dtype=np.int32)  # [rows, cap] tokens known (past them: stale)
         self.num_tokens = np.zeros(0, dtype=np.int64)
         self.num_computed = np.zeros(0, dtype=np.int64)  # tokens in the KV cache before the step
-        self.block_table = np.zeros((0, 0), dtype=np.int32)  # [rows, cap]; 0 past each row's blocks
+        self.block_table = np.zeros((num_groups, 0, 0), dtype=np.int32)  # [groups, rows, cap]; 0 past each row's blocks
         self.num_blocks = np.zeros(0, dtype=np.int64)
         self.free_rows: list[int] = []
 
@@ -85,6 +87,9 @@ class InputBatch:
         for rid in batch.finished_req_ids:
             self._remove(rid)
         for new in batch.new_requests:
+            if len(new.group_block_ids) != self.num_groups - 1:
+                raise ValueError(f"request {new.req_id} has block tables for {len(new.group_block_ids) + 1} KV cache "
+                                 f"group(s), this worker keeps {self.num_groups}")
             self._remove(new.req_id)  # resumed after a preemption: its state is rebuilt from its tokens
             gen = torch.Generator(self.device).manual_seed(new.seed) if new.seed is not None else None
             state = CachedRequestState(
@@ -92,17 +97,19 @@ class InputBatch:
                 new.num_computed_tokens, new.params, gen, tuple(new.eos_token_ids), new.seed, new.lora)
             state.sampling_slot = self.sampling.add(new.params, state.token_ids, new.num_prompt_tokens,
                                                     state.eos_token_ids)
-            self._add_row(state)
+            self._add_row(state, new.group_block_ids)
             self.requests[new.req_id] = state
         if batch.cached_requests:
             self._apply_diffs(batch.cached_requests)
 
-    def _add_row(self, state: CachedRequestState) -> None:
+    def _add_row(self, state: CachedRequestState, group_block_ids: list[list[int]]) -> None:
         row = self._take_row()
         n, nb = len(state.token_ids), len(state.block_ids)
         self._reserve(n, nb)
         self.token_ids[row, :n] = np.fromiter(state.token_ids, np.int32, n)
-        self.block_table[row, :nb] = state.block_ids
+        self.block_table[0, row, :nb] = state.block_ids
+        for g, table in enumerate(group_block_ids, 1):
+            self.block_table[g, row, :nb] = table
         self.num_tokens[row] = n
         self.num_blocks[row] = nb
         self.num_computed[row] = state.num_computed_tokens
@@ -119,7 +126,7 @@ class InputBatch:
             held = len(s.block_ids)
             if held > keep:  # rejected drafts' blocks were freed: cut the tail (zero what is not replaced)
                 if held > c.block_table_len:
-                    self.block_table[s.row, c.block_table_len : held] = 0
+                    self.block_table[:, s.row, c.block_table_len : held] = 0
                 del s.block_ids[keep:]
                 table_changed = True
             if c.new_block_ids:
@@ -149,8 +156,12 @@ class InputBatch:
             n = np.fromiter((len(c.new_block_ids) for c in diffs), np.int64, K)
             table_len = np.fromiter((len(s.block_ids) for s in states), np.int64, K)
             self._reserve(blocks=int(table_len.max()))
-            self.block_table[np.repeat(rows, n), np.repeat(table_len - n, n) + _ranks(n)] = np.fromiter(
-                chain.from_iterable(c.new_block_ids for c in diffs), np.int32, int(n.sum()))
+            at = (np.repeat(rows, n), np.repeat(table_len - n, n) + _ranks(n))
+            total = int(n.sum())
+            self.block_table[0][at] = np.fromiter(chain.from_iterable(c.new_block_ids for c in diffs), np.int32, total)
+            for g in range(1, self.num_groups):
+                self.block_table[g][at] = np.fromiter(
+                    chain.from_iterable(c.group_new_block_ids[g - 1] for c in diffs), np.int32, total)
             self.num_blocks[rows] = table_len
 
     def reseed(self, inp: StepInputs) -> None:
@@ -165,7 +176,7 @@ class InputBatch:
         if state is not None:
             self.sampling.remove(state.sampling_slot)
             row = state.row
-            self.block_table[row, : self.num_blocks[row]] = 0  # the next request in this row pads with 0
+            self.block_table[:, row, : self.num_blocks[row]] = 0  # the next request in this row pads with 0
             self.num_tokens[row] = self.num_blocks[row] = self.num_computed[row] = 0
             self.free_rows.append(row)
 
@@ -173,10 +184,11 @@ class InputBatch:
         if not self.free_rows:
             old = len(self.num_tokens)
             cap = max(16, 2 * old)
-            self.token_ids = _resized(self.token_ids, cap, self.token_ids.shape[1])
-            self.block_table = _resized(self.block_table, cap, self.block_table.shape[1])
+            self.token_ids = _resized(self.token_ids, (cap, self.token_ids.shape[1]))
+            G, _, cols = self.block_table.shape
+            self.block_table = _resized(self.block_table, (G, cap, cols))
             self.num_tokens, self.num_computed, self.num_blocks = (
-                _resized(a, cap) for a in (self.num_tokens, self.num_computed, self.num_blocks))
+                _resized(a, (cap,)) for a in (self.num_tokens, self.num_computed, self.num_blocks))
             self.free_rows.extend(range(cap - 1, old - 1, -1))  # popped lowest first
         return self.free_rows.pop()
 
@@ -185,10 +197,10 @@ class InputBatch:
         copies the arrays O(log length) times)."""
         rows, cap = self.token_ids.shape
         if tokens > cap:
-            self.token_ids = _resized(self.token_ids, rows, max(tokens, 2 * cap, 256))
-        cap = self.block_table.shape[1]
+            self.token_ids = _resized(self.token_ids, (rows, max(tokens, 2 * cap, 256)))
+        G, rows, cap = self.block_table.shape
         if blocks > cap:
-            self.block_table = _resized(self.block_table, rows, max(blocks, 2 * cap, 16))
+            self.block_table = _resized(self.block_table, (G, rows, max(blocks, 2 * cap, 16)))
 
     def sampling_metadata(self, inp: StepInputs) -> SamplingMetadata:
         """The step's sampling tensors, gathered from the requests' slots (see sample/state.py)."""
@@ -230,11 +242,11 @@ class InputBatch:
             i = int(np.argmax(kv_len > num_blocks * bs))
             raise IndexError(f"request {reqs[i].req_id} computes up to position {int(kv_len[i]) - 1} with "
                              f"{int(num_blocks[i])} blocks of {bs}")
-        table = self.block_table[rows, : int(num_blocks.max())]
+        table = self.block_table[0, rows, : int(num_blocks.max())]
         # Gathers by flat index: np.take on a 1-D view costs less than 2-D fancy indexing.
         block, offset = np.divmod(positions, bs)
-        slots = np.take(self.block_table.reshape(-1), tok_rows * self.block_table.shape[1] + block)
-        slots = slots.astype(np.int64) * bs + offset
+        flat = tok_rows * self.block_table.shape[2] + block
+        slots = np.take(self.block_table[0].reshape(-1), flat).astype(np.int64) * bs + offset
         num_rows = batch.num_sample_rows
         S = sum(num_rows)
         if S == B and max(num_rows) == 1:  # the usual: each request samples its last row
@@ -257,6 +269,11 @@ class InputBatch:
         layout = BatchLayout(query_start=t(q_start), query_len=t(q_len), kv_len=t(kv_len), block_table=t(table),
                              slot_mapping=t(slots), num_tokens=T, max_query_len=max_query_len,
                              max_kv_len=max_kv_len)
+        # The other KV cache groups: same queries and lengths, their own tables and slots.
+        group_layouts = [replace(layout, block_table=t(self.block_table[g, rows, : int(num_blocks.max())]),
+                                 slot_mapping=t(np.take(self.block_table[g].reshape(-1), flat).astype(np.int64) * bs
+                                                + offset))
+                         for g in range(1, self.num_groups)]
         prompt_rows = []
         if batch.prompt_logprob_ranges:
             for i, r in enumerate(reqs):
@@ -275,6 +292,7 @@ class InputBatch:
             kv_tokens=int(kv_len.sum()),
             attn_pairs=int(positions.sum()) + T,
             prompt_rows=prompt_rows,
+            group_layouts=group_layouts,
         )
 
 
@@ -317,8 +335,8 @@ def _ranks(counts: np.ndarray) -> np.ndarray:
     return np.arange(int(counts.sum())) - np.repeat(_run_starts(counts), counts)
 
 
-def _resized(a: np.ndarray, rows: int, cols: int | None = None) -> np.ndarray:
-    """A zero array of `rows` rows (and `cols` columns) with `a` copied into its top-left corner."""
-    out = np.zeros((rows,) if cols is None else (rows, cols), dtype=a.dtype)
+def _resized(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A zero array of `shape` with `a` copied into its leading corner."""
+    out = np.zeros(shape, dtype=a.dtype)
     out[tuple(slice(0, n) for n in a.shape)] = a
     return out

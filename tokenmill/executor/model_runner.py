@@ -13,10 +13,11 @@ import torch
 
 from tokenmill.core.batch import ModelRunnerOutput, PromptLogprobs, ScheduledBatch, StepTimings
 from tokenmill.executor.input_batch import InputBatch, StepInputs
+from tokenmill.executor.kv_groups import KVGroup, describe, plan_kv_groups, share_kv_cache
 from tokenmill.layers import collectives
 from tokenmill.layers.attention import Attention, AttentionTimer
 from tokenmill.layers.attention_backends import kv_quant
-from tokenmill.layers.attention_backends.base import AttentionBackend
+from tokenmill.layers.attention_backends.base import AttentionBackend, GroupedMetadata
 from tokenmill.sample.rejection_sampler import rejection_sample
 from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, target_distribution
 from tokenmill.testing import faults
@@ -51,6 +52,7 @@ class ModelRunner:
         self.model_windows = ({layer.sliding_window for layer in decoder.layers} if decoder is not None
                               else {a.sliding_window for a in self.attn_layers})
         self.input_batch = InputBatch(block_size, device, vocab_size)
+        self.kv_groups = [KVGroup(None, list(self.attn_layers))]  # configure_kv_groups
         self.sampler = Sampler()
         self.spec = spec  # spec_decode.decoder.SpecDecoder: proposes each request's next drafts
         self.lora = None  # lora.manager.LoRAManager with --enable-lora: adapter slots, set per step
@@ -67,14 +69,27 @@ class ModelRunner:
         """K and V of one block over all layers (with int8's scales), a speculative draft's layers included."""
         draft = self.spec.block_bytes(kv_dtype) if self.spec is not None else 0
         return draft + sum(kv_quant.block_bytes(self.block_size, a.num_kv_heads, a.head_dim, kv_dtype)
-                           for a in self.attn_layers)
+                           for a in self.kv_groups[0].layers)
 
     @property
     def bytes_per_block(self) -> int:
         return self.block_bytes(self.kv_dtype)
 
+    def configure_kv_groups(self, release_off: str | None, groups_off: str | None) -> tuple[int | None, ...]:
+        """Group the attention layers by window (executor/kv_groups.py) before the pool is sized; returns each
+        group's window, for the core's block tables."""
+        self.kv_groups = plan_kv_groups(self.attn_layers, self.model_windows, release_off, groups_off)
+        hybrid = len(self.kv_groups) > 1
+        for g, group in enumerate(self.kv_groups):
+            for a in group.layers:
+                a.kv_group = g if hybrid else None
+        self.input_batch = InputBatch(self.block_size, self.device, self.vocab_size, len(self.kv_groups))
+        log.info("KV cache: %s", describe(self.kv_groups))
+        return tuple(group.window for group in self.kv_groups)
+
     def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
-        self.backend.allocate_kv_cache(self.attn_layers, num_blocks, kv_dtype)
+        self.backend.allocate_kv_cache(self.kv_groups[0].layers, num_blocks, kv_dtype)
+        share_kv_cache(self.kv_groups)
         if self.spec is not None:
             self.spec.allocate_kv_cache(num_blocks, kv_dtype)
         self.num_blocks = num_blocks
@@ -84,14 +99,6 @@ class ModelRunner:
             per_token = kv_quant.block_bytes(1, a.num_kv_heads, a.head_dim, kv_dtype)
             groups[a.sliding_window] = groups.get(a.sliding_window, 0) + per_token
         self._attn_read_groups = list(groups.items())
-
-    @property
-    def uniform_window(self) -> int | None:
-        """The sliding window every attention layer has (None: some layer attends to the whole context, or a
-        speculative drafter with its own KV reads the same blocks)."""
-        if self.spec is not None or len(self.model_windows) != 1:
-            return None
-        return next(iter(self.model_windows))
 
     def attn_read_bytes(self, query_len: torch.Tensor, kv_len: torch.Tensor) -> int:
         """K/V bytes this step's attention must read: per layer, every request's attended cache tokens x
@@ -107,7 +114,7 @@ class ModelRunner:
     def kv_caches(self) -> list[torch.Tensor]:
         """Every layer's K and V pool (and int8's scales), each indexed by block on its first dimension; a
         draft's too, so prefix blocks moved between tiers keep the draft's KV."""
-        caches = [t for a in self.attn_layers for t in kv_quant.layer_caches(a)]
+        caches = [t for a in self.kv_groups[0].layers for t in kv_quant.layer_caches(a)]
         return caches + self.spec.kv_caches() if self.spec is not None else caches
 
     def mark_initialized(self, block_ids: torch.Tensor) -> None:
@@ -130,7 +137,7 @@ class ModelRunner:
         inp = self.input_batch.prepare(batch)
         if self.lora is not None:
             self.lora.prepare(inp.requests, batch.num_scheduled_tokens)
-        meta = self.backend.build_metadata(inp.layout)
+        meta = self._metadata(inp)
         timer = self.attn_timer
         if timer is not None:
             timer.total = 0.0
@@ -152,6 +159,13 @@ class ModelRunner:
             attn_pairs=inp.attn_pairs, attn_s=timer.total if timer is not None else 0.0,
             attn_bytes=self.attn_read_bytes(layout.query_len, layout.kv_len), collective_s=collective_s)
         return out
+
+    def _metadata(self, inp: StepInputs):
+        """The backend's metadata for the step: one, or one per KV cache group (each layer picks its group's)."""
+        meta = self.backend.build_metadata(inp.layout)
+        if not inp.group_layouts:
+            return meta
+        return GroupedMetadata([meta, *(self.backend.build_metadata(lay) for lay in inp.group_layouts)])
 
     # ---- pipeline parallelism -------------------------------------------------------------------
     def _execute_stage(self, batch: ScheduledBatch, t0: float) -> ModelRunnerOutput:
@@ -175,7 +189,7 @@ class ModelRunner:
             inp = self.input_batch.prepare(mb)
             if self.lora is not None:
                 self.lora.prepare(inp.requests, mb.num_scheduled_tokens)
-            meta = self.backend.build_metadata(inp.layout)
+            meta = self._metadata(inp)
             prepare_s += time.perf_counter() - tp0
             carried = None
             if not m.is_first:

@@ -12,6 +12,8 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.batch import ModelRunnerOutput, ScheduledBatch
+from tokenmill.core.kv_cache import blocks_for_tokens
+from tokenmill.executor.kv_groups import off_reasons
 from tokenmill.executor.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,8 @@ class WorkerInfo:
     attention_backend: str = ""
     lora_shapes: dict | None = None  # --enable-lora: checkpoint module (q_proj, ...) -> (in, out), to check adapters
     num_layers: int = 0
-    sliding_window: int | None = None  # every attention layer's window, when they share one (model_runner)
+    # The KV cache groups' attention windows (executor/kv_groups.py; None: full attention), in group order.
+    kv_group_windows: tuple[int | None, ...] = (None,)
 
 
 def available_memory_bytes() -> int:
@@ -67,12 +70,14 @@ def kv_dtype_for(name: str, model: torch.nn.Module) -> torch.dtype:
     return storage if storage is not None else next(model.parameters()).dtype
 
 
-def min_blocks(max_model_len: int, num_lookahead_tokens: int, block_size: int) -> int:
+def min_blocks(max_model_len: int, num_lookahead_tokens: int, block_size: int,
+               group_windows: tuple[int | None, ...] = (None,), chunk: int = 1) -> int:
     """The smallest KV pool that runs one request to max_model_len. Every allocation reserves
     num_lookahead_tokens slots past the request's tokens for speculative drafts (core/kv_cache.py
-    allocate_slots), so a full-length request with speculation needs that many more slots. Several
+    allocate_slots), so a full-length request with speculation needs that many more slots; a windowed KV
+    cache group holds only its window and the chunk being computed (`chunk`: the longest one). Several
     running requests need not all fit at once: the scheduler preempts to make room."""
-    return -(-(max_model_len + num_lookahead_tokens) // block_size)
+    return blocks_for_tokens(max_model_len + num_lookahead_tokens, group_windows, block_size, chunk)
 
 
 class Worker:
@@ -84,6 +89,7 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.device = torch.device(config.device)
         self.runner: ModelRunner | None = None
+        self.kv_group_windows: tuple[int | None, ...] = (None,)  # executor/kv_groups.py, set by init()
         self.transfer = None
         self.connector = None  # executor/kv_connector.ConnectorWorker with --kv-transfer-config
 
@@ -160,6 +166,7 @@ class Worker:
             log.info("LoRA: %d slot(s) of rank up to %d in %d layers, %.1f MiB", lora.max_loras, lora.max_lora_rank,
                      len(self.runner.lora.targets.layers), self.runner.lora.nbytes / 2**20)
         kv_dtype = kv_dtype_for(getattr(cache, "kv_cache_dtype", "auto"), model)
+        self.kv_group_windows = self.runner.configure_kv_groups(*off_reasons(self.config, spec))
         num_blocks = self.determine_num_blocks(kv_dtype)
         self.runner.allocate_kv_cache(num_blocks, kv_dtype)
         log.info("KV cache: %d blocks x %d tokens, %.1f MiB (kv_cache_dtype %s: %s); attention backend %s", num_blocks,
@@ -184,7 +191,7 @@ class Worker:
                           str(self.device), str(kv_dtype).removeprefix("torch."),
                           str(model.compute_dtype).removeprefix("torch."), self.model_cost(), offload,
                           backend_cls.name, targets.shapes if targets else None, targets.num_layers if targets else 0,
-                          self.runner.uniform_window)
+                          self.kv_group_windows)
 
     def log_resident_memory(self, model: torch.nn.Module, quant) -> None:
         """One INFO line on what this process holds after loading: weight bytes by kind (GGUF blocks, packed,
@@ -257,14 +264,19 @@ class Worker:
             n = torch.tensor([num_blocks], dtype=torch.long)
             dist.all_reduce(n, op=dist.ReduceOp.MIN)
             num_blocks = int(n)
-        need = min_blocks(self.max_model_len, self.config.scheduler.num_lookahead_tokens, cache.block_size)
+        need = min_blocks(self.max_model_len, self.config.scheduler.num_lookahead_tokens, cache.block_size,
+                          self.kv_group_windows, self.config.scheduler.max_num_batched_tokens)
         if num_blocks < need:
             lookahead = self.config.scheduler.num_lookahead_tokens
             spec = f" plus {lookahead} speculative lookahead slots" if lookahead else ""
+            groups = len(self.kv_group_windows)
+            held = (f"{num_blocks * cache.block_size} tokens" if groups == 1 else
+                    f"blocks shared by {groups} KV cache groups: a request holds its context in the full-attention "
+                    "ones and a window and a prompt chunk in the others")
             raise ValueError(
-                f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens ({num_blocks * cache.block_size} "
-                f"tokens), fewer than one request of max_model_len={self.max_model_len} tokens{spec} needs ({need} "
-                f"blocks, {need * per_block} bytes). Raise {source} or lower max_model_len."
+                f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens ({held}), fewer than one request "
+                f"of max_model_len={self.max_model_len} tokens{spec} needs ({need} blocks, {need * per_block} bytes). "
+                f"Raise {source} or lower max_model_len."
             )
         return num_blocks
 
@@ -280,7 +292,9 @@ class Worker:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.runner.allocate_kv_cache(blocks, kv_dtype)
-        new = NewRequestData("profile", [0] * tokens, tokens, list(range(blocks)), 0, SamplingParams(max_tokens=1), None)
+        table = list(range(blocks))
+        new = NewRequestData("profile", [0] * tokens, tokens, table, 0, SamplingParams(max_tokens=1), None,
+                             group_block_ids=[table] * (len(self.kv_group_windows) - 1))
         self.runner.execute_model(ScheduledBatch(["profile"], [tokens], [1], [new]))
         self.runner.execute_model(ScheduledBatch(finished_req_ids=["profile"]))
         torch.cuda.synchronize(self.device)

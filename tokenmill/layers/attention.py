@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.layers.attention_backends.base import AttentionBackend
+from tokenmill.layers.attention_backends.base import AttentionBackend, GroupedMetadata
 
 
 class AttentionTimer:
@@ -56,9 +56,12 @@ class Attention(nn.Module):
         self.v_scale = 1.0
         self.backend: AttentionBackend | None = None
         self.timer: AttentionTimer | None = None  # set by the model runner when attention is timed
+        self.kv_group: int | None = None  # its KV cache group when the model has several (executor/kv_groups.py)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hk, D] -> [T, H, D]."""
+        if type(meta) is GroupedMetadata:
+            meta = meta.groups[self.kv_group]
         timer = self.timer
         if timer is None:
             return self.backend.forward(self, q, k, v, meta)

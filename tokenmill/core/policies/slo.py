@@ -185,7 +185,7 @@ class SLOPolicy(SchedulingPolicy):
                 v = victims.pop(0)
                 picked.append(v)
                 s += 1
-                f += len(v.block_ids) - v.num_released_blocks  # at most: shared blocks stay held
+                f += v.num_held_blocks  # at most: shared blocks stay held
             if s < 1 or f < need:
                 break  # not enough batch work to preempt: it waits like everyone else
             chosen += picked

@@ -29,6 +29,13 @@ class BatchLayout:
     max_kv_len: int
 
 
+@dataclass
+class GroupedMetadata:
+    """A step's metadata per KV cache group (executor/kv_groups.py): each layer reads `groups[layer.kv_group]`."""
+
+    groups: list[Any]
+
+
 class AttentionBackend:
     name: str = "base"
 
