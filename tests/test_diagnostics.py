@@ -95,6 +95,9 @@ def test_engine_report_on_tiny_model(tmp_path, monkeypatch):
     assert "verdict:" in d.format_report(r) and "attention:" in d.format_report(r)
     assert r["attention"]["timed"] and 0 < r["attention"]["share_of_forward"] <= 1
     assert r["scheduling_policy"] == {"name": "fcfs"}
+    kv = llm.engine.kv
+    assert r["kv_cache"] == {"group_windows": [None], "num_blocks": kv.num_blocks, "free_blocks": kv.num_blocks,
+                             "released_blocks": 0}
 
 
 def test_steps_carry_the_idle_time_before_them():
@@ -181,6 +184,10 @@ def test_attention_bytes_clip_to_the_sliding_window(tmp_path):
     # request with 2 cached tokens its 2, and a 10-token chunk from the start all 10.
     q_len, kv_len = torch.tensor([3, 1, 10]), torch.tensor([10, 2, 10])
     assert llm.engine.runner.attn_read_bytes(q_len, kv_len) == ((6 + 2 + 10) + (10 + 2 + 10)) * per_layer
+    # Its KV cache groups: the full layer's and the windowed one's, which releases blocks out of its window.
+    llm.generate([list(range(10, 50))], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    r = d.engine_diagnostics(llm.engine)
+    assert r["kv_cache"]["group_windows"] == [None, 4] and r["kv_cache"]["released_blocks"] > 0
 
 
 def test_attention_timing_can_be_turned_off(tiny_llama, monkeypatch):

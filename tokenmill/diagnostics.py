@@ -519,6 +519,10 @@ def engine_diagnostics(core, last_n: int | None = None) -> dict:
     scheduler = getattr(core, "scheduler", None)  # (the calibration tests pass a core without one)
     if scheduler is not None:
         out["scheduling_policy"] = scheduler.policy.describe()  # slo: its step-time fit, shed and made room
+        kv = scheduler.kv
+        # KV cache groups (docs/long_context.md): each group's window, blocks released out of a window so far
+        out["kv_cache"] = {"group_windows": list(kv.group_windows), "num_blocks": kv.num_blocks,
+                           "free_blocks": kv.num_free_blocks, "released_blocks": kv.num_released}
     if core.config.speculative is not None:  # counters since start; acceptance_rate, mean_acceptance_length
         out["speculative"] = {"method": core.config.speculative.method, **core.scheduler.spec_stats.as_dict()}
     return out
