@@ -27,6 +27,10 @@ class ModelConfig:
     # 32 columns, as llama.cpp; int8_per_token: int8 weights take one scale per row and torch._int_mm (W8A8,
     # vLLM's dynamic per-token), the others as int8; none: float32 activations (exact against transformers)
     activation_quantization: str = "none"
+    # CPU: keep at most this many GiB of weights in memory and stream the other decoder layers from a file on
+    # disk each step (model/weight_store.py); None: every weight resident
+    weights_resident_gb: float | None = None
+    weights_stream_dir: str | None = None  # where the stream file goes (default: the system's temporary folder)
 
 
 @dataclass
@@ -225,6 +229,11 @@ class EngineConfig:
         _at_least(0, kv_offload_bytes=c.kv_offload_bytes, kv_offload_disk_bytes=c.kv_offload_disk_bytes,
                   kv_offload_min_blocks=c.kv_offload_min_blocks,
                   long_prefill_token_threshold=s.long_prefill_token_threshold)
+        if m.weights_resident_gb is not None and not m.weights_resident_gb > 0:
+            raise ValueError(f"weights_resident_gb must be positive, got {m.weights_resident_gb}.")
+        if m.weights_resident_gb is not None and self.device != "cpu":
+            raise ValueError("--weights-resident-gb streams weights from disk into CPU memory; on a GPU, weights "
+                             "offloaded to host memory (--cpu-offload-gb) are not built yet.")
         for name, value in (("kv_cache_memory_fraction", c.kv_cache_memory_fraction),
                             ("gpu_memory_utilization", c.gpu_memory_utilization)):
             if not 0 < value <= 1:

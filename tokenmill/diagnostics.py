@@ -523,8 +523,29 @@ def engine_diagnostics(core, last_n: int | None = None) -> dict:
         # KV cache groups (docs/long_context.md): each group's window, blocks released out of a window so far
         out["kv_cache"] = {"group_windows": list(kv.group_windows), "num_blocks": kv.num_blocks,
                            "free_blocks": kv.num_free_blocks, "released_blocks": kv.num_released}
+    weights = getattr(info, "weights", None)
+    if weights is not None:
+        out["weights"] = weight_stream_report(weights, steps)
     if core.config.speculative is not None:  # counters since start; acceptance_rate, mean_acceptance_length
         out["speculative"] = {"method": core.config.speculative.method, **core.scheduler.spec_stats.as_dict()}
+    return out
+
+
+def weight_stream_report(weights: dict, steps: list) -> dict:
+    """--weights-resident-gb (model/weight_store.py): what each step streams, and which bound sets its speed: the
+    streamed bytes at the disk's measured read speed against the forward's own compute (its time less the waits
+    for reads), per step over the window."""
+    out = dict(weights)
+    streamed, rate = weights["streamed_bytes_per_step"], weights["disk_read_bytes_per_s"]
+    if not streamed:
+        out["bound"] = None
+        return out
+    n = len(steps)
+    disk_s = streamed / rate if rate else None
+    compute_s = sum(s.forward_s - s.weight_wait_s for s in steps) / n if n else None
+    out.update(disk_s_per_step=disk_s, compute_s_per_step=compute_s,
+               wait_s_per_step=sum(s.weight_wait_s for s in steps) / n if n else None,
+               bound=None if disk_s is None or compute_s is None else "disk" if disk_s > compute_s else "compute")
     return out
 
 

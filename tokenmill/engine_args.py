@@ -83,6 +83,13 @@ class EngineArgs:
         "exact int32 product (torch._int_mm: oneDNN's VNNI/AMX kernels; W8A8 as vLLM's dynamic per-token), "
         "4-5x float32 from 16 rows where the CPU has VNNI. none keeps float32 activations, exact against "
         "transformers (default: %(default)s).", choices=ACTIVATION_QUANTIZATIONS)
+    weights_resident_gb: float | None = _arg(
+        ModelConfig.weights_resident_gb, "CPU: keep at most N GiB of weights in memory and stream the other decoder "
+        "layers from a file on disk every step, read ahead on a background thread (output unchanged; the speed is "
+        "then the disk's: the start-up log and /v1/diagnostics say how many bytes each step streams and which bound "
+        "sets the speed). Default: every weight resident.", parse=float, metavar="N")
+    weights_stream_dir: str | None = _arg(ModelConfig.weights_stream_dir, "Folder for the stream file of "
+                                          "--weights-resident-gb (default: the system's temporary folder).")
     device: str = _arg(EngineConfig.device, "Torch device, e.g. cpu or cuda (default: %(default)s).")
     attention_backend: str | None = _arg(
         EngineConfig.attention_backend, "Attention backend by registry name, e.g. torch_sdpa (default: the "
@@ -225,7 +232,9 @@ class EngineArgs:
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                               max_model_len=self.max_model_len, seed=self.seed, quantization=self.quantization,
                               quantization_group_size=self.quantization_group_size,
-                              activation_quantization=self.activation_quantization),
+                              activation_quantization=self.activation_quantization,
+                              weights_resident_gb=self.weights_resident_gb,
+                              weights_stream_dir=self.weights_stream_dir),
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_dtype=self.kv_cache_dtype,

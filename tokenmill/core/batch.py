@@ -100,6 +100,7 @@ class StepTimings:
     attn_s: float = 0.0  # wall time inside the attention backend, all layers (0: not timed)
     attn_bytes: int = 0  # K/V bytes attention must read: attended tokens x KV bytes, per layer (windows clip)
     collective_s: float = 0.0  # tensor parallelism: inside all-reduce / all-gather (part of forward_s)
+    weight_wait_s: float = 0.0  # --weights-resident-gb: waiting for streamed layers' reads (part of forward_s)
 
 
 @dataclass

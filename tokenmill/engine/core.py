@@ -176,6 +176,7 @@ class EngineCore:
         st.prepare_s, st.forward_s, st.sample_s = t.prepare_s, t.forward_s, t.sample_s
         st.kv_tokens, st.attn_pairs = t.kv_tokens, t.attn_pairs
         st.attn_s, st.attn_bytes, st.collective_s = t.attn_s, t.attn_bytes, t.collective_s
+        st.weight_wait_s = t.weight_wait_s
         st.num_tokens = batch.num_tokens if batch is not None else 0
         st.num_requests = len(out.scheduled)
         st.num_sampled = sum(len(o.new_token_ids) for o in outputs)

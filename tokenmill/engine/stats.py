@@ -24,6 +24,7 @@ class StepStats:
     attn_s: float = 0.0  # inside the attention backend (part of forward_s; 0: not timed)
     attn_bytes: int = 0  # K/V bytes attention must read
     collective_s: float = 0.0  # tensor parallelism's all-reduces / all-gathers (part of forward_s)
+    weight_wait_s: float = 0.0  # --weights-resident-gb: waiting for streamed layers' reads (part of forward_s)
     end_time: float = 0.0  # perf_counter at the end of the step
     idle_before_s: float = 0.0  # serving-loop idle time since the previous step in the history
 

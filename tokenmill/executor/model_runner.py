@@ -157,8 +157,13 @@ class ModelRunner:
         out.timings = StepTimings(
             prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=time.perf_counter() - t2, kv_tokens=inp.kv_tokens,
             attn_pairs=inp.attn_pairs, attn_s=timer.total if timer is not None else 0.0,
-            attn_bytes=self.attn_read_bytes(layout.query_len, layout.kv_len), collective_s=collective_s)
+            attn_bytes=self.attn_read_bytes(layout.query_len, layout.kv_len), collective_s=collective_s,
+            weight_wait_s=self._weight_wait())
         return out
+
+    def _weight_wait(self) -> float:
+        store = getattr(self.model, "weight_store", None)
+        return store.take_wait() if store is not None else 0.0
 
     def _metadata(self, inp: StepInputs):
         """The backend's metadata for the step: one, or one per KV cache group (each layer picks its group's)."""
@@ -221,7 +226,7 @@ class ModelRunner:
             kv_tokens=sum(i.kv_tokens for i in inputs), attn_pairs=sum(i.attn_pairs for i in inputs),
             attn_s=timer.total if timer is not None else 0.0,
             attn_bytes=sum(self.attn_read_bytes(x.query_len, x.kv_len) for x in lay),
-            collective_s=collectives.take_time())
+            collective_s=collectives.take_time(), weight_wait_s=self._weight_wait())
         return result
 
     def _sampling_metadata(self, inp: StepInputs, batch: ScheduledBatch) -> SamplingMetadata:

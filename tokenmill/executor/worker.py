@@ -44,6 +44,7 @@ class WorkerInfo:
     num_layers: int = 0
     # The KV cache groups' attention windows (executor/kv_groups.py; None: full attention), in group order.
     kv_group_windows: tuple[int | None, ...] = (None,)
+    weights: dict | None = None  # --weights-resident-gb: model/weight_store.WeightStore.describe()
 
 
 def available_memory_bytes() -> int:
@@ -136,6 +137,10 @@ class Worker:
                                                                pp_rank=self.rank // tp,
                                                                pp_size=self.config.parallel.pipeline_parallel_size)
         quant = getattr(model, "quant_config", quant)  # a pre-quantized checkpoint's, found in its config.json
+        if mc.weights_resident_gb is not None:  # the layers beyond the budget stream from disk (model/weight_store.py)
+            from tokenmill.model.weight_store import WeightStore
+
+            WeightStore.attach(model, int(mc.weights_resident_gb * 2**30), mc.weights_stream_dir)
         from tokenmill import native
         from tokenmill.diagnostics import resident_weight_bytes
 
@@ -187,11 +192,12 @@ class Worker:
             self.connector = ConnectorWorker(self.runner.kv_caches(), store_path(kv_transfer))
         torch.manual_seed(mc.seed)  # after loading, so sampling draws the same in any process
         targets = self.runner.lora.targets if self.runner.lora is not None else None
+        store = getattr(model, "weight_store", None)
         return WorkerInfo(num_blocks, cache.block_size, self.runner.bytes_per_block, self.max_model_len, vocab,
                           str(self.device), str(kv_dtype).removeprefix("torch."),
                           str(model.compute_dtype).removeprefix("torch."), self.model_cost(), offload,
                           backend_cls.name, targets.shapes if targets else None, targets.num_layers if targets else 0,
-                          self.kv_group_windows)
+                          self.kv_group_windows, store.describe() if store is not None else None)
 
     def log_resident_memory(self, model: torch.nn.Module, quant) -> None:
         """One INFO line on what this process holds after loading: weight bytes by kind (GGUF blocks, packed,

@@ -100,6 +100,9 @@ class NativeStack:
     def why_not(model) -> str | None:
         if not enabled():
             return f"{ENV}=0, fused ops off, or native kernels without DecoderStack"
+        store = getattr(model, "weight_store", None)
+        if store is not None and store.streamed:
+            return "decoder layers streamed from disk (--weights-resident-gb): each layer's forward is hooked"
         if model.compute_dtype != torch.float32:
             return f"compute dtype {model.compute_dtype}"
         if not model.own_layers:

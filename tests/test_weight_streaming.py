@@ -1,0 +1,102 @@
+"""Weights beyond memory (issue 29, model/weight_store.py): with --weights-resident-gb a third of the weights, the
+other decoder layers stream from a file each step. Output equals the fully resident model's (greedy tokens and
+logprobs, bit for bit: the same bytes), for a safetensors model and a GGUF one with quantized blocks; the
+weights' resident pages (mincore over every parameter) stay within the budget plus the layers being read; the
+diagnostics say what each step streams and which bound sets its speed; a budget below the non-layer weights is
+refused, one above the model streams nothing."""
+from __future__ import annotations
+
+import pytest
+
+from tiny import make_tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.mapped_pages import resident_bytes
+
+SP = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, logprobs=3)
+PROMPTS = [[5 + (i * 13 + j * 7) % 300 for j in range(9 + 11 * i)] for i in range(4)]
+KW = dict(max_model_len=128, num_gpu_blocks_override=64)
+
+
+def weight_bytes(llm: LLM) -> int:
+    return sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+
+
+def same(a, b) -> None:
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in e.items()} for e in x.outputs[0].logprobs] == \
+               [{t: lp.logprob for t, lp in e.items()} for e in y.outputs[0].logprobs]
+
+
+def check_streaming(path, tmp_path, **kw) -> None:
+    resident = LLM(str(path), **KW, **kw)
+    want = resident.generate(PROMPTS, SP, use_tqdm=False)
+    total = weight_bytes(resident)
+    budget = total / 3
+    llm = LLM(str(path), **KW, **kw, weights_resident_gb=budget / 2**30, weights_stream_dir=str(tmp_path))
+    store = llm.engine.model.weight_store
+    layers = list(llm.engine.model.own_layers)
+    assert store.streamed and store.resident_bytes <= budget
+    if kw.get("tokenizer"):  # the GGUF file's blocks stream as they are
+        assert sum(hasattr(p, "gguf_qtype") for s in store.streamed for p in layers[s.index].parameters()) >= 4
+    assert all(not any(p.is_mkldnn for p in layers[s.index].parameters()) for s in store.streamed)
+    for _ in range(2):  # the second run reads every streamed layer from the file again
+        same(llm.generate(PROMPTS, SP, use_tqdm=False), want)
+    # Resident now: the budget's weights, plus at most the layer read ahead for the next step and one more.
+    biggest = max(s.nbytes for s in store.streamed)
+    assert resident_bytes(llm.engine.model.parameters()) <= store.resident_bytes + 2 * biggest
+    assert llm.engine.model._native_stack() is None  # each layer's forward must be seen
+    from tokenmill import diagnostics as d
+
+    w = d.engine_diagnostics(llm.engine)["weights"]
+    assert w["streamed_bytes_per_step"] == store.streamed_bytes and w["disk_read_bytes_per_s"] > 0
+    assert w["bound"] in ("disk", "compute") and w["compute_s_per_step"] > 0
+
+
+def test_safetensors_layers_stream_with_a_third_resident(tmp_path):
+    path = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=6)
+    check_streaming(path, tmp_path)
+
+
+def test_gguf_blocks_stream_with_a_third_resident(tmp_path):
+    import gguf
+
+    from gguf_tiny import write_gguf
+
+    folder = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=6, hidden_size=64, intermediate_size=128)
+    path = write_gguf(folder, tmp_path / "m.gguf", qtype=gguf.GGMLQuantizationType.Q4_1)
+    check_streaming(path, tmp_path, tokenizer=str(folder))
+
+
+def test_budgets_outside_the_model(tmp_path):
+    path = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=2)
+    with pytest.raises(ValueError, match="outside the decoder layers"):
+        LLM(str(path), **KW, weights_resident_gb=1e-6)
+    llm = LLM(str(path), **KW, weights_resident_gb=1.0)
+    assert llm.engine.model.weight_store.streamed == []
+    llm.generate(PROMPTS[:1], SP, use_tqdm=False)
+    from tokenmill.config import EngineConfig, ModelConfig
+
+    with pytest.raises(ValueError, match="cpu-offload-gb"):
+        EngineConfig(model=ModelConfig(weights_resident_gb=1.0), device="cuda").validate()
+    with pytest.raises(ValueError, match="positive"):
+        EngineConfig(model=ModelConfig(weights_resident_gb=0.0)).validate()
+
+
+def test_streaming_reads_ahead_and_counts_its_waits(tmp_path):
+    """Every streamed layer is read by the background thread before its forward: the pages a forward touches
+    come from the page cache the read filled; the waits are counted in the step's timings."""
+    path = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=6)
+    total = weight_bytes(LLM(str(path), **KW))
+    llm = LLM(str(path), **KW, weights_resident_gb=total / 3 / 2**30)
+    store = llm.engine.model.weight_store
+    reads = []
+    read = store._read
+    store._read = lambda offset, n: reads.append(offset) or read(offset, n)
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    steps = list(llm.engine.stats.history)
+    # every step reads each streamed layer once, in forward order, from the second layer of the first step on
+    # (the first was read at start-up)
+    order = [s.offset for s in store.streamed]
+    assert reads == (order[1:] + order * len(steps))[: len(reads)] and len(reads) >= len(steps) * len(order) - 1
+    assert all(s.weight_wait_s >= 0 for s in steps) and all(s.weight_wait_s <= s.forward_s for s in steps)

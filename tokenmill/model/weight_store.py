@@ -1,0 +1,224 @@
+"""Weights beyond memory: at most N bytes of weights stay in RAM, the other layers stream from disk each step.
+
+`--weights-resident-gb N` (CPU). After loading (weights fused, quantized, packed as the kernels read them),
+the weights of some decoder layers are written to a stream file (`--weights-stream-dir`, default the system's
+temporary folder; unlinked at once, so it goes when the process does) and their parameters become views of
+a private memory map of it: the same bytes in the same layout, so the output is the resident model's, bit for
+bit. Which layers: as few as keep the rest within N, spread evenly over the stack so that every streamed
+layer follows resident ones whose compute hides its read.
+
+Per step, for each streamed layer in forward order: a background thread reads it from the file ahead of use
+(the next streamed layer once this one has started, `os.preadv` into the page cache, the GIL released), the
+layer's forward waits for that read if it is not done (the time counted as `StepTimings.weight_wait_s`), and
+after its forward its pages are given back: unmapped from the process (`madvise(MADV_DONTNEED)`) and dropped
+from the page cache (`posix_fadvise(POSIX_FADV_DONTNEED)`), so every step reads the streamed bytes from the
+disk again and the weights' resident size stays at N plus the layer being read ahead and the one running.
+
+The start-up log and /v1/diagnostics give the bytes streamed per step, the disk's read speed measured on the
+stream file, and which bound sets the step's speed: the streamed bytes at that speed against the forward's
+compute time (docs/long_context.md). The native decoder stack (one C++ call for all layers) is off while
+layers stream: each layer's forward must be seen.
+
+Parameters that cannot be views of a file stay resident and count against N: oneDNN-packed weights (an opaque
+layout) and non-contiguous tensors. The model is whole in memory while it loads (writing the stream file
+happens after), so N bounds the running process, not the load's peak.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import mmap
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tokenmill.model.mapped_pages import trim_heap
+
+log = logging.getLogger(__name__)
+
+_PAGE = mmap.PAGESIZE
+_READ_CHUNK = 8 << 20  # bytes per preadv call of the read-ahead
+
+
+def _streamable(p: torch.Tensor) -> bool:
+    return p.device.type == "cpu" and not p.is_mkldnn and p.is_contiguous() and p.numel() > 0
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+@dataclass
+class StreamedLayer:
+    index: int  # in the model's own layers
+    offset: int  # in the stream file, page-aligned
+    nbytes: int  # page-rounded length of its range
+    params: list[nn.Parameter] = field(default_factory=list)
+
+
+class WeightStore:
+    """The streamed layers of one model, their file and the read-ahead. `WeightStore.attach(model, budget)`."""
+
+    def __init__(self, model: nn.Module, budget_bytes: int, directory: str | None = None) -> None:
+        layers = list(model.own_layers)
+        total = _param_bytes(model)
+        sizes = [sum(p.numel() * p.element_size() for p in layer.parameters() if _streamable(p)) for layer in layers]
+        fixed = total - sum(sizes)  # embeddings, head, norms, and what cannot stream
+        if fixed > budget_bytes:
+            raise ValueError(f"--weights-resident-gb {budget_bytes / 2**30:.3g}: the weights outside the decoder "
+                             f"layers (embeddings, head, unstreamable parts) alone take {fixed / 2**30:.3g} GiB.")
+        self.streamed: list[StreamedLayer] = []
+        self.total_bytes = total
+        self.wait_s = 0.0  # waited for reads since the last take_wait()
+        chosen = self._choose(sizes, total - budget_bytes)
+        self.resident_bytes = total - sum(sizes[i] for i in chosen)
+        self._file = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: dict[int, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+        self.read_bytes_per_s = 0.0
+        if not chosen:
+            return
+        self._write(layers, chosen, directory)
+        self.read_bytes_per_s = self._measure_read()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmill-weights")
+        order = {s.index: k for k, s in enumerate(self.streamed)}
+        for s in self.streamed:
+            layer = layers[s.index]
+            k = order[s.index]
+            layer.register_forward_pre_hook(lambda mod, args, k=k: self._before(k))
+            layer.register_forward_hook(lambda mod, args, out, k=k: self._after(k))
+        self._drop_all()
+        self._prefetch(0)
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(s.nbytes for s in self.streamed)
+
+    @staticmethod
+    def _choose(sizes: list[int], excess: int) -> list[int]:
+        """As few layers as cover `excess` bytes, spread evenly over the stack (largest first when sizes differ)."""
+        if excess <= 0 or not sizes:
+            return []
+        n = len(sizes)
+        for count in range(1, n + 1):
+            picks = sorted({min(n - 1, int((i + 0.5) * n / count)) for i in range(count)})
+            if sum(sizes[i] for i in picks) >= excess:
+                return picks
+        raise ValueError("the weights do not fit the budget even with every decoder layer streamed")
+
+    def _write(self, layers: list[nn.Module], chosen: list[int], directory: str | None) -> None:
+        """The chosen layers' parameters into the stream file, page-aligned per layer; then the parameters
+        become views of a private mapping of it and their heap copies are freed."""
+        fd, path = tempfile.mkstemp(prefix="tokenmill-weights-", suffix=".bin", dir=directory)
+        os.unlink(path)  # the file lives as long as the descriptor and the mapping
+        offset = 0
+        layout = []
+        for i in chosen:
+            start = offset
+            params = [p for p in layers[i].parameters() if _streamable(p)]
+            places = []
+            for p in params:
+                data = p.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+                os.pwrite(fd, memoryview(data), offset)
+                places.append(offset)
+                offset += -(-data.nbytes // 64) * 64  # 64-byte aligned, as the kernels' loads like
+            offset = -(-offset // _PAGE) * _PAGE
+            layout.append((i, start, offset - start, params, places))
+        os.ftruncate(fd, max(offset, _PAGE))
+        os.fsync(fd)
+        self._fd = fd
+        self._map = mmap.mmap(fd, offset, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # Our own read-ahead decides what is read: no read-around on faults, no readahead past a layer's range (both
+        # would bring a dropped neighbour back).
+        self._map.madvise(mmap.MADV_RANDOM)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for i, start, nbytes, params, places in layout:
+            for p, at in zip(params, places):
+                view = torch.frombuffer(self._map, dtype=p.dtype, count=p.numel(), offset=at).view(p.shape)
+                p.data = view
+            self.streamed.append(StreamedLayer(i, start, nbytes, params))
+        trim_heap()
+
+    def _measure_read(self) -> float:
+        """Bytes/s of a cold read of the stream file (its page cache dropped first): the disk's speed as the
+        steps will see it."""
+        n = min(self.streamed_bytes, 256 << 20)
+        os.posix_fadvise(self._fd, 0, n, os.POSIX_FADV_DONTNEED)
+        t = time.perf_counter()
+        self._read(0, n)
+        dt = time.perf_counter() - t
+        return n / dt if dt > 0 else float("inf")
+
+    def _read(self, offset: int, nbytes: int) -> None:
+        buf = bytearray(min(_READ_CHUNK, nbytes))
+        view = memoryview(buf)
+        end = offset + nbytes
+        while offset < end:
+            got = os.preadv(self._fd, [view[: min(len(buf), end - offset)]], offset)
+            if got <= 0:
+                break
+            offset += got
+
+    def _prefetch(self, k: int) -> None:
+        s = self.streamed[k]
+        with self._lock:
+            if k not in self._pending:
+                self._pending[k] = self._pool.submit(self._read, s.offset, s.nbytes)
+
+    def _before(self, k: int) -> None:
+        with self._lock:
+            future = self._pending.pop(k, None)
+        if future is not None and not future.done():
+            t = time.perf_counter()
+            future.result()
+            self.wait_s += time.perf_counter() - t
+        if len(self.streamed) > 1:  # the next streamed layer, read while this one runs (the first: next step's)
+            self._prefetch((k + 1) % len(self.streamed))
+
+    def _after(self, k: int) -> None:
+        self._drop(k)
+        if len(self.streamed) == 1:  # the only one: read again for the next step once it is dropped
+            self._prefetch(k)
+
+    def _drop(self, k: int) -> None:
+        s = self.streamed[k]
+        self._map.madvise(mmap.MADV_DONTNEED, s.offset, s.nbytes)
+        os.posix_fadvise(self._fd, s.offset, s.nbytes, os.POSIX_FADV_DONTNEED)
+
+    def _drop_all(self) -> None:
+        for k in range(len(self.streamed)):
+            self._drop(k)
+
+    def take_wait(self) -> float:
+        """Seconds forwards waited for the read-ahead since the last call."""
+        w, self.wait_s = self.wait_s, 0.0
+        return w
+
+    def describe(self) -> dict:
+        return {"resident_bytes": self.resident_bytes, "streamed_bytes_per_step": self.streamed_bytes,
+                "streamed_layers": [s.index for s in self.streamed], "total_bytes": self.total_bytes,
+                "disk_read_bytes_per_s": self.read_bytes_per_s}
+
+    @classmethod
+    def attach(cls, model: nn.Module, budget_bytes: int, directory: str | None = None) -> WeightStore:
+        store = cls(model, budget_bytes, directory)
+        model.weight_store = store
+        if store.streamed:
+            d = store.describe()
+            log.info("weights: %.1f MiB resident, %.1f MiB of %d layer(s) streamed from disk per step (read at "
+                     "%.0f MiB/s: %.1f ms per step at least)", d["resident_bytes"] / 2**20,
+                     d["streamed_bytes_per_step"] / 2**20, len(store.streamed), store.read_bytes_per_s / 2**20,
+                     1e3 * store.streamed_bytes / store.read_bytes_per_s)
+        else:
+            log.info("weights: all %.1f MiB fit --weights-resident-gb; nothing streamed", total_mib(model))
+        return store
+
+
+def total_mib(model: nn.Module) -> float:
+    return _param_bytes(model) / 2**20
