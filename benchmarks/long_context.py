@@ -12,6 +12,11 @@ what blocks_for_tokens predicts from the layer pattern alone.
 
     python benchmarks/long_context.py                         # 6 layers, 8k context, 32 requests, pool of 4
     python benchmarks/long_context.py --layers 12 --context 16384 --requests 24
+    python benchmarks/long_context.py --part weights         # only the weights part (embedded SmolLM2)
+
+The weights part first: batch-1 decode of the embedded SmolLM2 with every weight resident and with a third
+resident (--weights-resident-gb), the rest streamed from disk each step; tok/s of both, and the bound the
+disk's read speed, measured on the stream file, sets.
 
 The model is tiny (hidden --hidden) so the run is about the KV cache, not the matmuls: what it shows is how
 many requests share the pool, which is what bounds a long-context server's batch.
@@ -69,6 +74,48 @@ def run(path: Path, args, kv_bytes: int, hybrid: bool) -> dict:
                 other=other.cores())
 
 
+def weights_part(args) -> None:
+    """Batch-1 decode of the embedded SmolLM2 (GGUF) fully resident and with a third of its weights resident,
+    the rest streamed from disk every step (--weights-resident-gb): tok/s of each, and the bound the disk's
+    measured read speed sets on the streamed run (one step reads every streamed layer once)."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill import diagnostics as d
+
+    prompt = [[5 + (j * 7) % 300 for j in range(64)]]
+    sp = SamplingParams(temperature=0.0, max_tokens=args.weights_tokens, min_tokens=args.weights_tokens,
+                        ignore_eos=True)
+    results = {}
+    total = None
+    for name in ("resident", "streamed"):
+        kw = dict(max_model_len=512, kv_cache_memory_bytes=64 << 20)
+        if name == "streamed":
+            kw["weights_resident_gb"] = total / 3 / 2**30
+        llm = LLM(args.weights_model, **kw)
+        if total is None:
+            total = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+        llm.generate(prompt, SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        out = llm.generate(prompt, sp, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        steps = [s for s in llm.engine.stats.history if s.end_time >= t0 and s.num_tokens == 1]
+        report = d.engine_diagnostics(llm.engine, last_n=len(steps))
+        results[name] = dict(tok_s=len(out[0].outputs[0].token_ids) / wall, tokens=out[0].outputs[0].token_ids,
+                             weights=report.get("weights"),
+                             step_s=sum(s.forward_s + s.sample_s + s.prepare_s for s in steps) / len(steps))
+        del llm
+    r, s = results["resident"], results["streamed"]
+    w = s["weights"]
+    disk_s = w["disk_s_per_step"]
+    print(f"weights: {total / 2**20:.1f} MiB; resident {r['tok_s']:.1f} tok/s; a third resident "
+          f"({w['resident_bytes'] / 2**20:.1f} MiB, {len(w['streamed_layers'])} layers streamed, "
+          f"{w['streamed_bytes_per_step'] / 2**20:.1f} MiB per step) {s['tok_s']:.1f} tok/s = "
+          f"{s['tok_s'] / r['tok_s']:.2f}x; same tokens: {r['tokens'] == s['tokens']}")
+    print(f"  disk read {w['disk_read_bytes_per_s'] / 2**20:.0f} MiB/s -> {1e3 * disk_s:.1f} ms of reads per step "
+          f"(at most {1 / disk_s:.1f} tok/s); compute {1e3 * w['compute_s_per_step']:.1f} ms, waited "
+          f"{1e3 * w['wait_s_per_step']:.1f} ms per step; bound: {w['bound']}; measured step "
+          f"{1e3 * s['step_s']:.1f} ms {env_str()}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=6)
@@ -80,7 +127,14 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024, help="max_num_batched_tokens (prompt chunk)")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--part", choices=("kv", "weights", "all"), default="all")
+    ap.add_argument("--weights-model", default=None, help="model for the weights part (default: embedded SmolLM2)")
+    ap.add_argument("--weights-tokens", type=int, default=64)
     args = ap.parse_args()
+    if args.part in ("weights", "all"):
+        weights_part(args)
+    if args.part == "weights":
+        return
 
     from tokenmill.core.kv_cache import blocks_for_tokens
 

@@ -91,8 +91,8 @@ def test_streaming_reads_ahead_and_counts_its_waits(tmp_path):
     llm = LLM(str(path), **KW, weights_resident_gb=total / 3 / 2**30)
     store = llm.engine.model.weight_store
     reads = []
-    read = store._read
-    store._read = lambda offset, n: reads.append(offset) or read(offset, n)
+    load = store._load
+    store._load = lambda offset, n: reads.append(offset) or load(offset, n)
     llm.generate(PROMPTS[:2], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     steps = list(llm.engine.stats.history)
     # every step reads each streamed layer once, in forward order, from the second layer of the first step on

@@ -8,7 +8,9 @@ bit. Which layers: as few as keep the rest within N, spread evenly over the stac
 layer follows resident ones whose compute hides its read.
 
 Per step, for each streamed layer in forward order: a background thread reads it from the file ahead of use
-(the next streamed layer once this one has started, `os.preadv` into the page cache, the GIL released), the
+(the next streamed layer once this one has started: `madvise(MADV_POPULATE_READ)` through ctypes, the GIL
+released, which reads the pages and maps them, so the forward takes no page faults; `os.preadv` into the page
+cache on kernels without it), the
 layer's forward waits for that read if it is not done (the time counted as `StepTimings.weight_wait_s`), and
 after its forward its pages are given back: unmapped from the process (`madvise(MADV_DONTNEED)`) and dropped
 from the page cache (`posix_fadvise(POSIX_FADV_DONTNEED)`), so every step reads the streamed bytes from the
@@ -26,6 +28,8 @@ happens after), so N bounds the running process, not the load's peak.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -37,12 +41,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tokenmill.model.mapped_pages import trim_heap
+from tokenmill.model.mapped_pages import _c_library, trim_heap
 
 log = logging.getLogger(__name__)
 
 _PAGE = mmap.PAGESIZE
 _READ_CHUNK = 8 << 20  # bytes per preadv call of the read-ahead
+_MADV_POPULATE_READ = 22  # Linux 5.14+: read a range in and map it (page tables filled: no faults when used)
 
 
 def _streamable(p: torch.Tensor) -> bool:
@@ -134,10 +139,12 @@ class WeightStore:
         os.fsync(fd)
         self._fd = fd
         self._map = mmap.mmap(fd, offset, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        # Our own read-ahead decides what is read: no read-around on faults, no readahead past a layer's range (both
-        # would bring a dropped neighbour back).
-        self._map.madvise(mmap.MADV_RANDOM)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        libc = _c_library()
+        self._madvise = getattr(libc, "madvise", None) if libc is not None else None
+        if self._madvise is not None:
+            self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            self._madvise.restype = ctypes.c_int
         for i, start, nbytes, params, places in layout:
             for p, at in zip(params, places):
                 view = torch.frombuffer(self._map, dtype=p.dtype, count=p.numel(), offset=at).view(p.shape)
@@ -165,11 +172,22 @@ class WeightStore:
                 break
             offset += got
 
+    def _load(self, offset: int, nbytes: int) -> None:
+        """Read a range in ahead of use: mapped as well where the kernel can (no faults in the forward)."""
+        if self._madvise is not None and self._madvise(self._base + offset, nbytes, _MADV_POPULATE_READ) == 0:
+            return
+        if self._madvise is not None and ctypes.get_errno() not in (0, errno.EINVAL):
+            log.debug("MADV_POPULATE_READ failed (errno %d): reading with preadv", ctypes.get_errno())
+        if self._madvise is not None:  # EINVAL: a kernel before 5.14; the page cache is filled, the forward maps it,
+            self._madvise = None  # and its faults must not read around into dropped neighbours
+            self._map.madvise(mmap.MADV_RANDOM)
+        self._read(offset, nbytes)
+
     def _prefetch(self, k: int) -> None:
         s = self.streamed[k]
         with self._lock:
             if k not in self._pending:
-                self._pending[k] = self._pool.submit(self._read, s.offset, s.nbytes)
+                self._pending[k] = self._pool.submit(self._load, s.offset, s.nbytes)
 
     def _before(self, k: int) -> None:
         with self._lock:
