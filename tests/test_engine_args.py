@@ -22,6 +22,8 @@ ROUND_TRIP = {
     "quantization": (["--quantization", "int4"], "int4", "model.quantization"),
     "quantization_group_size": (["--quantization-group-size", "64"], 64, "model.quantization_group_size"),
     "activation_quantization": (["--activation-quantization", "int8"], "int8", "model.activation_quantization"),
+    "weights_resident_gb": (["--weights-resident-gb", "1.5"], 1.5, "model.weights_resident_gb"),
+    "weights_stream_dir": (["--weights-stream-dir", "/var/tmp/w"], "/var/tmp/w", "model.weights_stream_dir"),
     "device": (["--device", "cuda"], "cuda", "device"),
     "attention_backend": (["--attention-backend", "torch_sdpa"], "torch_sdpa", "attention_backend"),
     "block_size": (["--block-size", "32"], 32, "cache.block_size"),

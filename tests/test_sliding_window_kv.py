@@ -233,3 +233,28 @@ def test_groups_off_keeps_one_table(gemma3):
     llm.generate([list(range(3, 80))], SamplingParams(max_tokens=8), use_tqdm=False)
     assert llm.engine.kv.num_released == 0
     idle(llm)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_kv_groups_with_speculation(gemma3, prompts, gemma3_oracle, tmp_path_factory, method):
+    """A drafter keeps its K/V in the full group's blocks (group 0 never releases); rejected drafts' slots are
+    trimmed in every group. Greedy output equals transformers', plain and on a pool that preempts; a model whose
+    every layer slides keeps all blocks with a drafter."""
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "draft_model":
+        spec["model"] = str(make_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=2, num_hidden_layers=1))
+    else:
+        spec["prompt_lookup_max"] = 3
+    for kw in (dict(num_gpu_blocks_override=400), dict(num_gpu_blocks_override=44, max_num_batched_tokens=64)):
+        llm = LLM(str(gemma3), max_model_len=128, block_size=8, speculative_config=spec, **kw)
+        assert llm.engine.kv.group_windows == (None, WINDOW, WINDOW)
+        check_against_oracle(llm.generate(prompts, SP, use_tqdm=False), gemma3_oracle, f"{method} {kw}")
+        assert llm.engine.kv.num_released > 0
+        if method == "draft_model":
+            assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
+        if kw["num_gpu_blocks_override"] == 44:
+            assert llm.engine.scheduler.num_preemptions > 0
+        idle(llm)
+    sliding = make_tiny_model(tmp_path_factory.mktemp("all_local"), "gemma3", layer_types=["sliding_attention"] * 2)
+    llm = LLM(str(sliding), max_model_len=128, num_gpu_blocks_override=64, block_size=8, speculative_config=spec)
+    assert llm.engine.kv.group_windows == (None,)

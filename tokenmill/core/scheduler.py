@@ -163,7 +163,9 @@ class Scheduler:
     @property
     def capacity_tokens(self) -> int:
         """Tokens one request can hold in the whole pool, its speculative lookahead slots included."""
-        return self.kv.capacity_tokens(self.config.max_num_batched_tokens) - self.num_lookahead_tokens
+        # (a windowed group holds a chunk and the lookahead slots reserved past it beyond its window)
+        chunk = self.config.max_num_batched_tokens + self.num_lookahead_tokens
+        return self.kv.capacity_tokens(chunk) - self.num_lookahead_tokens
 
     def add_request(self, req: Request) -> None:
         """Queue a request. ValueError if even the whole pool could not hold its prompt (it could never run);

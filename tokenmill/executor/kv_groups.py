@@ -9,9 +9,10 @@ group keeps its own: a long request holds its whole context in one group and abo
 
 One group when every layer has the same window (Mistral: blocks out of the window are released from the one
 table), when no layer has one, or when groups are off: `--disable-hybrid-kv-cache-manager`, and what does not
-work with them yet (speculative decoding's drafter keeps its KV in the same blocks; KV offloading and the KV
-connector move blocks of all layers; a pipeline stage holds some layers only; layers of different K/V
-shapes). `off_reasons` names them.
+work with them yet (KV offloading and the KV connector move blocks of all layers; a pipeline stage holds some
+layers only; layers of different K/V shapes). `off_reasons` names them. A speculative drafter keeps its K/V in
+the blocks of the first group's table, so it needs that group to be a full-attention one (it is whenever the
+model has full layers: they come first); a model whose every layer slides keeps all blocks with a drafter.
 """
 from __future__ import annotations
 
@@ -30,12 +31,24 @@ class KVGroup:
     layers: list[Attention]
 
 
-def off_reasons(config, spec) -> tuple[str | None, str | None]:
-    """(why no block is ever released, why layers of different windows cannot have groups of their own)."""
+@dataclass
+class OffReasons:
+    """Why blocks are never released (`release`), why windows cannot have groups of their own (`groups`), and why
+    the first group must attend to the whole context (`full_first`); None: no reason."""
+
+    release: str | None = None
+    groups: str | None = None
+    full_first: str | None = None
+
+
+def off_reasons(config, spec) -> OffReasons:
     if config.scheduler.disable_hybrid_kv_cache_manager:
-        return "--disable-hybrid-kv-cache-manager", "--disable-hybrid-kv-cache-manager"
-    if spec is not None:
-        return "speculative decoding (the drafter's KV shares the blocks)", "speculative decoding"
+        return OffReasons("--disable-hybrid-kv-cache-manager", "--disable-hybrid-kv-cache-manager")
+    full_first = "speculative decoding (its drafter's K/V lives in the first group's blocks)" if spec else None
+    return OffReasons(*_off(config), full_first)
+
+
+def _off(config) -> tuple[str | None, str | None]:
     if getattr(config, "kv_transfer", None) is not None:
         return "a KV connector (it hands over whole prefixes)", "a KV connector"
     cache = config.cache
@@ -46,10 +59,13 @@ def off_reasons(config, spec) -> tuple[str | None, str | None]:
     return None, None
 
 
-def plan_kv_groups(layers: list[Attention], model_windows: set[int | None], release_off: str | None,
-                   groups_off: str | None) -> list[KVGroup]:
+def plan_kv_groups(layers: list[Attention], model_windows: set[int | None], off: OffReasons) -> list[KVGroup]:
     """The groups of this process's attention layers. `model_windows`: every window of the whole model (a
     pipeline stage holds only some of its layers)."""
+    if off.full_first is not None and None not in model_windows:
+        log.info("KV cache: every layer keeps the whole context (%s)", off.full_first)
+        return [KVGroup(None, list(layers))]
+    release_off, groups_off = off.release, off.groups
     if release_off is not None or None in model_windows and len(model_windows) == 1:
         return [KVGroup(None, list(layers))]
     if len(model_windows) == 1:  # one window everywhere: one table, released as it slides

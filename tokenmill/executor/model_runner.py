@@ -13,7 +13,7 @@ import torch
 
 from tokenmill.core.batch import ModelRunnerOutput, PromptLogprobs, ScheduledBatch, StepTimings
 from tokenmill.executor.input_batch import InputBatch, StepInputs
-from tokenmill.executor.kv_groups import KVGroup, describe, plan_kv_groups, share_kv_cache
+from tokenmill.executor.kv_groups import KVGroup, OffReasons, describe, plan_kv_groups, share_kv_cache
 from tokenmill.layers import collectives
 from tokenmill.layers.attention import Attention, AttentionTimer
 from tokenmill.layers.attention_backends import kv_quant
@@ -75,10 +75,10 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         return self.block_bytes(self.kv_dtype)
 
-    def configure_kv_groups(self, release_off: str | None, groups_off: str | None) -> tuple[int | None, ...]:
+    def configure_kv_groups(self, off: OffReasons) -> tuple[int | None, ...]:
         """Group the attention layers by window (executor/kv_groups.py) before the pool is sized; returns each
         group's window, for the core's block tables."""
-        self.kv_groups = plan_kv_groups(self.attn_layers, self.model_windows, release_off, groups_off)
+        self.kv_groups = plan_kv_groups(self.attn_layers, self.model_windows, off)
         hybrid = len(self.kv_groups) > 1
         for g, group in enumerate(self.kv_groups):
             for a in group.layers:

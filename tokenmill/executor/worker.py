@@ -171,7 +171,7 @@ class Worker:
             log.info("LoRA: %d slot(s) of rank up to %d in %d layers, %.1f MiB", lora.max_loras, lora.max_lora_rank,
                      len(self.runner.lora.targets.layers), self.runner.lora.nbytes / 2**20)
         kv_dtype = kv_dtype_for(getattr(cache, "kv_cache_dtype", "auto"), model)
-        self.kv_group_windows = self.runner.configure_kv_groups(*off_reasons(self.config, spec))
+        self.kv_group_windows = self.runner.configure_kv_groups(off_reasons(self.config, spec))
         num_blocks = self.determine_num_blocks(kv_dtype)
         self.runner.allocate_kv_cache(num_blocks, kv_dtype)
         log.info("KV cache: %d blocks x %d tokens, %.1f MiB (kv_cache_dtype %s: %s); attention backend %s", num_blocks,
@@ -270,10 +270,10 @@ class Worker:
             n = torch.tensor([num_blocks], dtype=torch.long)
             dist.all_reduce(n, op=dist.ReduceOp.MIN)
             num_blocks = int(n)
-        need = min_blocks(self.max_model_len, self.config.scheduler.num_lookahead_tokens, cache.block_size,
-                          self.kv_group_windows, self.config.scheduler.max_num_batched_tokens)
+        lookahead = self.config.scheduler.num_lookahead_tokens
+        need = min_blocks(self.max_model_len, lookahead, cache.block_size, self.kv_group_windows,
+                          self.config.scheduler.max_num_batched_tokens + lookahead)
         if num_blocks < need:
-            lookahead = self.config.scheduler.num_lookahead_tokens
             spec = f" plus {lookahead} speculative lookahead slots" if lookahead else ""
             groups = len(self.kv_group_windows)
             held = (f"{num_blocks * cache.block_size} tokens" if groups == 1 else
