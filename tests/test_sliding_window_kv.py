@@ -45,20 +45,46 @@ def idle(llm: LLM) -> None:
     kv.check_invariants()
 
 
+def run_all(llm: LLM, prompts) -> tuple[list, int]:
+    """All prompts added at once and stepped to the end: their outputs, and the most blocks one request held."""
+    engine, most, done = llm.engine, 0, {}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), None, SP, prompt_token_ids=p)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[int(o.request_id)] = o
+        most = max([most] + [r.num_held_blocks for r in engine.scheduler.running])
+    idle(llm)
+    return [done[i] for i in range(len(prompts))], most
+
+
+# model fixture, its oracle's, its KV cache groups' windows, a roomy pool, a small pool. Mistral: 12 blocks, what one
+# request needs at most with 64-token chunks (every block released as one is taken: requests wait to be admitted
+# rather than preempt); Gemma 3: 40, where a context takes 16 blocks in the full group and up to 5 in each windowed
+# one, and requests preempt each other.
+MODELS = {"mistral": ("mistral", "oracle", (WINDOW,), 128, 12),
+          "gemma3": ("gemma3", "gemma3_oracle", (None, WINDOW, WINDOW), 400, 40)}
+
+
 @pytest.mark.parametrize("backend", ["cpu_paged", "torch_sdpa"])
-def test_released_blocks_never_change_the_output(mistral, prompts, oracle, backend):
-    kw = dict(max_model_len=128, attention_backend=backend)
-    plain = LLM(str(mistral), num_gpu_blocks_override=128, block_size=8, **kw)
-    assert plain.engine.kv.group_windows == (WINDOW,)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_released_blocks_never_change_the_output(request, prompts, model, backend):
+    name, oracle_name, windows, roomy, tight_blocks = MODELS[model]
+    path, oracle = request.getfixturevalue(name), request.getfixturevalue(oracle_name)
+    kw = dict(max_model_len=128, attention_backend=backend, block_size=8)
+    plain = LLM(str(path), num_gpu_blocks_override=roomy, **kw)
+    kv = plain.engine.kv
+    assert kv.group_windows == windows
     check_against_oracle(plain.generate(prompts, SP, use_tqdm=False), oracle, f"{backend} plain")
+    first = kv.stats.hits
     check_against_oracle(plain.generate(prompts, SP, use_tqdm=False), oracle, f"{backend} prefix hits")
-    assert plain.engine.kv.num_released > 0
-    chunked = LLM(str(mistral), num_gpu_blocks_override=128, block_size=8, max_num_batched_tokens=16, **kw)
+    assert kv.num_released > 0 and kv.stats.hits - first > 0.8 * sum(map(len, prompts))  # the windows were there
+    chunked = LLM(str(path), num_gpu_blocks_override=roomy, max_num_batched_tokens=16, **kw)
     check_against_oracle(chunked.generate(prompts, SP, use_tqdm=False), oracle, f"{backend} chunked")
-    # 16 blocks of 8 tokens: one whole context (up to 125 tokens) at a time; released blocks let several run,
-    # and the pool still runs dry (preemption) while prompts are computed
-    tight = LLM(str(mistral), num_gpu_blocks_override=16, block_size=8, max_num_batched_tokens=64, **kw)
+    tight = LLM(str(path), num_gpu_blocks_override=tight_blocks, max_num_batched_tokens=64, **kw)
     check_against_oracle(tight.generate(prompts, SP, use_tqdm=False), oracle, f"{backend} tight pool")
+    assert tight.engine.scheduler.num_preemptions > 0 or None not in windows
     two = plain.generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, n=2), use_tqdm=False)
     for out, (tokens, _) in zip(two, oracle[:3]):
         assert [c.token_ids for c in out.outputs] == [tokens, tokens]
@@ -73,16 +99,8 @@ def test_a_request_holds_about_a_window_so_a_small_pool_never_preempts(mistral, 
     def run(**kw):
         llm = LLM(str(mistral), max_model_len=128, num_gpu_blocks_override=32, block_size=8,
                   long_prefill_token_threshold=8, **kw)
-        engine, most, done = llm.engine, 0, {}
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), None, SP, prompt_token_ids=p)
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    done[int(o.request_id)] = o
-            most = max([most] + [r.num_held_blocks for r in engine.scheduler.running])
-        idle(llm)
-        return [done[i] for i in range(len(prompts))], most, engine.scheduler.num_preemptions, engine.kv.num_released
+        outs, most = run_all(llm, prompts)
+        return outs, most, llm.engine.scheduler.num_preemptions, llm.engine.kv.num_released
 
     outs, most, preempted, released = run()
     kept_outs, kept_most, kept_preempted, kept_released = run(disable_hybrid_kv_cache_manager=True)
@@ -106,14 +124,21 @@ def test_failed_steps_resend_tables_with_released_blocks(mistral, prompts, oracl
     released blocks: the step reruns one request at a time and the workers get those requests' block tables
     whole again, their released entries naming a block they hold. Only request 6 fails; the others finish with
     transformers' output."""
+    resent = fail_request_6(mistral, prompts, oracle, monkeypatch)
+    assert any(n for _, n in resent[len(prompts):]), resent  # a resent table had released entries
+
+
+def fail_request_6(path, prompts, oracle, monkeypatch) -> list[tuple[int, int]]:
+    """Run the prompts with request 6 failing in sampling at its first step; check that only it fails and the
+    pool is whole after. Returns the (group, released entries) of every block table sent whole."""
     from tokenmill.core.scheduler import Scheduler
     from tokenmill.testing import faults
 
     resent = []
     table = Scheduler._table
     monkeypatch.setattr(Scheduler, "_table", staticmethod(
-        lambda req, group: resent.append(req.num_released[group]) or table(req, group)))
-    llm = LLM(str(mistral), max_model_len=128, num_gpu_blocks_override=64, block_size=8, max_num_seqs=4)
+        lambda req, group: resent.append((group, req.num_released[group])) or table(req, group)))
+    llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=200, block_size=8, max_num_seqs=4)
     lengths = [8 + 3 * i for i in range(len(prompts))]
     sps = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in lengths]
     monkeypatch.setenv(faults.ENV, "sample=6")
@@ -123,8 +148,8 @@ def test_failed_steps_resend_tables_with_released_blocks(mistral, prompts, oracl
     for i, (o, (tokens, _)) in enumerate(zip(outs, oracle)):
         if i != 6:
             assert o.outputs[0].token_ids == tokens[: lengths[i]], i
-    assert any(resent[len(prompts):]), resent  # a resent table had released entries
     idle(llm)
+    return resent
 
 
 # ---- KV cache groups: Gemma 3's windowed layers release, its full layers keep -------------------------------
@@ -142,30 +167,6 @@ def gemma3_oracle(gemma3, prompts):
     return hf_greedy(gemma3, prompts)
 
 
-@pytest.mark.parametrize("backend", ["cpu_paged", "torch_sdpa"])
-def test_kv_groups_never_change_the_output(gemma3, prompts, gemma3_oracle, backend):
-    kw = dict(max_model_len=128, attention_backend=backend, block_size=8)
-    plain = LLM(str(gemma3), num_gpu_blocks_override=400, **kw)
-    kv = plain.engine.kv
-    assert kv.group_windows == (None, WINDOW, WINDOW)
-    check_against_oracle(plain.generate(prompts, SP, use_tqdm=False), gemma3_oracle, f"{backend} plain")
-    first = kv.stats.hits
-    check_against_oracle(plain.generate(prompts, SP, use_tqdm=False), gemma3_oracle, f"{backend} prefix hits")
-    assert kv.num_released > 0 and kv.stats.hits - first > 0.8 * sum(map(len, prompts))  # the windows were there
-    chunked = LLM(str(gemma3), num_gpu_blocks_override=400, max_num_batched_tokens=16, **kw)
-    check_against_oracle(chunked.generate(prompts, SP, use_tqdm=False), gemma3_oracle, f"{backend} chunked")
-    # 40 blocks: one whole context takes 16 in the full group and up to 5 in each windowed one; eight requests
-    # preempt each other
-    tight = LLM(str(gemma3), num_gpu_blocks_override=40, max_num_batched_tokens=64, **kw)
-    check_against_oracle(tight.generate(prompts, SP, use_tqdm=False), gemma3_oracle, f"{backend} tight pool")
-    assert tight.engine.scheduler.num_preemptions > 0
-    two = plain.generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, n=2), use_tqdm=False)
-    for out, (tokens, _) in zip(two, gemma3_oracle[:3]):
-        assert [c.token_ids for c in out.outputs] == [tokens, tokens]
-    for llm in (plain, chunked, tight):
-        idle(llm)
-
-
 def test_kv_groups_fit_more_requests_in_the_same_memory(gemma3, prompts, gemma3_oracle):
     """The same KV bytes with and without groups: a block of the grouped pool is one layer's K/V (three layers'
     without), and a request holds its context in the full group and about a window in the windowed ones, so the
@@ -174,17 +175,9 @@ def test_kv_groups_fit_more_requests_in_the_same_memory(gemma3, prompts, gemma3_
     def run(**kw):
         llm = LLM(str(gemma3), max_model_len=128, block_size=8, long_prefill_token_threshold=8,
                   kv_cache_memory_bytes=kv_bytes, **kw)
-        engine, most, done = llm.engine, 0, {}
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), None, SP, prompt_token_ids=p)
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    done[int(o.request_id)] = o
-            most = max([most] + [r.num_held_blocks for r in engine.scheduler.running])
-        idle(llm)
-        info = engine.core.info
-        return [done[i] for i in range(len(prompts))], most * info.bytes_per_block, engine.scheduler.num_preemptions, info
+        outs, most = run_all(llm, prompts)
+        info = llm.engine.core.info
+        return outs, most * info.bytes_per_block, llm.engine.scheduler.num_preemptions, info
 
     per_layer_block = 2 * 8 * 2 * 16 * 4  # K and V, 8 tokens, 2 KV heads, head_dim 16, float32
     # 80 blocks of all three layers: five whole contexts of up to 125 tokens, fewer than the eight requests; grouped,
@@ -204,26 +197,9 @@ def test_kv_groups_fit_more_requests_in_the_same_memory(gemma3, prompts, gemma3_
 
 def test_a_failed_step_resends_every_groups_table(gemma3, prompts, gemma3_oracle, monkeypatch):
     """As test_failed_steps_resend_tables_with_released_blocks, with three block tables per request."""
-    from tokenmill.core.scheduler import Scheduler
-    from tokenmill.testing import faults
-
-    resent = []
-    table = Scheduler._table
-    monkeypatch.setattr(Scheduler, "_table", staticmethod(
-        lambda req, group: resent.append((group, req.num_released[group])) or table(req, group)))
-    llm = LLM(str(gemma3), max_model_len=128, num_gpu_blocks_override=200, block_size=8, max_num_seqs=4)
-    lengths = [8 + 3 * i for i in range(len(prompts))]
-    sps = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in lengths]
-    monkeypatch.setenv(faults.ENV, "sample=6")
-    outs = llm.generate(prompts, sps, use_tqdm=False)
-    monkeypatch.delenv(faults.ENV)
-    assert [o.outputs[0].finish_reason == "abort" for o in outs] == [i == 6 for i in range(len(prompts))]
-    for i, (o, (tokens, _)) in enumerate(zip(outs, gemma3_oracle)):
-        if i != 6:
-            assert o.outputs[0].token_ids == tokens[: lengths[i]], i
+    resent = fail_request_6(gemma3, prompts, gemma3_oracle, monkeypatch)
     assert {g for g, _ in resent} == {0, 1, 2}
     assert any(n for g, n in resent[3 * len(prompts):] if g) and not any(n for g, n in resent if g == 0)
-    idle(llm)
 
 
 def test_groups_off_keeps_one_table(gemma3):
