@@ -13,6 +13,7 @@ what blocks_for_tokens predicts from the layer pattern alone.
     python benchmarks/long_context.py                         # 6 layers, 8k context, 32 requests, pool of 4
     python benchmarks/long_context.py --layers 12 --context 16384 --requests 24
     python benchmarks/long_context.py --part weights         # only the weights part (embedded SmolLM2)
+    python benchmarks/long_context.py --part cp              # only context parallelism: a 16k prompt on 1 and 2 ranks
 
 The weights part first: batch-1 decode of the embedded SmolLM2 with every weight resident and with a third
 resident (--weights-resident-gb), the rest streamed from disk each step; tok/s of both, and the bound the
@@ -116,6 +117,39 @@ def weights_part(args) -> None:
           f"{1e3 * s['step_s']:.1f} ms {env_str()}")
 
 
+def cp_part(args) -> None:
+    """Prefill of one --cp-prompt-token prompt (time to its first token) on one rank and on two decode-context-
+    parallel ranks, on a tiny Llama whose attention dominates at that length, with the step's attention and
+    collective times from the engine's own figures; the fitted model is in docs/scaling.md."""
+    from tokenmill import LLM, SamplingParams
+
+    from tiny import make_tiny_model
+
+    n = args.cp_prompt
+    with tempfile.TemporaryDirectory() as tmp:
+        path = make_tiny_model(Path(tmp) / "llama", "llama", hidden_size=64, num_hidden_layers=2,
+                               max_position_embeddings=n + 64)
+        prompt = [[3 + (j * 7) % 300 for j in range(n)]]
+        rows = []
+        for label, kw in (("1 rank, torch_sdpa", dict(attention_backend="torch_sdpa")),
+                          ("1 rank, cpu_paged", dict(attention_backend="cpu_paged")),
+                          ("2 ranks (dcp)", dict(decode_context_parallel_size=2))):
+            llm = LLM(str(path), max_model_len=n + 16, block_size=16, max_num_batched_tokens=args.chunk,
+                      kv_cache_memory_bytes=2 * 2 * 64 * 4 * (n + 64) * 2, enable_prefix_caching=False, **kw)
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+            t0 = time.perf_counter()
+            llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)
+            wall = time.perf_counter() - t0
+            steps = [s for s in llm.engine.stats.history if s.end_time >= t0]
+            rows.append((label, wall, sum(s.attn_s for s in steps), sum(s.collective_s for s in steps), len(steps)))
+            del llm
+    base = rows[0][1]
+    print(f"prefill of a {n}-token prompt in chunks of {args.chunk} (tiny Llama, 2 layers, hidden 64) {env_str()}")
+    for label, wall, attn, coll, steps in rows:
+        print(f"  {label:20s} {wall:7.2f} s ({base / wall:.2f}x of 1 rank torch_sdpa); attention {attn:.2f} s, "
+              f"collectives {coll:.2f} s over {steps} steps")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=6)
@@ -127,13 +161,16 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024, help="max_num_batched_tokens (prompt chunk)")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--head-dim", type=int, default=32)
-    ap.add_argument("--part", choices=("kv", "weights", "all"), default="all")
+    ap.add_argument("--part", choices=("kv", "weights", "cp", "all"), default="all")
+    ap.add_argument("--cp-prompt", type=int, default=16384, help="prompt tokens of the context-parallel part")
     ap.add_argument("--weights-model", default=None, help="model for the weights part (default: embedded SmolLM2)")
     ap.add_argument("--weights-tokens", type=int, default=64)
     args = ap.parse_args()
     if args.part in ("weights", "all"):
         weights_part(args)
-    if args.part == "weights":
+    if args.part in ("cp", "all"):
+        cp_part(args)
+    if args.part in ("weights", "cp"):
         return
 
     from tokenmill.core.kv_cache import blocks_for_tokens

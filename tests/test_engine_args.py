@@ -22,6 +22,8 @@ ROUND_TRIP = {
     "quantization": (["--quantization", "int4"], "int4", "model.quantization"),
     "quantization_group_size": (["--quantization-group-size", "64"], 64, "model.quantization_group_size"),
     "activation_quantization": (["--activation-quantization", "int8"], "int8", "model.activation_quantization"),
+    "decode_context_parallel_size": (["--decode-context-parallel-size", "2"], 2,
+                                     "parallel.decode_context_parallel_size"),
     "weights_resident_gb": (["--weights-resident-gb", "1.5"], 1.5, "model.weights_resident_gb"),
     "weights_stream_dir": (["--weights-stream-dir", "/var/tmp/w"], "/var/tmp/w", "model.weights_stream_dir"),
     "device": (["--device", "cuda"], "cuda", "device"),

@@ -77,6 +77,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # uni | mp | ray; None: uni for one worker, else mp
     enable_expert_parallel: bool = False  # MoE experts split whole across the tensor-parallel ranks
+    # Every sequence's K/V split over this many ranks by block, partial attention merged by log-sum-exp
+    # (layers/attention_backends/context_parallel.py); the weights replicated on each
+    decode_context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.distributed_executor_backend is None:
@@ -84,7 +87,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.decode_context_parallel_size
 
 
 def json_object(value: "str | dict", name: str) -> dict:
@@ -219,13 +222,34 @@ class EngineConfig:
         if self.lora is not None:
             self.scheduler.max_loras = self.lora.max_loras
 
+    def _check_context_parallel(self) -> None:
+        """The combinations decode context parallelism does not run with yet, each refused with its reason."""
+        p, c = self.parallel, self.cache
+        refused = [
+            (p.tensor_parallel_size > 1 or p.pipeline_parallel_size > 1,
+             "with tensor or pipeline parallelism (each context-parallel rank holds the whole model)"),
+            (self.speculative is not None, "with speculative decoding (a drafter's K/V is not split)"),
+            (bool(c.kv_offload_bytes or c.kv_offload_dir), "with KV offloading (a block lives on one rank only)"),
+            (self.kv_transfer is not None, "with a KV connector (a block lives on one rank only)"),
+            (c.kv_cache_dtype in ("int8", "fp8", "fp8_e4m3"), "with a quantized KV cache"),
+            (self.attention_backend not in (None, "torch_sdpa"),
+             f"with attention backend {self.attention_backend!r} (it runs its own masked torch attention)"),
+        ]
+        for bad, why in refused:
+            if bad:
+                raise ValueError(f"--decode-context-parallel-size {p.decode_context_parallel_size} does not run {why} "
+                                 "yet.")
+
     def validate(self) -> None:
         m, c, s, p = self.model, self.cache, self.scheduler, self.parallel
         _at_least(1, max_model_len=m.max_model_len, block_size=c.block_size,
                   kv_cache_memory_bytes=c.kv_cache_memory_bytes, num_gpu_blocks_override=c.num_gpu_blocks_override,
                   max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                   kv_offload_group_blocks=c.kv_offload_group_blocks, tensor_parallel_size=p.tensor_parallel_size,
-                  pipeline_parallel_size=p.pipeline_parallel_size)
+                  pipeline_parallel_size=p.pipeline_parallel_size,
+                  decode_context_parallel_size=p.decode_context_parallel_size)
+        if p.decode_context_parallel_size > 1:
+            self._check_context_parallel()
         _at_least(0, kv_offload_bytes=c.kv_offload_bytes, kv_offload_disk_bytes=c.kv_offload_disk_bytes,
                   kv_offload_min_blocks=c.kv_offload_min_blocks,
                   long_prefill_token_threshold=s.long_prefill_token_threshold)

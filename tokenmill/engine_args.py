@@ -154,6 +154,11 @@ class EngineArgs:
                                        "Pipeline-parallel stages: the layers split over N ranks, each step in "
                                        "two micro-batches so the stages overlap (default: %(default)s).",
                                        metavar="N", short="-pp")
+    decode_context_parallel_size: int = _arg(
+        ParallelConfig.decode_context_parallel_size, "Context-parallel ranks: every sequence's K/V split over N "
+        "processes by block (N times the context in the same memory per rank), each rank attending to its share "
+        "and the partial results merged by log-sum-exp; the weights are replicated (default: %(default)s).",
+        metavar="N", short="-dcp")
     distributed_executor_backend: str | None = _arg(
         ParallelConfig.distributed_executor_backend, "How workers run: uni in this process, mp one process each, "
         "ray one Ray actor each, on this node or a cluster (RAY_ADDRESS) (default: uni for one worker, else mp).",
@@ -256,6 +261,7 @@ class EngineArgs:
                                       disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     pipeline_parallel_size=self.pipeline_parallel_size,
+                                    decode_context_parallel_size=self.decode_context_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend,
                                     enable_expert_parallel=self.enable_expert_parallel),
             device=self.device,

@@ -37,7 +37,7 @@ class Executor:
     @staticmethod
     def create(config: EngineConfig) -> "Executor":
         par = config.parallel
-        world = par.tensor_parallel_size * par.pipeline_parallel_size
+        world = par.world_size  # tensor x pipeline x decode-context-parallel ranks
         backend = getattr(par, "distributed_executor_backend", None) or ("uni" if world == 1 else "mp")
         if world > 1 and backend == "uni":
             raise ValueError(f"{world} ranks need one process each: distributed_executor_backend 'mp' or 'ray'.")
@@ -179,7 +179,7 @@ def _shutdown_workers(conns: list, procs: list) -> None:
 def reply_rank(config: EngineConfig) -> int:
     """The rank that answers calls: the first rank of the last pipeline stage (rank 0 without pipelining)."""
     par = config.parallel
-    return par.tensor_parallel_size * (par.pipeline_parallel_size - 1)
+    return par.tensor_parallel_size * (par.pipeline_parallel_size - 1) * par.decode_context_parallel_size
 
 
 def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: str, conn) -> None:

@@ -91,6 +91,7 @@ class Worker:
         self.device = torch.device(config.device)
         self.runner: ModelRunner | None = None
         self.kv_group_windows: tuple[int | None, ...] = (None,)  # executor/kv_groups.py, set by init()
+        self.cp_size = 1  # decode context parallelism's ranks, set by init()
         self.transfer = None
         self.connector = None  # executor/kv_connector.ConnectorWorker with --kv-transfer-config
 
@@ -131,10 +132,12 @@ class Worker:
                                         model=mc.model, device=str(self.device),
                                         activations=mc.activation_quantization)
         tp = self.config.parallel.tensor_parallel_size
+        cp = self.cp_size = self.config.parallel.decode_context_parallel_size
+        model_rank = self.rank // cp  # context-parallel ranks hold the same weights (innermost in the rank order)
         model, self.hf_config, self.max_model_len = load_model(mc.model, mc.dtype, mc.max_model_len, str(self.device),
-                                                               quant_config=quant, tp_rank=self.rank % tp, tp_size=tp,
+                                                               quant_config=quant, tp_rank=model_rank % tp, tp_size=tp,
                                                                expert_parallel=self.config.parallel.enable_expert_parallel,
-                                                               pp_rank=self.rank // tp,
+                                                               pp_rank=model_rank // tp,
                                                                pp_size=self.config.parallel.pipeline_parallel_size)
         quant = getattr(model, "quant_config", quant)  # a pre-quantized checkpoint's, found in its config.json
         if mc.weights_resident_gb is not None:  # the layers beyond the budget stream from disk (model/weight_store.py)
@@ -160,8 +163,13 @@ class Worker:
 
         spec = build_spec_decoder(self.config, model, backend_cls, cache.block_size, self.device, vocab,
                                   self.max_model_len)
-        self.runner = ModelRunner(model, vocab, cache.block_size, self.device, backend_cls(cache.block_size, self.device),
-                                  spec)
+        if cp > 1:  # this rank's share of every sequence's K/V (layers/attention_backends/context_parallel.py)
+            from tokenmill.layers.attention_backends.context_parallel import ContextParallelBackend
+
+            backend = ContextParallelBackend(cache.block_size, self.device, self.rank % cp, cp)
+        else:
+            backend = backend_cls(cache.block_size, self.device)
+        self.runner = ModelRunner(model, vocab, cache.block_size, self.device, backend, spec)
         lora = self.config.lora
         if lora is not None:  # before the KV pool is sized: the slots take memory
             from tokenmill.lora.manager import LoRAManager
@@ -176,7 +184,7 @@ class Worker:
         self.runner.allocate_kv_cache(num_blocks, kv_dtype)
         log.info("KV cache: %d blocks x %d tokens, %.1f MiB (kv_cache_dtype %s: %s); attention backend %s", num_blocks,
                  cache.block_size, num_blocks * self.runner.bytes_per_block / 2**20,
-                 getattr(cache, "kv_cache_dtype", "auto"), str(kv_dtype).removeprefix("torch."), backend_cls.describe())
+                 getattr(cache, "kv_cache_dtype", "auto"), str(kv_dtype).removeprefix("torch."), type(self.runner.backend).describe())
         self.log_resident_memory(model, quant)
         offload = None
         from tokenmill.executor.kv_transfer import build_transfer
@@ -193,10 +201,11 @@ class Worker:
         torch.manual_seed(mc.seed)  # after loading, so sampling draws the same in any process
         targets = self.runner.lora.targets if self.runner.lora is not None else None
         store = getattr(model, "weight_store", None)
-        return WorkerInfo(num_blocks, cache.block_size, self.runner.bytes_per_block, self.max_model_len, vocab,
+        # The core's pool: every rank's local blocks (context parallelism: global block b is rank b % cp's b // cp).
+        return WorkerInfo(num_blocks * cp, cache.block_size, self.runner.bytes_per_block, self.max_model_len, vocab,
                           str(self.device), str(kv_dtype).removeprefix("torch."),
                           str(model.compute_dtype).removeprefix("torch."), self.model_cost(), offload,
-                          backend_cls.name, targets.shapes if targets else None, targets.num_layers if targets else 0,
+                          self.runner.backend.name, targets.shapes if targets else None, targets.num_layers if targets else 0,
                           self.kv_group_windows, store.describe() if store is not None else None)
 
     def log_resident_memory(self, model: torch.nn.Module, quant) -> None:
@@ -273,7 +282,7 @@ class Worker:
         lookahead = self.config.scheduler.num_lookahead_tokens
         need = min_blocks(self.max_model_len, lookahead, cache.block_size, self.kv_group_windows,
                           self.config.scheduler.max_num_batched_tokens + lookahead)
-        if num_blocks < need:
+        if num_blocks * self.cp_size < need:  # (context parallelism: the ranks' blocks together)
             spec = f" plus {lookahead} speculative lookahead slots" if lookahead else ""
             groups = len(self.kv_group_windows)
             held = (f"{num_blocks * cache.block_size} tokens" if groups == 1 else

@@ -35,6 +35,21 @@ def all_gather_last(y: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def all_gather_stack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every rank's copy of each tensor, stacked on a new first dimension (context parallelism's partial
+    attention and its log-sum-exp)."""
+    global _spent
+    t0 = time.perf_counter()
+    world = dist.get_world_size(_group)
+    out = []
+    for t in tensors:
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous(), group=_group)
+        out.append(torch.stack(parts))
+    _spent += time.perf_counter() - t0
+    return out
+
+
 def send_stage(tensors: list[torch.Tensor], dst: int) -> list:
     """Pipeline parallelism: hand a stage's activations to the next stage (non-blocking: the sender goes on
     with its next micro-batch). Returns the pending sends."""

@@ -30,18 +30,21 @@ class SDPAGroup:
     flat_index: torch.Tensor  # [N] token_index[valid]
     block_tables: torch.Tensor  # [B, NB]
     q_pos: torch.Tensor  # [B, Q] absolute position of each query (0 where padded)
-    key_pos: torch.Tensor  # [L] = arange(NB * block_size)
+    key_pos: torch.Tensor  # [L] = arange(NB * block_size); or [B, L], each request's own key positions
     all_valid: bool
+    key_owned: torch.Tensor | None = None  # [B, L] context parallelism: keys this rank holds (None: all)
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
         m = self._masks.get(window)
         if m is None:
             q = self.q_pos.unsqueeze(-1)  # [B, Q, 1]
-            k = self.key_pos.view(1, 1, -1)
+            k = self.key_pos.view(1, 1, -1) if self.key_pos.dim() == 1 else self.key_pos.unsqueeze(1)
             m = k <= q  # causal; also bounds each request's keys (q_pos < kv_len)
             if window is not None:
                 m &= k > q - window
+            if self.key_owned is not None:
+                m &= self.key_owned.unsqueeze(1)
             m = m.unsqueeze(1)  # [B, 1, Q, L]
             self._masks[window] = m
         return m
