@@ -784,5 +784,3 @@ def test_blocks_for_tokens_and_capacity():
     assert kv.capacity_tokens(8) == 100
     assert KVCacheManager(35, BS).capacity_tokens(8) == 35 * BS
     assert KVCacheManager(5, BS, group_windows=(6,)).capacity_tokens(8) >= 2**30  # only windows: unbounded
-    with pytest.raises(ValueError, match="offloading"):
-        KVCacheManager(8, BS, group_windows=(None, 6), offload=OffloadTiers(host_slots=2))

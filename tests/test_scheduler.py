@@ -493,7 +493,7 @@ def workloads(draw):
     slo_shed = policy == "slo" and draw(st.booleans())
     caching = draw(st.sampled_from([True, True, False]))
     offload = None
-    if caching and len(windows) == 1 and draw(st.booleans()):
+    if caching and draw(st.booleans()):
         offload = dict(host_slots=draw(st.integers(1, 4)), disk=draw(st.booleans()),
                        group_blocks=draw(st.integers(1, 3)), min_chain_blocks=draw(st.integers(1, 2)))
     corrupt = draw(st.sampled_from([False, False, True]))

@@ -234,3 +234,21 @@ def test_kv_groups_with_speculation(gemma3, prompts, gemma3_oracle, tmp_path_fac
     sliding = make_tiny_model(tmp_path_factory.mktemp("all_local"), "gemma3", layer_types=["sliding_attention"] * 2)
     llm = LLM(str(sliding), max_model_len=128, num_gpu_blocks_override=64, block_size=8, speculative_config=spec)
     assert llm.engine.kv.group_windows == (None,)
+
+
+def test_kv_groups_with_the_host_and_disk_tiers(gemma3, prompts, gemma3_oracle, tmp_path):
+    """Blocks of every group are saved to the lower tiers under their group's key when evicted and loaded back
+    for a prefix hit: the full group's whole chain, each windowed group's window before the hit's end. A pool of
+    50 blocks evicts every request's blocks before the next one; the second pass loads its prefixes back and
+    equals transformers."""
+    llm = LLM(str(gemma3), max_model_len=128, block_size=8, num_gpu_blocks_override=50, kv_offload_bytes=2 << 20,
+              kv_offload_dir=str(tmp_path / "kv"), kv_offload_min_blocks=1)
+    assert llm.engine.kv.group_windows == (None, WINDOW, WINDOW)
+    for _ in range(2):
+        outs = [llm.generate([p], SP, use_tqdm=False)[0] for p in prompts]
+        check_against_oracle(outs, gemma3_oracle, "tiers")
+    st = llm.engine.kv.offload.stats
+    assert st.saves > 0 and st.host_loads + st.disk_loads > 0 and st.load_failures == 0, st
+    groups = {llm.engine.kv.blocks[b].group for b in llm.engine.kv.cached.values()}
+    assert groups == {0, 1, 2}
+    idle(llm)

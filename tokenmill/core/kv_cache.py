@@ -103,9 +103,6 @@ class KVCacheManager:
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}.")
-        if len(group_windows) > 1 and offload is not None:
-            raise ValueError("KV cache groups (layers with different attention windows) do not work with KV "
-                             "offloading: run with --disable-hybrid-kv-cache-manager.")
         if connector is not None and any(w is not None for w in group_windows):
             raise ValueError("a KV connector hands over whole prefixes: blocks released out of a window cannot "
                              "follow; run with --disable-hybrid-kv-cache-manager.")
@@ -217,6 +214,9 @@ class KVCacheManager:
         if self.offload is None or not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return []
         self._update_hashes(req, req.num_tokens - 1)
+        if self.num_groups > 1:
+            return self._group_offloaded_chain(req.block_hashes[: (req.num_tokens - 1) // self.block_size],
+                                               num_device_blocks)
         chain: list[bytes] = []
         tiers: list[str] = []
         for h in req.block_hashes[num_device_blocks : (req.num_tokens - 1) // self.block_size]:
@@ -226,6 +226,28 @@ class KVCacheManager:
             chain.append(h)
             tiers.append(tier)
         return chain[: self.offload.blocks_worth_loading(tiers)] if chain else []
+
+    def _group_offloaded_chain(self, hashes: list[bytes], start: int) -> list[bytes]:
+        """KV cache groups: the longest continuation of a device hit of `start` blocks for which every group has
+        what it needs, on the device or in a lower tier (the full groups every block, a windowed one its window's
+        end), cut to what is worth loading."""
+        def tier(g: int, h: bytes) -> str | None:
+            key = group_key(g, h)
+            return "device" if key in self.cached else self.offload.tier_of(key)
+
+        end = start
+        while end < len(hashes) and all(tier(g, hashes[end]) for g, w in enumerate(self.group_windows) if w is None):
+            end += 1
+        bs = self.block_size
+        for m in range(end, start, -1):
+            needed = [tier(g, hashes[i]) for g, w in enumerate(self.group_windows)
+                      for i in range(max(start, 0 if w is None else max(m * bs - w + 1, 0) // bs), m)]
+            if None in needed:
+                continue
+            lower = [t for t in needed if t != "device"]
+            if self.offload.blocks_worth_loading(lower) == len(lower):
+                return hashes[start:m]
+        return []
 
     def get_remote_chain(self, req: Request, num_local_blocks: int) -> list[bytes]:
         """Hashes that continue req's local hit (device + lower tiers, `num_local_blocks` long) in the KV
@@ -272,52 +294,54 @@ class KVCacheManager:
         # entries stay RELEASED, and the host tier's blocks there are not loaded.
         reach = [0 if w is None else max(num_computed - w + 1, 0) // self.block_size for w in self.group_windows]
         hits = [[RELEASED if i < reach[g] else b for i, b in enumerate(hit)] for g, hit in enumerate(hits)]
-        skipped = min(max(reach[0] - len(computed_blocks), 0), len(offloaded))
-        need = [max(total - len(table) - len(hit), 0) for table, hit in zip(req.tables, hits)]
-        need[0] -= skipped
+        # The lower tiers' chain, per group: RELEASED, a block still on the device (another group may have cut the
+        # device hit short of it), or the key to load into a fresh block.
+        loads = [[RELEASED if i < reach[g] else self.cached.get(group_key(g, h), group_key(g, h))
+                  for i, h in enumerate(offloaded, len(computed_blocks))] for g in range(self.num_groups)]
+        keys = [e for entries in loads for e in entries if isinstance(e, bytes)]
+        need = [max(total - len(table) - len(hit) - len(offloaded) - (len(remote) if g == 0 else 0), 0)
+                for g, (table, hit) in enumerate(zip(req.tables, hits))]
         # Reviving a free cached block takes it out of the free queue too.
-        revived = sum(1 for hit in hits for b in hit if b != RELEASED and self.blocks[b].ref_count == 0)
-        if sum(need) + revived > len(self.free_queue):
+        revived = sum(1 for entries in hits + loads for b in entries
+                      if isinstance(b, int) and b != RELEASED and self.blocks[b].ref_count == 0)
+        if sum(need) + len(keys) + len(remote) + revived > len(self.free_queue):
             return False
-        for g, hit in enumerate(hits):
-            for b in hit:
+        if keys:  # pinned first: the evictions below save blocks to the host tier and must not spill these
+            self.offload.pin(keys)
+        for entries in hits + loads:  # every block still on the device first: a fresh block taken below may evict
+            for b in entries:  # a free one
+                if isinstance(b, int) and b != RELEASED:
+                    block = self.blocks[b]
+                    if block.ref_count == 0:
+                        del self.free_queue[b]
+                    block.ref_count += 1
+        for g in range(self.num_groups):
+            for b in hits[g] + loads[g]:
                 if b == RELEASED:  # before the group's window: never read
                     req.num_released[g] += 1
-                    continue
-                block = self.blocks[b]
-                if block.ref_count == 0:
-                    del self.free_queue[b]
-                block.ref_count += 1
-            req.tables[g].extend(hit)
+                elif isinstance(b, bytes):  # a lower tier's: named now, like blocks computed this step (loaded
+                    key, b = b, self._take_free_block()  # before any attention reads it)
+                    self._name(b, key, g)
+                    self.offload.load(key, b)
+                req.tables[g].append(b)
         req.num_computed_tokens = num_computed
-        req.block_ids.extend([RELEASED] * skipped)
-        req.num_released[0] += skipped
-        offloaded = offloaded[skipped:]
-        if offloaded:
-            # Pinned first: the evictions below save blocks to the host tier and must not spill these.
-            self.offload.pin(offloaded)
-            for h in offloaded:
-                block_id = self._take_free_block()
-                # Named now, like blocks computed this step: its content lands before any attention reads it.
-                self.blocks[block_id].hash = h
-                self.cached[h] = block_id
-                self.events.stored(h)
-                self.offload.load(h, block_id)
-                req.block_ids.append(block_id)
         for h in remote:  # a prefill instance's blocks: loaded by the connector before the forward pass
             block_id = self._take_free_block()
-            self.blocks[block_id].hash = h
-            self.cached[h] = block_id
-            self.events.stored(h)
+            self._name(block_id, h, 0)
             self.connector.load(h, block_id)
             req.block_ids.append(block_id)
-        for _ in range(max(need[0] - len(offloaded) - len(remote), 0)):
-            req.block_ids.append(self._take_free_block())
-        for g in range(1, self.num_groups):
+        for g in range(self.num_groups):
             req.tables[g].extend(self._take_free_block() for _ in range(need[g]))
         if self.enable_prefix_caching:
             self._cache_full_blocks(req, num_computed + num_new_tokens)
         return True
+
+    def _name(self, block_id: int, key: bytes, group: int) -> None:
+        block = self.blocks[block_id]
+        block.hash, block.group = key, group
+        self.cached[key] = block_id
+        if group == 0:
+            self.events.stored(key)
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)  # least recently freed

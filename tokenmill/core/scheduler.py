@@ -17,7 +17,7 @@ from typing import Callable
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.core.batch import CachedRequestData, ModelRunnerOutput, NewRequestData, ScheduledBatch
-from tokenmill.core.kv_cache import KVCacheManager
+from tokenmill.core.kv_cache import RELEASED, KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.core.policies import make_policy
 from tokenmill.core.request import Request, RequestStatus
@@ -231,20 +231,28 @@ class Scheduler:
     def recompute_failed_loads(self, out: SchedulerOutput, bad_blocks: set[int]) -> None:
         """Some loaded blocks (kv.loads_failed) hold no valid KV. Requests admitted this step with such a
         block in their cached prefix leave the batch and wait at the front; the lookup at their next
-        admission stops before the bad block, so those tokens are recomputed."""
-        keep = []
-        for req, n in out.scheduled:
-            bs = self.kv.block_size
-            cached = req.block_ids[: req.num_computed_tokens // bs]
-            first_bad = next((i for i, b in enumerate(cached) if b in bad_blocks), None)
-            if first_bad is None:
-                keep.append((req, n))
-                continue
-            # Blocks from the bad one on were loaded, or named for tokens this step will not compute now.
-            self.kv.unname_from(req, first_bad)
-            self._take_back(out, req)
-            out.reloaded.append(req)
-        out.scheduled = keep
+        admission stops before the bad block, so those tokens are recomputed. The blocks such a request was to
+        write this step will not be written either: a request whose prefix hit shares one leaves too (with a
+        sliding window it may hold no bad block itself, only a block computed after one), until none is left."""
+        bad, bs = set(bad_blocks), self.kv.block_size
+        while True:
+            keep, taken = [], False
+            for req, n in out.scheduled:
+                first_bad = min((i for table in req.tables for i, b in enumerate(table[: req.num_computed_tokens // bs])
+                                 if b in bad), default=None)
+                if first_bad is None:
+                    keep.append((req, n))
+                    continue
+                # Blocks from the bad one on were loaded, or named for tokens this step will not compute now; those
+                # from its first uncomputed token on (its own, fresh) will hold no KV: a hit sharing one is bad too.
+                bad.update(b for table in req.tables for b in table[req.num_computed_tokens // bs:] if b != RELEASED)
+                self.kv.unname_from(req, first_bad)
+                self._take_back(out, req)
+                out.reloaded.append(req)
+                taken = True
+            out.scheduled = keep
+            if not taken:
+                return
 
     def _take_back(self, out: SchedulerOutput, req: Request) -> None:
         """Undo this step's admission of `req`: it waits again, holding nothing, and its prefix lookup (not

@@ -237,7 +237,7 @@ class EngineCore:
         """Who a step's transfer concerns, for fault injection: the requests that load blocks, and `kv-tier`
         when it also saves or spills."""
         loaded = {op.block_id for op in ops if isinstance(op, (LoadOp, ImportOp))}
-        concerned = [r.request_id for r, _ in out.scheduled if loaded & set(r.block_ids)]
+        concerned = [r.request_id for r, _ in out.scheduled if not loaded.isdisjoint(r.held_block_ids())]
         return concerned + (["kv-tier"] if len(loaded) < len(ops) else [])
 
     def _build(self, out: SchedulerOutput) -> ScheduledBatch:

@@ -9,8 +9,9 @@ group keeps its own: a long request holds its whole context in one group and abo
 
 One group when every layer has the same window (Mistral: blocks out of the window are released from the one
 table), when no layer has one, or when groups are off: `--disable-hybrid-kv-cache-manager`, and what does not
-work with them yet (KV offloading and the KV connector move blocks of all layers; a pipeline stage holds some
-layers only; layers of different K/V shapes). `off_reasons` names them. A speculative drafter keeps its K/V in
+work with them yet (the KV connector hands over whole prefixes; a pipeline stage holds some layers only; layers
+of different K/V shapes). KV offloading works with groups: a block of any group is rows of the same pool
+tensors, saved and loaded under its group's prefix-cache key. `off_reasons` names them. A speculative drafter keeps its K/V in
 the blocks of the first group's table, so it needs that group to be a full-attention one (it is whenever the
 model has full layers: they come first); a model whose every layer slides keeps all blocks with a drafter.
 """
@@ -51,9 +52,6 @@ def off_reasons(config, spec) -> OffReasons:
 def _off(config) -> tuple[str | None, str | None]:
     if getattr(config, "kv_transfer", None) is not None:
         return "a KV connector (it hands over whole prefixes)", "a KV connector"
-    cache = config.cache
-    if cache.kv_offload_bytes or cache.kv_offload_dir is not None:
-        return None, "KV offloading (tiers move blocks of every layer)"
     if config.parallel.pipeline_parallel_size > 1:
         return None, "pipeline parallelism (a stage holds some layers only)"
     return None, None
