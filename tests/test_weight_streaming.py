@@ -12,6 +12,11 @@ from tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.mapped_pages import resident_bytes
 
+# The kernel's readahead may bring a little past a layer's range into the page cache when a streamed layer is read
+# in (the device's read_ahead_kb, 128 KiB by default): part of the working set, so part of the bound below.
+READAHEAD = 512 << 10
+# Layers of some MiB each, so that a third of the weights is several layers and the readahead a small share.
+SIZE = dict(num_hidden_layers=12, hidden_size=256, intermediate_size=512)
 SP = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, logprobs=3)
 PROMPTS = [[5 + (i * 13 + j * 7) % 300 for j in range(9 + 11 * i)] for i in range(4)]
 KW = dict(max_model_len=128, num_gpu_blocks_override=64)
@@ -42,9 +47,11 @@ def check_streaming(path, tmp_path, **kw) -> None:
     assert all(not any(p.is_mkldnn for p in layers[s.index].parameters()) for s in store.streamed)
     for _ in range(2):  # the second run reads every streamed layer from the file again
         same(llm.generate(PROMPTS, SP, use_tqdm=False), want)
-    # Resident now: the budget's weights, plus at most the layer read ahead for the next step and one more.
+    # Resident now: the budget's weights, plus at most the layer read ahead for the next step, one more and the
+    # kernel's readahead; well under the whole model.
     biggest = max(s.nbytes for s in store.streamed)
-    assert resident_bytes(llm.engine.model.parameters()) <= store.resident_bytes + 2 * biggest
+    bound = store.resident_bytes + 2 * biggest + READAHEAD
+    assert resident_bytes(llm.engine.model.parameters()) <= bound < 0.75 * total
     assert llm.engine.model._native_stack() is None  # each layer's forward must be seen
     from tokenmill import diagnostics as d
 
@@ -54,7 +61,7 @@ def check_streaming(path, tmp_path, **kw) -> None:
 
 
 def test_safetensors_layers_stream_with_a_third_resident(tmp_path):
-    path = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=6)
+    path = make_tiny_model(tmp_path / "llama", "llama", **SIZE)
     check_streaming(path, tmp_path)
 
 
@@ -63,7 +70,7 @@ def test_gguf_blocks_stream_with_a_third_resident(tmp_path):
 
     from gguf_tiny import write_gguf
 
-    folder = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=6, hidden_size=64, intermediate_size=128)
+    folder = make_tiny_model(tmp_path / "llama", "llama", **SIZE)
     path = write_gguf(folder, tmp_path / "m.gguf", qtype=gguf.GGMLQuantizationType.Q4_1)
     check_streaming(path, tmp_path, tokenizer=str(folder))
 

@@ -8,9 +8,10 @@ bit. Which layers: as few as keep the rest within N, spread evenly over the stac
 layer follows resident ones whose compute hides its read.
 
 Per step, for each streamed layer in forward order: a background thread reads it from the file ahead of use
-(the next streamed layer once this one has started: `madvise(MADV_POPULATE_READ)` through ctypes, the GIL
-released, which reads the pages and maps them, so the forward takes no page faults; `os.preadv` into the page
-cache on kernels without it), the
+(the next streamed layer once this one has started: `posix_fadvise(WILLNEED)` on exactly its range, then
+`madvise(MADV_POPULATE_READ)` through ctypes, the GIL released, which maps the pages, so the forward takes no
+page faults; `os.preadv` into the page cache on kernels without it; readahead past the range and read-around on
+faults are off, so a dropped neighbour is never read back), the
 layer's forward waits for that read if it is not done (the time counted as `StepTimings.weight_wait_s`), and
 after its forward its pages are given back: unmapped from the process (`madvise(MADV_DONTNEED)`) and dropped
 from the page cache (`posix_fadvise(POSIX_FADV_DONTNEED)`), so every step reads the streamed bytes from the
@@ -139,6 +140,10 @@ class WeightStore:
         os.fsync(fd)
         self._fd = fd
         self._map = mmap.mmap(fd, offset, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # Exactly a layer's range is ever read: no readahead past it (the device's window may be MiBs: it would
+        # bring dropped neighbours back) and no read-around on faults; the read-ahead thread asks for each range.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self._map.madvise(mmap.MADV_RANDOM)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         libc = _c_library()
         self._madvise = getattr(libc, "madvise", None) if libc is not None else None
@@ -173,14 +178,14 @@ class WeightStore:
             offset += got
 
     def _load(self, offset: int, nbytes: int) -> None:
-        """Read a range in ahead of use: mapped as well where the kernel can (no faults in the forward)."""
+        """Read a range in ahead of use (the whole range in large reads: POSIX_FADV_WILLNEED), and map it where the
+        kernel can (MADV_POPULATE_READ: no faults in the forward)."""
+        os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
         if self._madvise is not None and self._madvise(self._base + offset, nbytes, _MADV_POPULATE_READ) == 0:
             return
         if self._madvise is not None and ctypes.get_errno() not in (0, errno.EINVAL):
             log.debug("MADV_POPULATE_READ failed (errno %d): reading with preadv", ctypes.get_errno())
-        if self._madvise is not None:  # EINVAL: a kernel before 5.14; the page cache is filled, the forward maps it,
-            self._madvise = None  # and its faults must not read around into dropped neighbours
-            self._map.madvise(mmap.MADV_RANDOM)
+        self._madvise = None  # EINVAL: a kernel before 5.14; the page cache is filled, the forward maps it
         self._read(offset, nbytes)
 
     def _prefetch(self, k: int) -> None:
