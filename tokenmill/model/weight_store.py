@@ -37,7 +37,7 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -64,7 +64,6 @@ class StreamedLayer:
     index: int  # in the model's own layers
     offset: int  # in the stream file, page-aligned
     nbytes: int  # page-rounded length of its range
-    params: list[nn.Parameter] = field(default_factory=list)
 
 
 class WeightStore:
@@ -154,7 +153,7 @@ class WeightStore:
             for p, at in zip(params, places):
                 view = torch.frombuffer(self._map, dtype=p.dtype, count=p.numel(), offset=at).view(p.shape)
                 p.data = view
-            self.streamed.append(StreamedLayer(i, start, nbytes, params))
+            self.streamed.append(StreamedLayer(i, start, nbytes))
         trim_heap()
 
     def _measure_read(self) -> float:
@@ -239,9 +238,5 @@ class WeightStore:
                      d["streamed_bytes_per_step"] / 2**20, len(store.streamed), store.read_bytes_per_s / 2**20,
                      1e3 * store.streamed_bytes / store.read_bytes_per_s)
         else:
-            log.info("weights: all %.1f MiB fit --weights-resident-gb; nothing streamed", total_mib(model))
+            log.info("weights: all %.1f MiB fit --weights-resident-gb; nothing streamed", store.total_bytes / 2**20)
         return store
-
-
-def total_mib(model: nn.Module) -> float:
-    return _param_bytes(model) / 2**20

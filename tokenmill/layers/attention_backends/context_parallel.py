@@ -16,13 +16,18 @@ parallelism (a long prompt's chunks computed on different ranks, K/V passed arou
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from tokenmill.layers import collectives
 from tokenmill.layers.attention_backends.base import BatchLayout
 from tokenmill.layers.attention_backends.torch_sdpa import SDPAGroup, SDPAMetadata, TorchSDPABackend
+
+
+@dataclass
+class ContextParallelMetadata(SDPAMetadata):
+    write_rows: torch.Tensor | None = None  # [W] rows of the step's K/V whose blocks this rank owns
 
 
 class ContextParallelBackend(TorchSDPABackend):
@@ -34,7 +39,7 @@ class ContextParallelBackend(TorchSDPABackend):
         self._table: torch.Tensor | None = None  # [B, max blocks]: the layout being built, global block ids
         self._owned: torch.Tensor | None = None  # [B, max blocks]: which of them this rank holds
 
-    def build_metadata(self, layout: BatchLayout) -> SDPAMetadata:
+    def build_metadata(self, layout: BatchLayout) -> ContextParallelMetadata:
         """The layout in this rank's local blocks: the table's entries it owns (0 elsewhere, masked), and the
         slots of the new tokens whose blocks it owns (`write_rows`: their rows of the step's K/V)."""
         N, bs = self.size, self.block_size
@@ -46,8 +51,7 @@ class ContextParallelBackend(TorchSDPABackend):
         local = replace(layout, block_table=torch.where(self._owned, table // N, 0),
                         slot_mapping=((block // N) * bs + slots % bs)[mine])
         meta = super().build_metadata(local)
-        meta.write_rows = mine.nonzero().flatten().to(self.device)
-        return meta
+        return ContextParallelMetadata(meta.slot_mapping, meta.groups, mine.nonzero().flatten().to(self.device))
 
     def _group(self, layout: BatchLayout, idx: torch.Tensor) -> SDPAGroup:
         """torch_sdpa's group with each request's keys cut to the blocks this rank owns: the table compacted to
@@ -64,7 +68,7 @@ class ContextParallelBackend(TorchSDPABackend):
         g.key_owned = held.repeat_interleave(bs, dim=1).to(self.device)
         return g
 
-    def forward(self, layer, q, k, v, meta: SDPAMetadata) -> torch.Tensor:
+    def forward(self, layer, q, k, v, meta: ContextParallelMetadata) -> torch.Tensor:
         k_cache, v_cache = layer.k_cache, layer.v_cache
         Hk, D = k_cache.shape[2], k_cache.shape[3]
         rows = meta.write_rows
