@@ -63,19 +63,19 @@ def test_tp_with_in_process_executor_is_refused(tmp_path):
         LLM(str(path), tensor_parallel_size=2, distributed_executor_backend="uni", **KW)
 
 
-@pytest.mark.parametrize("mode", ["tp", "pp"])
+@pytest.mark.parametrize("mode", ["tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size"])
 def test_a_dead_rank_fails_the_step_instead_of_hanging(tmp_path, mode):
     from tokenmill.executor.executor import WorkerDiedError
 
     path = make_tiny_model(tmp_path / "llama", "llama")
-    llm = LLM(str(path), **{"tensor_parallel_size" if mode == "tp" else "pipeline_parallel_size": 2}, **KW)
+    llm = LLM(str(path), **{mode: 2}, **KW)
     engine = llm.engine
     try:
         engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True))
         engine.step()
         engine.step()
         procs = engine.core.executor.procs
-        procs[1].kill()  # tp: rank 0 is left waiting in its next all-reduce; pp: the last stage is gone
+        procs[1].kill()  # tp: rank 0 waits in its next all-reduce, cp in an all-gather; pp: the last stage is gone
         procs[1].join(5)
         t0 = time.monotonic()
         with pytest.raises(WorkerDiedError, match="tokenmill-worker-1"):

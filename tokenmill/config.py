@@ -80,6 +80,9 @@ class ParallelConfig:
     # Every sequence's K/V split over this many ranks by block, partial attention merged by log-sum-exp
     # (layers/attention_backends/context_parallel.py); the weights replicated on each
     decode_context_parallel_size: int = 1
+    # The step's tokens split over this many ranks for everything but attention (which stays split by K/V
+    # block over the same ranks): a long prompt's matmuls shared out too. Implies the K/V split over them.
+    prefill_context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.distributed_executor_backend is None:
@@ -87,7 +90,13 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size * self.decode_context_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
+
+    @property
+    def context_parallel_size(self) -> int:
+        """Ranks each sequence's K/V is split over (innermost in the rank order); prefill context parallelism
+        splits the tokens over the same ranks."""
+        return max(self.decode_context_parallel_size, self.prefill_context_parallel_size)
 
 
 def json_object(value: "str | dict", name: str) -> dict:
@@ -223,11 +232,16 @@ class EngineConfig:
             self.scheduler.max_loras = self.lora.max_loras
 
     def _check_context_parallel(self) -> None:
-        """The combinations decode context parallelism does not run with yet, each refused with its reason."""
+        """The combinations context parallelism does not run with yet, each refused with its reason."""
         p, c = self.parallel, self.cache
+        dcp, pcp = p.decode_context_parallel_size, p.prefill_context_parallel_size
+        flag = (f"--prefill-context-parallel-size {pcp}" if pcp > 1 else f"--decode-context-parallel-size {dcp}")
         refused = [
-            (p.tensor_parallel_size > 1 or p.pipeline_parallel_size > 1,
-             "with tensor or pipeline parallelism (each context-parallel rank holds the whole model)"),
+            (dcp > 1 and pcp > 1 and dcp != pcp,
+             f"with --decode-context-parallel-size {dcp} (the tokens split over the ranks the K/V is split over: "
+             "give one size, or equal sizes)"),
+            (p.pipeline_parallel_size > 1, "with pipeline parallelism (stages of context-parallel ranks)"),
+            (pcp > 1 and self.lora is not None, "with LoRA adapters (the adapters' rows are not split)"),
             (self.speculative is not None, "with speculative decoding (a drafter's K/V is not split)"),
             (bool(c.kv_offload_bytes or c.kv_offload_dir), "with KV offloading (a block lives on one rank only)"),
             (self.kv_transfer is not None, "with a KV connector (a block lives on one rank only)"),
@@ -237,8 +251,7 @@ class EngineConfig:
         ]
         for bad, why in refused:
             if bad:
-                raise ValueError(f"--decode-context-parallel-size {p.decode_context_parallel_size} does not run {why} "
-                                 "yet.")
+                raise ValueError(f"{flag} does not run {why} yet.")
 
     def validate(self) -> None:
         m, c, s, p = self.model, self.cache, self.scheduler, self.parallel
@@ -247,8 +260,9 @@ class EngineConfig:
                   max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                   kv_offload_group_blocks=c.kv_offload_group_blocks, tensor_parallel_size=p.tensor_parallel_size,
                   pipeline_parallel_size=p.pipeline_parallel_size,
-                  decode_context_parallel_size=p.decode_context_parallel_size)
-        if p.decode_context_parallel_size > 1:
+                  decode_context_parallel_size=p.decode_context_parallel_size,
+                  prefill_context_parallel_size=p.prefill_context_parallel_size)
+        if p.context_parallel_size > 1:
             self._check_context_parallel()
         _at_least(0, kv_offload_bytes=c.kv_offload_bytes, kv_offload_disk_bytes=c.kv_offload_disk_bytes,
                   kv_offload_min_blocks=c.kv_offload_min_blocks,

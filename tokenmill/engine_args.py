@@ -159,6 +159,11 @@ class EngineArgs:
         "processes by block (N times the context in the same memory per rank), each rank attending to its share "
         "and the partial results merged by log-sum-exp; the weights are replicated (default: %(default)s).",
         metavar="N", short="-dcp")
+    prefill_context_parallel_size: int = _arg(
+        ParallelConfig.prefill_context_parallel_size, "Prefill context parallelism: the step's tokens split over N "
+        "processes for the matmuls (a long prompt computed by all of them), the K/V split over the same N by block "
+        "as -dcp, each rank attending every query to its share of the keys (default: %(default)s).",
+        metavar="N", short="-pcp")
     distributed_executor_backend: str | None = _arg(
         ParallelConfig.distributed_executor_backend, "How workers run: uni in this process, mp one process each, "
         "ray one Ray actor each, on this node or a cluster (RAY_ADDRESS) (default: uni for one worker, else mp).",
@@ -262,6 +267,7 @@ class EngineArgs:
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     pipeline_parallel_size=self.pipeline_parallel_size,
                                     decode_context_parallel_size=self.decode_context_parallel_size,
+                                    prefill_context_parallel_size=self.prefill_context_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend,
                                     enable_expert_parallel=self.enable_expert_parallel),
             device=self.device,

@@ -179,7 +179,7 @@ def _shutdown_workers(conns: list, procs: list) -> None:
 def reply_rank(config: EngineConfig) -> int:
     """The rank that answers calls: the first rank of the last pipeline stage (rank 0 without pipelining)."""
     par = config.parallel
-    return par.tensor_parallel_size * (par.pipeline_parallel_size - 1) * par.decode_context_parallel_size
+    return par.tensor_parallel_size * (par.pipeline_parallel_size - 1) * par.context_parallel_size
 
 
 def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: str, conn) -> None:

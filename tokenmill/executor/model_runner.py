@@ -56,6 +56,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.spec = spec  # spec_decode.decoder.SpecDecoder: proposes each request's next drafts
         self.lora = None  # lora.manager.LoRAManager with --enable-lora: adapter slots, set per step
+        # Prefill context parallelism (layers/attention_backends/context_parallel.py): this rank runs the model on
+        # its share of the step's tokens; the final hidden states are gathered back. None: every token here.
+        self.token_split = None
         self.num_blocks = 0
         self.kv_dtype: torch.dtype | None = None
         self.attn_timer = _attention_timer(torch.device(device))
@@ -142,7 +145,12 @@ class ModelRunner:
         if timer is not None:
             timer.total = 0.0
         t1 = time.perf_counter()
-        hidden = self.model(inp.input_ids, inp.positions, meta)
+        split = self.token_split
+        if split is None:
+            hidden = self.model(inp.input_ids, inp.positions, meta)
+        else:
+            T = inp.input_ids.shape[0]
+            hidden = split.gather(self.model(split.local(inp.input_ids), split.local(inp.positions), meta), T)
         logits = self.model.compute_logits(hidden[inp.sample_rows]) if inp.sample_rows.numel() else None
         prompt_lps = self._prompt_logprobs(hidden, inp)
         if self.device.type == "cuda":

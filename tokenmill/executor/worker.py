@@ -111,14 +111,24 @@ class Worker:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=self.distributed_init_method, rank=self.rank,
                                     world_size=self.world_size)
-            tp, pp = self.config.parallel.tensor_parallel_size, self.config.parallel.pipeline_parallel_size
-            if tp > 1 and pp > 1:  # each stage's tensor-parallel collectives stay within the stage
-                from tokenmill.layers import collectives
+            par = self.config.parallel
+            tp, pp, cp = par.tensor_parallel_size, par.pipeline_parallel_size, par.context_parallel_size
+            from tokenmill.layers import collectives
 
+            if tp > 1 and pp > 1:  # each stage's tensor-parallel collectives stay within the stage
                 for stage in range(pp):
                     group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
                     if stage == self.rank // tp:
                         collectives.set_group(group)
+            if tp > 1 and cp > 1:  # rank = tp_rank * cp + cp_rank: TP over equal cp_rank, CP over equal tp_rank
+                for c in range(cp):  # every rank creates every group, in the same order
+                    group = dist.new_group([t * cp + c for t in range(tp)])
+                    if c == self.rank % cp:
+                        collectives.set_group(group)
+                for t in range(tp):
+                    group = dist.new_group([t * cp + c for c in range(cp)])
+                    if t == self.rank // cp:
+                        collectives.set_cp_group(group)
 
     def init(self) -> WorkerInfo:
         """Device, model, KV pool and lower KV tiers; returns what the core needs to know."""
@@ -132,7 +142,7 @@ class Worker:
                                         model=mc.model, device=str(self.device),
                                         activations=mc.activation_quantization)
         tp = self.config.parallel.tensor_parallel_size
-        cp = self.cp_size = self.config.parallel.decode_context_parallel_size
+        cp = self.cp_size = self.config.parallel.context_parallel_size
         model_rank = self.rank // cp  # context-parallel ranks hold the same weights (innermost in the rank order)
         model, self.hf_config, self.max_model_len = load_model(mc.model, mc.dtype, mc.max_model_len, str(self.device),
                                                                quant_config=quant, tp_rank=model_rank % tp, tp_size=tp,
@@ -166,10 +176,13 @@ class Worker:
         if cp > 1:  # this rank's share of every sequence's K/V (layers/attention_backends/context_parallel.py)
             from tokenmill.layers.attention_backends.context_parallel import ContextParallelBackend
 
-            backend = ContextParallelBackend(cache.block_size, self.device, self.rank % cp, cp)
+            backend = ContextParallelBackend(cache.block_size, self.device, self.rank % cp, cp,
+                                             split_tokens=self.config.parallel.prefill_context_parallel_size > 1)
         else:
             backend = backend_cls(cache.block_size, self.device)
         self.runner = ModelRunner(model, vocab, cache.block_size, self.device, backend, spec)
+        if cp > 1:
+            self.runner.token_split = backend.token_split
         lora = self.config.lora
         if lora is not None:  # before the KV pool is sized: the slots take memory
             from tokenmill.lora.manager import LoRAManager

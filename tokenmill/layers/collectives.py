@@ -10,11 +10,17 @@ import torch.distributed as dist
 
 _spent = 0.0
 _group = None  # this rank's tensor-parallel group (None: all ranks; set when pipeline stages split them)
+_cp_group = None  # this rank's context-parallel group (None: all ranks; set when tensor parallelism splits them)
 
 
 def set_group(group) -> None:
     global _group
     _group = group
+
+
+def set_cp_group(group) -> None:
+    global _cp_group
+    _cp_group = group
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
@@ -36,18 +42,29 @@ def all_gather_last(y: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def all_gather_stack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Every rank's copy of each tensor, stacked on a new first dimension (context parallelism's partial
-    attention and its log-sum-exp)."""
+    """Every context-parallel rank's copy of each tensor, stacked on a new first dimension (context parallelism's
+    partial attention and its log-sum-exp)."""
     global _spent
     t0 = time.perf_counter()
-    world = dist.get_world_size(_group)
+    world = dist.get_world_size(_cp_group)
     out = []
     for t in tensors:
         parts = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(parts, t.contiguous(), group=_group)
+        dist.all_gather(parts, t.contiguous(), group=_cp_group)
         out.append(torch.stack(parts))
     _spent += time.perf_counter() - t0
     return out
+
+
+def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """Every context-parallel rank's rows, concatenated along the first dimension in rank order (prefill context
+    parallelism: the ranks' shares of the step's tokens, each padded to the same count)."""
+    global _spent
+    t0 = time.perf_counter()
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(_cp_group))]
+    dist.all_gather(parts, t.contiguous(), group=_cp_group)
+    _spent += time.perf_counter() - t0
+    return torch.cat(parts)
 
 
 def send_stage(tensors: list[torch.Tensor], dst: int) -> list:

@@ -1,18 +1,22 @@
-"""Decode context parallelism (`--decode-context-parallel-size N`): every sequence's K/V split over N ranks by block.
+"""Context parallelism: every sequence's K/V split over N ranks by block (`--decode-context-parallel-size N`), and
+optionally the step's tokens too (`--prefill-context-parallel-size N`).
 
 The core allocates blocks from one pool of N x P blocks as usual; global block b lives on rank b % N as its
 local block b // N, so a long context's blocks spread over the ranks (the pool's LRU hands them out in
-turns) and each rank holds 1/N of the K/V. Every rank runs the whole model on every token of the step (the
-weights are replicated; composing with tensor parallelism is not built); in each attention layer a rank writes
-the new K/V whose blocks it owns, attends every query to the keys it holds (torch_sdpa's groups with each
-request's table cut to the blocks the rank owns; torch's CPU flash kernel, which also returns each row's
-log-sum-exp); then the ranks
-all-gather (out, lse) and merge: out = sum_r exp(lse_r - m) out_r / sum_r exp(lse_r - m), m = max_r lse_r.
-Every rank ends the layer with the same output, exactly the full attention's up to summation order.
+turns) and each rank holds 1/N of the K/V. In each attention layer a rank writes the new K/V whose blocks it
+owns, attends every query to the keys it holds (torch_sdpa's groups with each request's table cut to the blocks
+the rank owns; torch's CPU flash kernel, which also returns each row's log-sum-exp); then the ranks all-gather
+(out, lse) and merge: out = sum_r exp(lse_r - m) out_r / sum_r exp(lse_r - m), m = max_r lse_r, exactly the
+full attention's up to summation order.
 
-What it buys: K/V memory per rank / N (a context N times longer fits) and attention reads per rank / N. What it
-costs: two all-gathers of [tokens, heads, head_dim + 1] per layer, and the replicated matmuls. Prefill context
-parallelism (a long prompt's chunks computed on different ranks, K/V passed around a ring) is not built.
+Decode context parallelism alone: every rank runs the whole model on every token of the step (weights
+replicated, or split by tensor parallelism over other ranks), so it buys K/V memory and attention reads per
+rank / N, not matmul time. Prefill context parallelism also splits the step's tokens (`TokenSplit`): rank r runs
+the matmuls of rows [r*n, (r+1)*n), n = ceil(T / N) (the last share padded), and in each attention layer the
+ranks all-gather the step's q, k, v so that every rank writes the K/V of its blocks and attends all queries to
+its keys, as above; after the merge a rank keeps its own rows. The K/V held in the paged pools never moves:
+queries travel to the keys (the "pass-Q" side of ring attention). A ring passing K/V instead would move the
+whole cached context every step of a chunked prefill, while the step's q, k, v are bounded by the token budget.
 """
 from __future__ import annotations
 
@@ -25,17 +29,46 @@ from tokenmill.layers.attention_backends.base import BatchLayout
 from tokenmill.layers.attention_backends.torch_sdpa import SDPAGroup, SDPAMetadata, TorchSDPABackend
 
 
+@dataclass(frozen=True)
+class TokenSplit:
+    """Prefill context parallelism's share of a step's T tokens: rank r holds rows [r*n, (r+1)*n), n = ceil(T/N);
+    rows past T are padding (zeros), so every rank's share has the same shape for the all-gathers."""
+
+    rank: int
+    size: int
+
+    def share(self, num_tokens: int) -> tuple[int, int]:
+        """(first row, rows) of this rank's share."""
+        n = -(-num_tokens // self.size)
+        return self.rank * n, n
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a [T, ...] tensor, padded with zeros to the share's size."""
+        lo, n = self.share(x.shape[0])
+        piece = x[lo:lo + n]
+        if piece.shape[0] == n:
+            return piece
+        return torch.cat([piece, piece.new_zeros((n - piece.shape[0], *x.shape[1:]))])
+
+    def gather(self, x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Every rank's share back in token order: [n, ...] -> [T, ...]."""
+        return collectives.all_gather_rows(x)[:num_tokens]
+
+
 @dataclass
 class ContextParallelMetadata(SDPAMetadata):
     write_rows: torch.Tensor | None = None  # [W] rows of the step's K/V whose blocks this rank owns
+    num_tokens: int = 0  # T: the step's tokens (all ranks')
 
 
 class ContextParallelBackend(TorchSDPABackend):
     name = "torch_sdpa_context_parallel"
 
-    def __init__(self, block_size: int, device: torch.device, rank: int, size: int) -> None:
+    def __init__(self, block_size: int, device: torch.device, rank: int, size: int,
+                 split_tokens: bool = False) -> None:
         super().__init__(block_size, device)
         self.rank, self.size = rank, size
+        self.token_split = TokenSplit(rank, size) if split_tokens else None
         self._table: torch.Tensor | None = None  # [B, max blocks]: the layout being built, global block ids
         self._owned: torch.Tensor | None = None  # [B, max blocks]: which of them this rank holds
 
@@ -51,7 +84,8 @@ class ContextParallelBackend(TorchSDPABackend):
         local = replace(layout, block_table=torch.where(self._owned, table // N, 0),
                         slot_mapping=((block // N) * bs + slots % bs)[mine])
         meta = super().build_metadata(local)
-        return ContextParallelMetadata(meta.slot_mapping, meta.groups, mine.nonzero().flatten().to(self.device))
+        return ContextParallelMetadata(meta.slot_mapping, meta.groups, mine.nonzero().flatten().to(self.device),
+                                       int(slots.shape[0]))
 
     def _group(self, layout: BatchLayout, idx: torch.Tensor) -> SDPAGroup:
         """torch_sdpa's group with each request's keys cut to the blocks this rank owns: the table compacted to
@@ -71,6 +105,11 @@ class ContextParallelBackend(TorchSDPABackend):
     def forward(self, layer, q, k, v, meta: ContextParallelMetadata) -> torch.Tensor:
         k_cache, v_cache = layer.k_cache, layer.v_cache
         Hk, D = k_cache.shape[2], k_cache.shape[3]
+        split = self.token_split
+        if split is not None:  # this rank's rows in; every rank needs the step's q (to its keys) and k, v (its blocks)
+            H = q.shape[1]
+            qkv = split.gather(torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1), meta.num_tokens)
+            q, k, v = (t.view(-1, h, D) for t, h in zip(qkv.split([H * D, Hk * D, Hk * D], dim=1), (H, Hk, Hk)))
         rows = meta.write_rows
         k_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, k.index_select(0, rows).to(k_cache.dtype))
         v_cache.view(-1, Hk, D).index_copy_(0, meta.slot_mapping, v.index_select(0, rows).to(v_cache.dtype))
@@ -93,9 +132,14 @@ class ContextParallelBackend(TorchSDPABackend):
             out.index_copy_(0, g.flat_index, o[g.valid])
             lse.index_copy_(0, g.flat_index, part_lse[g.valid])
         outs, lses = collectives.all_gather_stack([out, lse])
+        if split is not None:  # merge this rank's rows only
+            lo, n = split.share(T)
+            outs, lses = outs[:, lo:lo + n], lses[:, lo:lo + n]
         m = lses.max(dim=0).values  # [T, H]: finite, the owner of a row's own key holds at least that key
         w = torch.exp(lses - m)  # [N, T, H]
         merged = (w.unsqueeze(-1) * outs).sum(0) / w.sum(0).unsqueeze(-1)
+        if split is not None and merged.shape[0] < n:  # the padding rows of the last share
+            merged = torch.cat([merged, merged.new_zeros(n - merged.shape[0], H, D)])
         return merged.to(q.dtype)
 
 
