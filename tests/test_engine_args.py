@@ -24,6 +24,8 @@ ROUND_TRIP = {
     "activation_quantization": (["--activation-quantization", "int8"], "int8", "model.activation_quantization"),
     "decode_context_parallel_size": (["--decode-context-parallel-size", "2"], 2,
                                      "parallel.decode_context_parallel_size"),
+    "prefill_context_parallel_size": (["--prefill-context-parallel-size", "2"], 2,
+                                      "parallel.prefill_context_parallel_size"),
     "weights_resident_gb": (["--weights-resident-gb", "1.5"], 1.5, "model.weights_resident_gb"),
     "weights_stream_dir": (["--weights-stream-dir", "/var/tmp/w"], "/var/tmp/w", "model.weights_stream_dir"),
     "device": (["--device", "cuda"], "cuda", "device"),
