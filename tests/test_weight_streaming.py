@@ -107,3 +107,31 @@ def test_streaming_reads_ahead_and_counts_its_waits(tmp_path):
     order = [s.offset for s in store.streamed]
     assert reads == (order[1:] + order * len(steps))[: len(reads)] and len(reads) >= len(steps) * len(order) - 1
     assert all(s.weight_wait_s >= 0 for s in steps) and all(s.weight_wait_s <= s.forward_s for s in steps)
+
+
+def test_a_failed_read_fails_only_its_step(tmp_path):
+    """Fault injection: the read-ahead of a streamed layer fails (an I/O error from the disk). The read-ahead is
+    advice: the error is counted and logged, the forward's page faults read the layer from the file, and every
+    request ends with its solo output; no step fails, no KV block leaks."""
+    import errno
+
+    path = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=6)
+    resident = LLM(str(path), **KW)
+    want = resident.generate(PROMPTS, SP, use_tqdm=False)
+    llm = LLM(str(path), **KW, weights_resident_gb=weight_bytes(resident) / 3 / 2**30)
+    store = llm.engine.model.weight_store
+    load, calls, failed = store._load, [], []
+
+    def flaky(offset: int, nbytes: int) -> None:
+        calls.append(offset)
+        if len(calls) == 3:
+            failed.append(offset)
+            raise OSError(errno.EIO, "injected read error")
+        load(offset, nbytes)
+
+    store._load = flaky
+    same(llm.generate(PROMPTS, SP, use_tqdm=False), want)
+    assert failed and len(calls) > 3
+    assert store.read_errors == 1
+    kv = llm.engine.kv
+    assert kv.num_free_blocks == kv.num_blocks

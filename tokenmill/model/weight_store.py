@@ -80,6 +80,7 @@ class WeightStore:
         self.streamed: list[StreamedLayer] = []
         self.total_bytes = total
         self.wait_s = 0.0  # waited for reads since the last take_wait()
+        self.read_errors = 0  # read-aheads that failed (the forward then faulted the layer's pages in itself)
         chosen = self._choose(sizes, total - budget_bytes)
         self.resident_bytes = total - sum(sizes[i] for i in chosen)
         self._file = None
@@ -196,10 +197,16 @@ class WeightStore:
     def _before(self, k: int) -> None:
         with self._lock:
             future = self._pending.pop(k, None)
-        if future is not None and not future.done():
-            t = time.perf_counter()
-            future.result()
-            self.wait_s += time.perf_counter() - t
+        if future is not None:
+            if not future.done():
+                t = time.perf_counter()
+                concurrent.futures.wait([future])
+                self.wait_s += time.perf_counter() - t
+            error = future.exception()
+            if error is not None:  # the read-ahead is advice: the forward's page faults read what it did not
+                self.read_errors += 1
+                log.warning("reading streamed layer %d ahead failed (%s: %s); its pages are read as the forward "
+                            "touches them", self.streamed[k].index, type(error).__name__, error)
         if len(self.streamed) > 1:  # the next streamed layer, read while this one runs (the first: next step's)
             self._prefetch((k + 1) % len(self.streamed))
 
