@@ -118,24 +118,27 @@ def weights_part(args) -> None:
 
 
 def cp_part(args) -> None:
-    """Prefill of one --cp-prompt-token prompt (time to its first token) on one rank and on two decode-context-
-    parallel ranks, on a tiny Llama whose attention dominates at that length, with the step's attention and
-    collective times from the engine's own figures; the fitted model is in docs/scaling.md."""
+    """Prefill of one --cp-prompt-token prompt (time to its first token) on one rank, on two decode-context-parallel
+    ranks (K/V split, matmuls replicated) and on two prefill-context-parallel ranks (tokens split too), on a tiny
+    Llama (hidden --cp-hidden: at 64 attention dominates at that length, at 256 the matmuls weigh more), with the
+    step's attention and collective times from the engine's own figures; the fitted model is in docs/scaling.md."""
     from tokenmill import LLM, SamplingParams
 
     from tiny import make_tiny_model
 
     n = args.cp_prompt
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_model(Path(tmp) / "llama", "llama", hidden_size=64, num_hidden_layers=2,
-                               max_position_embeddings=n + 64)
+        h = args.cp_hidden
+        path = make_tiny_model(Path(tmp) / "llama", "llama", hidden_size=h, intermediate_size=2 * h,
+                               num_hidden_layers=2, max_position_embeddings=n + 64)
         prompt = [[3 + (j * 7) % 300 for j in range(n)]]
         rows = []
         for label, kw in (("1 rank, torch_sdpa", dict(attention_backend="torch_sdpa")),
                           ("1 rank, cpu_paged", dict(attention_backend="cpu_paged")),
-                          ("2 ranks (dcp)", dict(decode_context_parallel_size=2))):
+                          ("2 ranks (dcp)", dict(decode_context_parallel_size=2)),
+                          ("2 ranks (pcp)", dict(prefill_context_parallel_size=2))):
             llm = LLM(str(path), max_model_len=n + 16, block_size=16, max_num_batched_tokens=args.chunk,
-                      kv_cache_memory_bytes=2 * 2 * 64 * 4 * (n + 64) * 2, enable_prefix_caching=False, **kw)
+                      kv_cache_memory_bytes=2 * 2 * h * 4 * (n + 64) * 2, enable_prefix_caching=False, **kw)
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
             t0 = time.perf_counter()
             llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)
@@ -144,7 +147,7 @@ def cp_part(args) -> None:
             rows.append((label, wall, sum(s.attn_s for s in steps), sum(s.collective_s for s in steps), len(steps)))
             del llm
     base = rows[0][1]
-    print(f"prefill of a {n}-token prompt in chunks of {args.chunk} (tiny Llama, 2 layers, hidden 64) {env_str()}")
+    print(f"prefill of a {n}-token prompt in chunks of {args.chunk} (tiny Llama, 2 layers, hidden {h}) {env_str()}")
     for label, wall, attn, coll, steps in rows:
         print(f"  {label:20s} {wall:7.2f} s ({base / wall:.2f}x of 1 rank torch_sdpa); attention {attn:.2f} s, "
               f"collectives {coll:.2f} s over {steps} steps")
@@ -163,6 +166,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--part", choices=("kv", "weights", "cp", "all"), default="all")
     ap.add_argument("--cp-prompt", type=int, default=16384, help="prompt tokens of the context-parallel part")
+    ap.add_argument("--cp-hidden", type=int, default=64, help="hidden size of the context-parallel part's model")
     ap.add_argument("--weights-model", default=None, help="model for the weights part (default: embedded SmolLM2)")
     ap.add_argument("--weights-tokens", type=int, default=64)
     args = ap.parse_args()
