@@ -106,12 +106,12 @@ def weights_part(args) -> None:
         del llm
     r, s = results["resident"], results["streamed"]
     w = s["weights"]
-    disk_s = w["disk_s_per_step"]
+    disk_s = w["read_s_per_step"]
     print(f"weights: {total / 2**20:.1f} MiB; resident {r['tok_s']:.1f} tok/s; a third resident "
           f"({w['resident_bytes'] / 2**20:.1f} MiB, {len(w['streamed_layers'])} layers streamed, "
           f"{w['streamed_bytes_per_step'] / 2**20:.1f} MiB per step) {s['tok_s']:.1f} tok/s = "
           f"{s['tok_s'] / r['tok_s']:.2f}x; same tokens: {r['tokens'] == s['tokens']}")
-    print(f"  disk read {w['disk_read_bytes_per_s'] / 2**20:.0f} MiB/s -> {1e3 * disk_s:.1f} ms of reads per step "
+    print(f"  disk read {w['read_bytes_per_s'] / 2**20:.0f} MiB/s -> {1e3 * disk_s:.1f} ms of reads per step "
           f"(at most {1 / disk_s:.1f} tok/s); compute {1e3 * w['compute_s_per_step']:.1f} ms, waited "
           f"{1e3 * w['wait_s_per_step']:.1f} ms per step; bound: {w['bound']}; measured step "
           f"{1e3 * s['step_s']:.1f} ms {env_str()}")

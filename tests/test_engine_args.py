@@ -28,6 +28,7 @@ ROUND_TRIP = {
                                       "parallel.prefill_context_parallel_size"),
     "weights_resident_gb": (["--weights-resident-gb", "1.5"], 1.5, "model.weights_resident_gb"),
     "weights_stream_dir": (["--weights-stream-dir", "/var/tmp/w"], "/var/tmp/w", "model.weights_stream_dir"),
+    "cpu_offload_gb": (["--cpu-offload-gb", "4"], 4.0, "model.cpu_offload_gb"),
     "device": (["--device", "cuda"], "cuda", "device"),
     "attention_backend": (["--attention-backend", "torch_sdpa"], "torch_sdpa", "attention_backend"),
     "block_size": (["--block-size", "32"], 32, "cache.block_size"),

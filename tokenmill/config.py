@@ -31,6 +31,9 @@ class ModelConfig:
     # disk each step (model/weight_store.py); None: every weight resident
     weights_resident_gb: float | None = None
     weights_stream_dir: str | None = None  # where the stream file goes (default: the system's temporary folder)
+    # GPU: keep this many GiB of the weights in (pinned) host memory, copied to the device layer by layer each
+    # step on a side stream (model/host_offload.py; vLLM's --cpu-offload-gb); 0: every weight on the device
+    cpu_offload_gb: float = 0.0
 
 
 @dataclass
@@ -270,8 +273,13 @@ class EngineConfig:
         if m.weights_resident_gb is not None and not m.weights_resident_gb > 0:
             raise ValueError(f"weights_resident_gb must be positive, got {m.weights_resident_gb}.")
         if m.weights_resident_gb is not None and self.device != "cpu":
-            raise ValueError("--weights-resident-gb streams weights from disk into CPU memory; on a GPU, weights "
-                             "offloaded to host memory (--cpu-offload-gb) are not built yet.")
+            raise ValueError("--weights-resident-gb streams weights from disk into CPU memory; on a GPU, keep some "
+                             "of the weights in host memory with --cpu-offload-gb.")
+        if m.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb must be at least 0, got {m.cpu_offload_gb}.")
+        if m.cpu_offload_gb and self.device == "cpu":
+            raise ValueError("--cpu-offload-gb keeps weights in host memory for a GPU; on the CPU they are there "
+                             "already (--weights-resident-gb N streams the ones beyond N GiB from disk).")
         for name, value in (("kv_cache_memory_fraction", c.kv_cache_memory_fraction),
                             ("gpu_memory_utilization", c.gpu_memory_utilization)):
             if not 0 < value <= 1:

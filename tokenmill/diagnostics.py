@@ -532,20 +532,22 @@ def engine_diagnostics(core, last_n: int | None = None) -> dict:
 
 
 def weight_stream_report(weights: dict, steps: list) -> dict:
-    """--weights-resident-gb (model/weight_store.py): what each step streams, and which bound sets its speed: the
-    streamed bytes at the disk's measured read speed against the forward's own compute (its time less the waits
-    for reads), per step over the window."""
+    """--weights-resident-gb (model/weight_store.py: from disk) and --cpu-offload-gb (model/host_offload.py: from
+    host memory to the device): what each step streams, and which bound sets its speed: the streamed bytes at the
+    measured read (or copy) speed against the forward's own compute (its time less the waits for reads), per step
+    over the window. `bound` is the source ("disk" or "host") or "compute"."""
     out = dict(weights)
-    streamed, rate = weights["streamed_bytes_per_step"], weights["disk_read_bytes_per_s"]
+    streamed, rate = weights["streamed_bytes_per_step"], weights["read_bytes_per_s"]
     if not streamed:
         out["bound"] = None
         return out
     n = len(steps)
-    disk_s = streamed / rate if rate else None
+    read_s = streamed / rate if rate else None
     compute_s = sum(s.forward_s - s.weight_wait_s for s in steps) / n if n else None
-    out.update(disk_s_per_step=disk_s, compute_s_per_step=compute_s,
+    out.update(read_s_per_step=read_s, compute_s_per_step=compute_s,
                wait_s_per_step=sum(s.weight_wait_s for s in steps) / n if n else None,
-               bound=None if disk_s is None or compute_s is None else "disk" if disk_s > compute_s else "compute")
+               bound=None if read_s is None or compute_s is None else weights["source"] if read_s > compute_s
+               else "compute")
     return out
 
 

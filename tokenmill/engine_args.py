@@ -90,6 +90,10 @@ class EngineArgs:
         "sets the speed). Default: every weight resident.", parse=float, metavar="N")
     weights_stream_dir: str | None = _arg(ModelConfig.weights_stream_dir, "Folder for the stream file of "
                                           "--weights-resident-gb (default: the system's temporary folder).")
+    cpu_offload_gb: float = _arg(
+        ModelConfig.cpu_offload_gb, "GPU: keep N GiB of the weights (whole decoder layers, spread over the stack) in "
+        "pinned host memory, copied to the device layer by layer each step on a side stream, ahead of use; the "
+        "speed is then the host link's for those bytes (default: %(default)s).", parse=float, metavar="N")
     device: str = _arg(EngineConfig.device, "Torch device, e.g. cpu or cuda (default: %(default)s).")
     attention_backend: str | None = _arg(
         EngineConfig.attention_backend, "Attention backend by registry name, e.g. torch_sdpa (default: the "
@@ -244,7 +248,8 @@ class EngineArgs:
                               quantization_group_size=self.quantization_group_size,
                               activation_quantization=self.activation_quantization,
                               weights_resident_gb=self.weights_resident_gb,
-                              weights_stream_dir=self.weights_stream_dir),
+                              weights_stream_dir=self.weights_stream_dir,
+                              cpu_offload_gb=self.cpu_offload_gb),
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_dtype=self.kv_cache_dtype,

@@ -154,6 +154,10 @@ class Worker:
             from tokenmill.model.weight_store import WeightStore
 
             WeightStore.attach(model, int(mc.weights_resident_gb * 2**30), mc.weights_stream_dir)
+        if mc.cpu_offload_gb:  # layers holding that many bytes live in host memory (model/host_offload.py)
+            from tokenmill.model.host_offload import HostOffload
+
+            HostOffload.attach(model, int(mc.cpu_offload_gb * 2**30), self.device)
         from tokenmill import native
         from tokenmill.diagnostics import resident_weight_bytes
 

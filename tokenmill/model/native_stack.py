@@ -102,7 +102,7 @@ class NativeStack:
             return f"{ENV}=0, fused ops off, or native kernels without DecoderStack"
         store = getattr(model, "weight_store", None)
         if store is not None and store.streamed:
-            return "decoder layers streamed from disk (--weights-resident-gb): each layer's forward is hooked"
+            return "decoder layers streamed (--weights-resident-gb, --cpu-offload-gb): each layer's forward is hooked"
         if model.compute_dtype != torch.float32:
             return f"compute dtype {model.compute_dtype}"
         if not model.own_layers:

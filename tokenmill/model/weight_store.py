@@ -59,6 +59,19 @@ def _param_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
+def choose_layers(sizes: list[int], excess: int) -> list[int]:
+    """As few layers as cover `excess` bytes, spread evenly over the stack (so that every streamed layer follows
+    resident ones whose compute hides its read)."""
+    if excess <= 0 or not sizes:
+        return []
+    n = len(sizes)
+    for count in range(1, n + 1):
+        picks = sorted({min(n - 1, int((i + 0.5) * n / count)) for i in range(count)})
+        if sum(sizes[i] for i in picks) >= excess:
+            return picks
+    raise ValueError("the weights do not fit the budget even with every decoder layer moved out")
+
+
 @dataclass
 class StreamedLayer:
     index: int  # in the model's own layers
@@ -81,7 +94,7 @@ class WeightStore:
         self.total_bytes = total
         self.wait_s = 0.0  # waited for reads since the last take_wait()
         self.read_errors = 0  # read-aheads that failed (the forward then faulted the layer's pages in itself)
-        chosen = self._choose(sizes, total - budget_bytes)
+        chosen = choose_layers(sizes, total - budget_bytes)
         self.resident_bytes = total - sum(sizes[i] for i in chosen)
         self._file = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -105,18 +118,6 @@ class WeightStore:
     @property
     def streamed_bytes(self) -> int:
         return sum(s.nbytes for s in self.streamed)
-
-    @staticmethod
-    def _choose(sizes: list[int], excess: int) -> list[int]:
-        """As few layers as cover `excess` bytes, spread evenly over the stack (largest first when sizes differ)."""
-        if excess <= 0 or not sizes:
-            return []
-        n = len(sizes)
-        for count in range(1, n + 1):
-            picks = sorted({min(n - 1, int((i + 0.5) * n / count)) for i in range(count)})
-            if sum(sizes[i] for i in picks) >= excess:
-                return picks
-        raise ValueError("the weights do not fit the budget even with every decoder layer streamed")
 
     def _write(self, layers: list[nn.Module], chosen: list[int], directory: str | None) -> None:
         """The chosen layers' parameters into the stream file, page-aligned per layer; then the parameters
@@ -230,9 +231,9 @@ class WeightStore:
         return w
 
     def describe(self) -> dict:
-        return {"resident_bytes": self.resident_bytes, "streamed_bytes_per_step": self.streamed_bytes,
+        return {"source": "disk", "resident_bytes": self.resident_bytes, "streamed_bytes_per_step": self.streamed_bytes,
                 "streamed_layers": [s.index for s in self.streamed], "total_bytes": self.total_bytes,
-                "disk_read_bytes_per_s": self.read_bytes_per_s}
+                "read_bytes_per_s": self.read_bytes_per_s}
 
     @classmethod
     def attach(cls, model: nn.Module, budget_bytes: int, directory: str | None = None) -> WeightStore:
