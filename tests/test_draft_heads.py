@@ -166,7 +166,7 @@ def test_bad_head_folders_fail_naming_what_is_wrong(tmp_path, tiny_target):
     with pytest.raises(ValueError, match=r"model\.layers\.2\.enorm\.weight"):
         load("mtp", None, load_target(mtp_dir), mtp_dir)
     with pytest.raises(ValueError, match="unknown draft head method"):
-        load("medusa", None, target, tiny_target)
+        load("hydra", None, target, tiny_target)
 
 
 def test_target_with_mtp_tensors_loads_as_the_plain_target(tmp_path, tiny_target):

@@ -235,7 +235,8 @@ def test_metrics_and_diagnostics_report_acceptance(target):
 
 
 @pytest.mark.parametrize("bad, message", [
-    ('{"method": "medusa"}', "unknown speculative method"),
+    ('{"method": "hydra"}', "unknown speculative method"),
+    ('{"method": "medusa"}', "needs a model"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"method": "draft_model"}', "needs a model"),
     ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min"),

@@ -10,7 +10,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "slo")  # core/policies registers one
 ACTIVATION_QUANTIZATIONS = ("none", "int8", "int8_per_token")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # Speculative decoding proposers (vLLM's names; "deepseek_mtp" is taken as "mtp").
-SPEC_METHODS = ("ngram", "draft_model", "quantized_self", "eagle", "eagle3", "mtp")
+SPEC_METHODS = ("ngram", "draft_model", "quantized_self", "eagle", "eagle3", "mtp", "medusa")
 
 
 @dataclass
@@ -171,7 +171,7 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative method {self.method!r}; known: {', '.join(SPEC_METHODS)}.")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be an integer in 1..16, got {self.num_speculative_tokens!r}.")
-        if self.method in ("draft_model", "eagle", "eagle3") and not self.model:
+        if self.method in ("draft_model", "eagle", "eagle3", "medusa") and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs a model (the draft's checkpoint).")
         if self.method == "ngram":
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

@@ -5,56 +5,21 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
 from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.spec_decode.adaptive import AdaptivePolicy
-from tokenmill.spec_decode.draft import Draft, DraftRunner, StepView
-from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.spec_decode.draft import DraftRunner, StepView
+from tokenmill.spec_decode.proposers import ProposerContext, get_proposer
 
 log = logging.getLogger(__name__)
 
 
-class NgramDrafter:
-    """Prompt lookup over each request's tokens, kept in a growing numpy buffer (no list copy per step)."""
-
-    def __init__(self, min_n: int, max_n: int) -> None:
-        self.proposer = NgramProposer(min_n, max_n)
-        self.history: dict[str, tuple[np.ndarray, int]] = {}
-
-    def _tokens(self, view: StepView, i: int) -> np.ndarray:
-        """Request i's tokens as a numpy view; only those new since the last step are copied in."""
-        rid, total = view.requests[i].req_id, view.length(i)
-        buf, n = self.history.get(rid, (None, 0))
-        if buf is None or n > total:
-            buf, n = np.empty(max(64, 2 * total), dtype=np.int64), 0
-        if total > buf.size:
-            grown = np.empty(2 * total, dtype=np.int64)
-            grown[:n] = buf[:n]
-            buf = grown
-        buf[n:total] = view.tokens(i, n, total)
-        self.history[rid] = (buf, total)
-        return buf[:total]
-
-    def forget(self, rid: str) -> None:
-        self.history.pop(rid, None)
-
-    def propose(self, view: StepView, want: set[int], k: int) -> dict[int, Draft]:
-        out = {}
-        for i in want:
-            drafts = self.proposer.propose(self._tokens(view, i), k)
-            if drafts:
-                out[i] = Draft(drafts, None)
-        return out
-
-
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, drafter) -> None:
+    def __init__(self, config: SpeculativeConfig, drafter, kind: str) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self.drafter = drafter  # NgramDrafter or DraftRunner
-        kind = "lookup" if not isinstance(drafter, DraftRunner) else "head" if drafter.head else "model"
+        self.drafter = drafter  # a DraftRunner (kinds "model", "head"), else a lookup drafter (proposers.py)
         self.policy = AdaptivePolicy(self.k, config.adaptive, config.disable_by_batch_size, kind)
         self.draft_probs: dict[str, torch.Tensor] = {}  # request -> [k, V] q of its pending random drafts
         # Cost bookkeeping for the policy: the first target forward and the draft's first forward carry
@@ -147,33 +112,9 @@ def build_spec_decoder(config: EngineConfig, target: torch.nn.Module, backend_cl
     spec = config.speculative
     if spec is None:
         return None
-    if spec.method == "ngram":
-        return SpecDecoder(spec, NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max))
-    mc = config.model
-    if spec.method in ("draft_model", "quantized_self"):
-        from tokenmill.layers.quantization import get_quantization_config
-        from tokenmill.model.loader import load_model
-
-        path = mc.model if spec.method == "quantized_self" else spec.model
-        method = spec.quantization or ("int4" if spec.method == "quantized_self" else None)
-        quant = get_quantization_config(method, mc.quantization_group_size, model=path, device=str(device),
-                                        activations=mc.activation_quantization)
-        module, draft_cfg, _ = load_model(path, mc.dtype, max_model_len, str(device), quant_config=quant)
-        draft_vocab = int(draft_cfg.vocab_size)
-        if draft_vocab < vocab_size and spec.method == "draft_model":
-            log.warning("draft vocabulary %d is smaller than the target's %d: drafts never use the rest",
-                        draft_vocab, vocab_size)
-        head = False
-    else:
-        from tokenmill.spec_decode.heads import load_draft_head
-
-        module = load_draft_head(spec.method, spec.model, target, mc.model, target.storage_dtype,
-                                 target.compute_dtype, max_model_len)
-        if module.aux_layers:
-            target.aux_hidden_layers = tuple(module.aux_layers)
-        head = True
-    module.eval()
-    runner = DraftRunner(module, backend_cls(block_size, device), block_size, device, vocab_size, max_model_len, head)
+    entry = get_proposer(spec.method)
+    drafter = entry.build(ProposerContext(spec, config, target, backend_cls, block_size, device, vocab_size,
+                                          max_model_len))
     log.info("speculative decoding: %s, k=%d%s", spec.method, spec.num_speculative_tokens,
              "" if spec.adaptive else " (fixed)")
-    return SpecDecoder(spec, runner)
+    return SpecDecoder(spec, drafter, entry.kind)

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tokenmill.spec_decode.draft import Draft, StepView
+
 
 class NgramProposer:
     """Prompt lookup decoding: find the most recent earlier occurrence of the context's last n tokens
@@ -47,3 +49,36 @@ class NgramProposer:
         if len(seqs) != len(ks):
             raise ValueError(f"{len(seqs)} sequences but {len(ks)} values of k")
         return [self.propose(seq, k) for seq, k in zip(seqs, ks)]
+
+
+class NgramDrafter:
+    """Prompt lookup over each request's tokens, kept in a growing numpy buffer (no list copy per step)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.proposer = NgramProposer(min_n, max_n)
+        self.history: dict[str, tuple[np.ndarray, int]] = {}
+
+    def _tokens(self, view: StepView, i: int) -> np.ndarray:
+        """Request i's tokens as a numpy view; only those new since the last step are copied in."""
+        rid, total = view.requests[i].req_id, view.length(i)
+        buf, n = self.history.get(rid, (None, 0))
+        if buf is None or n > total:
+            buf, n = np.empty(max(64, 2 * total), dtype=np.int64), 0
+        if total > buf.size:
+            grown = np.empty(2 * total, dtype=np.int64)
+            grown[:n] = buf[:n]
+            buf = grown
+        buf[n:total] = view.tokens(i, n, total)
+        self.history[rid] = (buf, total)
+        return buf[:total]
+
+    def forget(self, rid: str) -> None:
+        self.history.pop(rid, None)
+
+    def propose(self, view: StepView, want: set[int], k: int) -> dict[int, Draft]:
+        out = {}
+        for i in want:
+            drafts = self.proposer.propose(self._tokens(view, i), k)
+            if drafts:
+                out[i] = Draft(drafts, None)
+        return out

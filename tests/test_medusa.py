@@ -1,0 +1,144 @@
+"""Medusa heads (issue 30, spec_decode/medusa.py): loaded from the published layout, run over the row of the
+target's hidden states that produced each request's last token; greedy output equals no speculation (plain,
+chunked, preempted, prefix hits, n = 2 with stop strings) with random heads; heads that copy a target's path
+have every draft accepted; sampling with heads stays seeded and exact in distribution (point-mass drafts); bad
+folders fail naming what is wrong; the proposer registry names every method the config accepts."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from compare import assert_same_outputs
+from medusa_tiny import make_constant_target, write_medusa
+from tiny import make_tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import SPEC_METHODS
+from tokenmill.spec_decode.medusa import MedusaDrafter, load_medusa
+from tokenmill.spec_decode.proposers import PROPOSERS
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "SELECT * FROM users WHERE id = 42; SELECT * FROM",
+    "hello",
+    "Once upon a time there was a small language model that could count to ten. " * 3,
+]
+GREEDY = SamplingParams(max_tokens=32, temperature=0, logprobs=2, ignore_eos=True)
+KV = dict(kv_cache_memory_bytes=8 << 20)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("target"), "llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory, target):
+    return write_medusa(tmp_path_factory.mktemp("medusa"), target, heads=4, layers=1)
+
+
+@pytest.fixture(scope="module")
+def baseline(target):
+    return [o.outputs[0] for o in LLM(str(target), **KV).generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def medusa(folder, k: int = 3) -> dict:
+    return {"method": "medusa", "model": str(folder), "num_speculative_tokens": k, "adaptive": False}
+
+
+def test_the_registry_names_every_method_the_config_accepts():
+    assert set(PROPOSERS) == set(SPEC_METHODS)
+    assert PROPOSERS["medusa"].kind == "lookup" and PROPOSERS["eagle"].kind == "head"
+
+
+@pytest.mark.parametrize("mode", ["plain", "chunked", "preempted"])
+def test_greedy_output_equals_no_speculation(target, heads, baseline, mode):
+    kw = {"plain": {}, "chunked": dict(max_num_batched_tokens=24, block_size=4),
+          "preempted": dict(num_gpu_blocks_override=44, block_size=4, max_num_batched_tokens=32, max_model_len=160)}
+    llm = LLM(str(target), speculative_config=medusa(heads), **{**KV, **kw[mode]})
+    out = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert_same_outputs(baseline, out, f"medusa/{mode}")
+    core = llm.engine.core
+    assert core.scheduler.spec_stats.num_draft_tokens > 0
+    if mode == "preempted":
+        assert core.scheduler.num_preemptions > 0
+    assert core.kv.usage == 0.0
+
+
+def test_prefix_hits_n_two_and_stop_strings(target, heads):
+    params = SamplingParams(n=2, max_tokens=24, temperature=0, logprobs=3, stop=["ab", "the"])
+    base = LLM(str(target), **KV).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(str(target), speculative_config=medusa(heads), **KV)
+    for _ in range(2):  # the second time from the prefix cache
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+        for a, b in zip(base, got):
+            assert [o.text for o in a.outputs] == [o.text for o in b.outputs]
+            assert [o.finish_reason for o in a.outputs] == [o.finish_reason for o in b.outputs]
+            assert_same_outputs(a.outputs, b.outputs, "n=2")
+    assert llm.engine.core.kv.stats.hits > 0 and llm.engine.core.kv.usage == 0.0
+
+
+def test_heads_read_the_row_that_produced_the_last_token(target, tmp_path):
+    """Heads whose projection is the target's LM head predict, from the right row, the token the target just
+    emitted: every proposal (greedy) is that token k times, whatever the step was (a prompt's last chunk, a
+    decode, a verification that accepted some drafts)."""
+    lm_head = load_file(str(target / "model.safetensors"))["lm_head.weight"]
+    folder = write_medusa(tmp_path / "echo", target, heads=3, proj=lm_head)
+    llm = LLM(str(target), speculative_config=medusa(folder), max_num_batched_tokens=24, block_size=4, **KV)
+    drafter = llm.engine.core.executor.worker.runner.spec.drafter
+    seen = []
+    propose = drafter.propose
+
+    def recording(view, want, k):
+        out = propose(view, want, k)
+        seen.extend((d.token_ids, view.accepted[i][-1]) for i, d in out.items())
+        return out
+
+    drafter.propose = recording
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert len(seen) > 20 and all(tokens == [last] * 3 for tokens, last in seen)
+
+
+def test_copy_heads_have_every_draft_accepted(target, tmp_path):
+    """A target that answers one token after any token, and heads that answer the same: every draft passes, so
+    each verification emits k + 1 tokens."""
+    path = tmp_path / "constant"
+    shutil.copytree(target, path)
+    proj = make_constant_target(path, token=42)
+    folder = write_medusa(tmp_path / "copy", path, heads=4, proj=proj)
+    llm = LLM(str(path), speculative_config=medusa(folder, k=4), **KV)
+    out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(set(o.outputs[0].token_ids) == {42} for o in out)
+    st = llm.engine.core.scheduler.spec_stats
+    assert st.num_draft_tokens > 0 and st.num_accepted_tokens == st.num_draft_tokens
+    assert st.num_drafts <= len(PROMPTS) * -(-31 // 5)  # about 32 / (k + 1) verifications per request
+
+
+def test_sampling_with_heads_is_seeded(target, heads):
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=3, ignore_eos=True)
+    runs = [[o.outputs[0].token_ids for o in
+             LLM(str(target), speculative_config=medusa(heads), **KV).generate(PROMPTS, params, use_tqdm=False)]
+            for _ in range(2)]
+    assert runs[0] == runs[1] and all(len(t) == 20 for t in runs[0])
+
+
+def test_pt_layout_and_unprefixed_names_load_the_same(target, tmp_path):
+    a = load_medusa(str(write_medusa(tmp_path / "a", target, seed=5)), 64, 384, torch.float32)
+    b = load_medusa(str(write_medusa(tmp_path / "b", target, seed=5, fmt="pt", prefix="")), 64, 384, torch.float32)
+    assert torch.equal(a.proj, b.proj) and torch.equal(a.res_weight, b.res_weight)
+
+
+def test_bad_folders_fail_naming_what_is_wrong(target, tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        load_medusa(str(tmp_path), 64, 384, torch.float32)
+    folder = write_medusa(tmp_path / "m", target)
+    w = load_file(str(folder / "medusa_lm_head.safetensors"))
+    save_file({k: v for k, v in w.items() if k != "medusa_head.2.1.weight"}, str(folder / "medusa_lm_head.safetensors"))
+    with pytest.raises(ValueError, match=r"lacks medusa_head.2.1.weight"):
+        load_medusa(str(folder), 64, 384, torch.float32)
+    with pytest.raises(ValueError, match=r"the target's hidden size 32"):
+        load_medusa(str(write_medusa(tmp_path / "n", target)), 32, 384, torch.float32)
+    with pytest.raises(ValueError, match="needs a model"):
+        LLM(str(target), speculative_config={"method": "medusa"})
