@@ -44,8 +44,12 @@ def baseline(target):
     return [o.outputs[0] for o in LLM(str(target), **KV).generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def medusa(folder, k: int = 3) -> dict:
-    return {"method": "medusa", "model": str(folder), "num_speculative_tokens": k, "adaptive": False}
+CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
+
+
+def medusa(folder, k: int = 3, choices=None) -> dict:
+    spec = {"method": "medusa", "model": str(folder), "num_speculative_tokens": k, "adaptive": False}
+    return spec if choices is None else {**spec, "medusa_choices": choices}
 
 
 def test_the_registry_names_every_method_the_config_accepts():
@@ -53,15 +57,27 @@ def test_the_registry_names_every_method_the_config_accepts():
     assert PROPOSERS["medusa"].kind == "lookup" and PROPOSERS["eagle"].kind == "head"
 
 
+@pytest.mark.parametrize("backend", ["torch_sdpa", "cpu_paged"])
+@pytest.mark.parametrize("shape", ["chain", "tree"])
 @pytest.mark.parametrize("mode", ["plain", "chunked", "preempted"])
-def test_greedy_output_equals_no_speculation(target, heads, baseline, mode):
+def test_greedy_output_equals_no_speculation(target, heads, baseline, mode, shape, backend):
     kw = {"plain": {}, "chunked": dict(max_num_batched_tokens=24, block_size=4),
           "preempted": dict(num_gpu_blocks_override=44, block_size=4, max_num_batched_tokens=32, max_model_len=160)}
-    llm = LLM(str(target), speculative_config=medusa(heads), **{**KV, **kw[mode]})
+    spec = medusa(heads, k=3 if shape == "chain" else 8, choices=CHAIN if shape == "chain" else None)
+    llm = LLM(str(target), speculative_config=spec, attention_backend=backend, **{**KV, **kw[mode]})
+    runner = llm.engine.core.executor.worker.runner
+    moved = []  # accepted paths off the first nodes: their K/V moved into place
+    compact = runner._compact_accepted_paths
+    runner._compact_accepted_paths = lambda inp, trees, index, rows: moved.extend(
+        r for t, r in zip(trees, rows) if [x - t.root_row - 1 for x in r[1:]] != list(range(len(r) - 1))) or \
+        compact(inp, trees, index, rows)
     out = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert_same_outputs(baseline, out, f"medusa/{mode}")
     core = llm.engine.core
-    assert core.scheduler.spec_stats.num_draft_tokens > 0
+    st = core.scheduler.spec_stats
+    assert st.num_draft_tokens > 0
+    if shape == "tree":  # 8 nodes verified per step, more than the 4 heads' chain could; some paths moved
+        assert st.num_draft_tokens > 4 * st.num_drafts and moved
     if mode == "preempted":
         assert core.scheduler.num_preemptions > 0
     assert core.kv.usage == 0.0
@@ -86,7 +102,8 @@ def test_heads_read_the_row_that_produced_the_last_token(target, tmp_path):
     decode, a verification that accepted some drafts)."""
     lm_head = load_file(str(target / "model.safetensors"))["lm_head.weight"]
     folder = write_medusa(tmp_path / "echo", target, heads=3, proj=lm_head)
-    llm = LLM(str(target), speculative_config=medusa(folder), max_num_batched_tokens=24, block_size=4, **KV)
+    llm = LLM(str(target), speculative_config=medusa(folder, choices=CHAIN), max_num_batched_tokens=24, block_size=4,
+              **KV)
     drafter = llm.engine.core.executor.worker.runner.spec.drafter
     seen = []
     propose = drafter.propose
@@ -101,25 +118,31 @@ def test_heads_read_the_row_that_produced_the_last_token(target, tmp_path):
     assert len(seen) > 20 and all(tokens == [last] * 3 for tokens, last in seen)
 
 
-def test_copy_heads_have_every_draft_accepted(target, tmp_path):
-    """A target that answers one token after any token, and heads that answer the same: every draft passes, so
-    each verification emits k + 1 tokens."""
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_copy_heads_have_every_draft_of_their_path_accepted(target, tmp_path, shape):
+    """A target that answers one token after any token, and heads whose top candidate is that token: a chain of
+    k is accepted whole (k + 1 tokens per verification); in a tree, every node on the path of top candidates is
+    (the default tree's first 8 nodes hold that path to depth 3: 4 tokens per verification)."""
     path = tmp_path / "constant"
     shutil.copytree(target, path)
     proj = make_constant_target(path, token=42)
     folder = write_medusa(tmp_path / "copy", path, heads=4, proj=proj)
-    llm = LLM(str(path), speculative_config=medusa(folder, k=4), **KV)
+    k = 4 if shape == "chain" else 8
+    llm = LLM(str(path), speculative_config=medusa(folder, k=k, choices=CHAIN if shape == "chain" else None), **KV)
     out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(set(o.outputs[0].token_ids) == {42} for o in out)
     st = llm.engine.core.scheduler.spec_stats
-    assert st.num_draft_tokens > 0 and st.num_accepted_tokens == st.num_draft_tokens
-    assert st.num_drafts <= len(PROMPTS) * -(-31 // 5)  # about 32 / (k + 1) verifications per request
+    per_step = 4 if shape == "chain" else 3  # accepted drafts per verification
+    assert st.num_drafts > 0 and st.num_accepted_tokens >= per_step * (st.num_drafts - len(PROMPTS))
+    assert st.num_accepted_tokens <= per_step * st.num_drafts
+    if shape == "chain":
+        assert st.num_accepted_tokens == st.num_draft_tokens
 
 
 def test_sampling_with_heads_is_seeded(target, heads):
     params = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=3, ignore_eos=True)
     runs = [[o.outputs[0].token_ids for o in
-             LLM(str(target), speculative_config=medusa(heads), **KV).generate(PROMPTS, params, use_tqdm=False)]
+             LLM(str(target), speculative_config=medusa(heads, k=8), **KV).generate(PROMPTS, params, use_tqdm=False)]
             for _ in range(2)]
     assert runs[0] == runs[1] and all(len(t) == 20 for t in runs[0])
 

@@ -10,7 +10,8 @@ import torch
 from test_rejection_sampler import chi2_pvalue, random_dist, top_p_target
 from tokenmill.sample.draws import position_seed
 from tokenmill.sample.rejection_sampler import rejection_sample
-from tokenmill.sample.tree_sampler import TreeDraft, ancestors, verify_trees
+from tokenmill.sample.tree_sampler import TreeDraft, verify_trees
+from tokenmill.spec_decode.tree import ancestors, choices_to_tree, visibility
 
 N = 20000
 # root -> nodes 0, 1, 2 (tokens 0, 1, 2); node 0 -> node 3 (token 3); node 1 -> node 4 (token 4);
@@ -19,9 +20,14 @@ TOKENS = [0, 1, 2, 3, 4, 5]
 PARENTS = [-1, -1, -1, 0, 1, 3]
 
 
-def test_ancestors():
+def test_tree_helpers():
     a = ancestors(PARENTS)
     assert a[5].nonzero()[0].tolist() == [0, 3, 5] and a[2].nonzero()[0].tolist() == [2]
+    v = visibility(PARENTS)
+    assert v[0].nonzero()[0].tolist() == [0] and v[6].nonzero()[0].tolist() == [0, 1, 4, 6]
+    assert choices_to_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]]) == [-1, -1, 0, 1, 2]
+    with pytest.raises(ValueError, match="before its parent"):
+        choices_to_tree([[0, 0], [0]])
 
 
 def test_greedy_walk_follows_the_argmax():

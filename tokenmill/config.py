@@ -143,6 +143,9 @@ class SpeculativeConfig:
     quantization: str | None = None  # quantized_self: int4 (default) or int8; draft_model: as --quantization
     adaptive: bool = True  # choose k per step from acceptance and measured step costs (0: no drafts)
     disable_by_batch_size: int | None = None  # vLLM's name: no drafts while this many requests or more decode
+    # medusa: the draft tree, each node as its path of top-k ranks (the Medusa repository's medusa_choices);
+    # None: a default tree (spec_decode/medusa.py). num_speculative_tokens caps the nodes verified per step.
+    medusa_choices: list[list[int]] | None = None
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -183,6 +186,15 @@ class SpeculativeConfig:
             raise ValueError(f"speculative quantization applies to quantized_self and draft_model, not {self.method!r}.")
         if self.method == "quantized_self" and self.quantization not in (None, "int4", "int8"):
             raise ValueError(f"quantized_self drafts with int4 or int8 weights, not {self.quantization!r}.")
+        if self.medusa_choices is not None:
+            if self.method != "medusa":
+                raise ValueError(f"medusa_choices applies to method medusa, not {self.method!r}.")
+            from tokenmill.spec_decode.tree import choices_to_tree
+
+            if not self.medusa_choices or not all(isinstance(c, list) and all(isinstance(x, int) and x >= 0 for x in c)
+                                                  for c in self.medusa_choices):
+                raise ValueError("medusa_choices must be a non-empty list of paths of top-k ranks, e.g. [[0], [1], [0, 0]].")
+            choices_to_tree(self.medusa_choices)
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}.")
 

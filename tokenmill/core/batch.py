@@ -56,6 +56,9 @@ class ScheduledBatch:
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts appended after the known tokens
+    # Drafts that form a tree (spec_decode/tree.py): each node's parent index (-1: the last known token).
+    # Absent: a chain.
+    spec_parents: dict[str, list[int]] = field(default_factory=dict)
     # Prompt logprobs to compute: req_id -> (first position, rows) within this step's chunk.
     prompt_logprob_ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
     finished_req_ids: list[str] = field(default_factory=list)  # forget these (finished, aborted or preempted)
@@ -115,6 +118,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     # Speculative decoding: drafts proposed for each request's next step (the scheduler verifies them then).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_parents: dict[str, list[int]] = field(default_factory=dict)  # the drafts that are trees: their parents
     timings: StepTimings = field(default_factory=StepTimings)
 
     def merge(self, other: "ModelRunnerOutput") -> None:
@@ -124,5 +128,6 @@ class ModelRunnerOutput:
         self.logprobs.update(other.logprobs)
         self.prompt_logprobs.update(other.prompt_logprobs)
         self.spec_token_ids.update(other.spec_token_ids)
+        self.spec_parents.update(other.spec_parents)
         for name, value in vars(other.timings).items():
             setattr(self.timings, name, getattr(self.timings, name) + value)

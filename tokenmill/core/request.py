@@ -69,6 +69,7 @@ class Request:
     index: int = 0  # which of the group's n sequences
     seed: int | None = None  # this sequence's own sampling seed (params.seed + index)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
+    spec_parents: list[int] | None = None  # the drafts' tree (each node's parent; -1: the last token); None: a chain
     grammar: Any = None  # structured_output.manager.RequestGrammar of a constrained request
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     slo: RequestSLO | None = None  # latency targets (the slo scheduling policy); None: batch work

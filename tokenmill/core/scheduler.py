@@ -222,7 +222,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         self.unsend(req)
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_parents = [], None
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -445,6 +445,8 @@ class Scheduler:
             b.num_scheduled_tokens.append(n)
             if spec:
                 b.spec_token_ids[rid] = spec
+                if req.spec_parents is not None:  # a tree: its first len(spec) nodes are still one
+                    b.spec_parents[rid] = req.spec_parents[: len(spec)]
                 b.num_sample_rows.append(len(spec) + 1)
             else:
                 b.num_sample_rows.append(1 if start + n >= req.num_tokens else 0)
@@ -526,7 +528,7 @@ class Scheduler:
         before = req.num_computed_tokens
         req.num_computed_tokens = before + n - rejected
         self.prompt_tokens += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - min(before, req.num_prompt_tokens))
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_parents = [], None
         prompt_lps = result.prompt_logprobs.get(rid)
         if not new and prompt_lps is None:
             return None
@@ -550,6 +552,7 @@ class Scheduler:
             self.finish_request(req, status)
         else:
             req.spec_token_ids = result.spec_token_ids.get(rid, [])
+            req.spec_parents = result.spec_parents.get(rid)
         lps = result.logprobs.get(rid)
         return EngineCoreOutput(
             rid, accepted, lps[: len(accepted)] if lps is not None else None, prompt_lps,

@@ -57,6 +57,8 @@ class StepInputs:
     attn_pairs: int
     prompt_rows: list[tuple[CachedRequestState, int, int, int]] = field(default_factory=list)  # (req, row, rows, pos)
     group_layouts: list[BatchLayout] = field(default_factory=list)  # KV cache groups after the first: their tables
+    # Per request: its drafts' tree (parents, spec_decode/tree.py), or None for a chain or no drafts.
+    spec_parents: list[list[int] | None] = field(default_factory=list)
 
 
 class InputBatch:
@@ -262,13 +264,17 @@ class InputBatch:
             k = np.fromiter(map(len, spec), np.int64, B)
             host[np.repeat(q_end - k, k) + _ranks(k)] = np.fromiter(chain.from_iterable(spec), np.int64,
                                                                     int(k.sum()))
+        parents = [batch.spec_parents.get(rid) for rid in batch.req_ids] if batch.spec_parents else []
+        tree_req = tree_mask = None
+        if parents:  # draft trees: nodes at their path's positions, each seeing its ancestors only
+            tree_req, tree_mask, positions = _trees(parents, q_end, start_pos, positions)
         host[T : 2 * T] = positions
         host[2 * T :] = sample_rows
         dev = torch.from_numpy(host).to(self.device)
         t = torch.from_numpy
         layout = BatchLayout(query_start=t(q_start), query_len=t(q_len), kv_len=t(kv_len), block_table=t(table),
                              slot_mapping=t(slots), num_tokens=T, max_query_len=max_query_len,
-                             max_kv_len=max_kv_len)
+                             max_kv_len=max_kv_len, tree_req=tree_req, tree_mask=tree_mask)
         # The other KV cache groups: same queries and lengths, their own tables and slots.
         group_layouts = [replace(layout, block_table=t(self.block_table[g, rows, : int(num_blocks.max())]),
                                  slot_mapping=t(np.take(self.block_table[g].reshape(-1), flat).astype(np.int64) * bs
@@ -293,7 +299,26 @@ class InputBatch:
             attn_pairs=int(positions.sum()) + T,
             prompt_rows=prompt_rows,
             group_layouts=group_layouts,
+            spec_parents=parents,
         )
+
+
+def _trees(parents: list[list[int] | None], q_end: np.ndarray, start_pos: np.ndarray,
+           positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """The requests verifying trees: their batch indices, visibility masks [R, Nq, Nq] (padded), and the step's
+    positions with each node at its root's position + its depth (its slot stays the node's index)."""
+    from tokenmill.spec_decode.tree import depths, visibility
+
+    which = [i for i, p in enumerate(parents) if p is not None]
+    nq = max(len(parents[i]) for i in which) + 1
+    mask = np.zeros((len(which), nq, nq), dtype=bool)
+    positions = positions.copy()
+    for r, i in enumerate(which):  # per tree request: its visibility and its nodes' positions
+        p = parents[i]
+        n = len(p)
+        mask[r, : n + 1, : n + 1] = visibility(p)
+        positions[q_end[i] - n: q_end[i]] = start_pos[i] + depths(p)
+    return torch.tensor(which, dtype=torch.long), torch.from_numpy(mask), positions
 
 
 def pack_layout(start_pos: np.ndarray, q_len: np.ndarray, tables: list[list[int]],

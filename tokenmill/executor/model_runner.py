@@ -19,6 +19,7 @@ from tokenmill.layers.attention import Attention, AttentionTimer
 from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend, GroupedMetadata
 from tokenmill.sample.rejection_sampler import rejection_sample
+from tokenmill.sample.tree_sampler import TreeDraft, verify_trees
 from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, target_distribution
 from tokenmill.testing import faults
 
@@ -266,6 +267,8 @@ class ModelRunner:
             return self._result(inp, self.sampler(logits, meta), None)
         # Exact rejection sampling against each draft's q (a point mass for n-gram and greedy drafts).
         raw, greedy_ids, probs = target_distribution(logits, meta)
+        if inp.spec_parents:  # some drafts are trees: every request's verified as one (a chain is a tree too)
+            return self._verify_trees(inp, raw, greedy_ids, probs, meta)
         reqs = [(r, rows, spec) for r, rows, spec in zip(inp.requests, inp.rows_per_request, inp.spec) if rows]
         draft_probs = [self.spec.probs_for(r.req_id, len(spec)) if self.spec is not None and spec else None
                        for r, _, spec in reqs]
@@ -274,9 +277,54 @@ class ModelRunner:
             [spec for _, _, spec in reqs], draft_probs, [r.params.greedy for r, _, _ in reqs], meta.seeds)
         return self._result(inp, Sampler.output(raw, tokens, meta), num_accepted)
 
-    def _result(self, inp: StepInputs, sampled: SamplerOutput, num_accepted: list[int] | None) -> ModelRunnerOutput:
+    def _verify_trees(self, inp: StepInputs, raw: torch.Tensor, greedy_ids: torch.Tensor, probs: torch.Tensor | None,
+                      meta: SamplingMetadata) -> ModelRunnerOutput:
+        """Verify every sampled request's drafts as a tree (point-mass drafts: tree proposers draft
+        deterministically), move the accepted paths' K/V into place, and emit each path and one token more."""
+        trees, batch_index, greedy = [], [], []
+        row = 0
+        for i, (r, rows, spec, parents) in enumerate(zip(inp.requests, inp.rows_per_request, inp.spec,
+                                                         inp.spec_parents)):
+            if not rows:
+                continue
+            trees.append(TreeDraft(row, spec, parents if parents is not None else list(range(-1, len(spec) - 1))))
+            batch_index.append(i)
+            greedy.append(r.params.greedy)
+            row += rows
+        tokens, emit_rows = verify_trees(probs, greedy_ids, trees, greedy, meta.seeds)
+        self._compact_accepted_paths(inp, trees, batch_index, emit_rows)
+        return self._result(inp, Sampler.output(raw, tokens, meta), None, emit_rows)
+
+    def _compact_accepted_paths(self, inp: StepInputs, trees: list[TreeDraft], batch_index: list[int],
+                                emit_rows: list[list[int]]) -> None:
+        """A tree's accepted nodes hold their K/V at their own slots (c + 1 + node); the path's must be at
+        c + 1 .. c + a, where the next step reads them: copied there in every layer of every KV cache group
+        (nothing to do where the path is nodes 0 .. a - 1, as a chain's always is)."""
+        lay = inp.layout
+        q_end = (lay.query_start + lay.query_len).tolist()
+        src, dst = [], []
+        for t, i, rows in zip(trees, batch_index, emit_rows):
+            path = [r - t.root_row - 1 for r in rows[1:]]
+            if path == list(range(len(path))):
+                continue
+            first = q_end[i] - len(t.tokens)  # packed row of node 0
+            src += [first + m for m in path]
+            dst += [first + j for j in range(len(path))]
+        if not src:
+            return
+        src_rows, dst_rows = torch.tensor(src), torch.tensor(dst)
+        for g, group in enumerate(self.kv_groups):
+            slots = (lay if g == 0 else inp.group_layouts[g - 1]).slot_mapping
+            s, d = slots[src_rows].to(self.device), slots[dst_rows].to(self.device)
+            for a in group.layers:
+                for cache in kv_quant.layer_caches(a):
+                    flat = cache.view(-1, *cache.shape[2:])
+                    flat.index_copy_(0, d, flat.index_select(0, s))
+
+    def _result(self, inp: StepInputs, sampled: SamplerOutput, num_accepted: list[int] | None,
+                emit_rows: list[list[int]] | None = None) -> ModelRunnerOutput:
         """Per request: its sampled rows' tokens, cut after the accepted drafts and the one token that
-        follows them."""
+        follows them (trees: the rows of its accepted path and the one after, `emit_rows`)."""
         tokens = sampled.token_ids.tolist()
         lp = None
         if sampled.logprobs is not None:
@@ -288,13 +336,15 @@ class ModelRunner:
             if not rows:
                 continue
             n = num_accepted[j] + 1 if num_accepted is not None else rows
+            emitted = emit_rows[j] if emit_rows is not None else range(row, row + n)
             j += 1
             result.req_ids.append(r.req_id)
-            result.sampled_token_ids.append(tokens[row : row + n])
+            result.sampled_token_ids.append([tokens[i] for i in emitted] if emit_rows is not None
+                                            else tokens[row : row + n])
             if lp is not None and r.params.logprobs is not None:
                 k = r.params.logprobs
                 result.logprobs[r.req_id] = [
-                    (lp[0][i], lp[1][i], lp[2][i][:k], lp[3][i][:k]) for i in range(row, row + n)]
+                    (lp[0][i], lp[1][i], lp[2][i][:k], lp[3][i][:k]) for i in emitted]
             row += rows
         return result
 
@@ -311,7 +361,7 @@ class ModelRunner:
         view = StepView(inp.requests, lay.kv_len.numpy() - lay.query_len.numpy(), list(batch.num_scheduled_tokens),
                         lay.query_start.numpy(), [sampled.get(r.req_id) for r in inp.requests], hidden,
                         getattr(self.model, "aux_hidden_states", None))
-        out.spec_token_ids = self.spec.propose(view)
+        out.spec_token_ids, out.spec_parents = self.spec.propose(view)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> dict[str, PromptLogprobs]:
         out = {}
@@ -344,6 +394,7 @@ def micro_batches(batch: ScheduledBatch, parts: int) -> list[ScheduledBatch]:
         return ScheduledBatch(
             req_ids=ids, num_scheduled_tokens=batch.num_scheduled_tokens[a:b], num_sample_rows=batch.num_sample_rows[a:b],
             spec_token_ids={r: v for r, v in batch.spec_token_ids.items() if r in keep},
+            spec_parents={r: v for r, v in batch.spec_parents.items() if r in keep},
             prompt_logprob_ranges={r: v for r, v in batch.prompt_logprob_ranges.items() if r in keep})
 
     return [sub(0, cut), sub(cut, n)]

@@ -125,7 +125,7 @@ class NativeStack:
 
     def ready(self, meta) -> bool:
         """This step can run natively: cpu_paged metadata and float caches (rebound if reallocated)."""
-        if type(meta) is not CPUPagedMetadata:
+        if type(meta) is not CPUPagedMetadata or meta.tree_group is not None:  # trees: attended in torch too
             return False
         for i, a in enumerate(self.attn):
             k = a.k_cache

@@ -39,24 +39,6 @@ class TreeDraft:
     parents: list[int]  # -1: a child of the root
 
 
-def ancestors(parents: list[int]) -> np.ndarray:
-    """[n, n] bool: a[m, j] = node j is node m or one of its ancestors."""
-    n = len(parents)
-    a = np.zeros((n, n), dtype=bool)
-    for m, p in enumerate(parents):
-        if p >= 0:
-            a[m] = a[p]
-        a[m, m] = True
-    return a
-
-
-def depths(parents: list[int]) -> np.ndarray:
-    d = np.zeros(len(parents), dtype=np.int64)
-    for m, p in enumerate(parents):
-        d[m] = d[p] + 1 if p >= 0 else 1
-    return d
-
-
 def verify_trees(probs: Tensor | None, greedy_ids: Tensor, trees: list[TreeDraft], is_greedy: list[bool],
                  seeds: Tensor | None) -> tuple[Tensor, list[list[int]]]:
     """(a token per sampled row [S], the rows whose tokens each request emits, in order).

@@ -80,7 +80,8 @@ class SpecDecoder:
         for drafted, accepted in verified:
             policy.observe_verification(drafted, accepted)
 
-    def propose(self, view: StepView) -> dict[str, list[int]]:
+    def propose(self, view: StepView) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """The next step's drafts per request, and the parents of those that are trees."""
         t0 = time.perf_counter()
         sampled = [i for i, got in enumerate(view.accepted) if got]
         k = self.policy.choose(len(sampled))
@@ -96,15 +97,17 @@ class SpecDecoder:
             drafts = self.drafter.propose(view, want, k) if k else {}
             if k:
                 self.policy.observe_lookup(len(want), time.perf_counter() - t0)
-        out = {}
+        out, trees = {}, {}
         for i, d in drafts.items():
             rid = view.requests[i].req_id
             out[rid] = d.token_ids
             if d.probs is not None:
                 self.draft_probs[rid] = d.probs
+            if d.parents is not None:
+                trees[rid] = d.parents
         self._batch = len(sampled)
         self._propose_s = time.perf_counter() - t0
-        return out
+        return out, trees
 
 
 def build_spec_decoder(config: EngineConfig, target: torch.nn.Module, backend_cls, block_size: int,

@@ -61,6 +61,7 @@ class StepView:
 class Draft:
     token_ids: list[int]
     probs: torch.Tensor | None  # [k, V] the distribution each draft was drawn from; None: greedy (a point mass)
+    parents: list[int] | None = None  # a tree (spec_decode/tree.py): each node's parent; None: a chain
 
 
 class DraftRunner:

@@ -8,14 +8,17 @@ Published layout (the Medusa repository's, e.g. FasterDecoding/medusa-vicuna-7b-
 `medusa_head.{i}.{medusa_num_layers}.weight [V, H]` (no bias); the `medusa_head.` prefix may be absent. The input
 is the target's final hidden state (after its last norm) at the position that produced the last emitted token.
 
-Proposals: the chain of each head's top token (head i's for position p + 2 + i), as many heads as k allows; a
-point-mass draft, so verification stays exact for sampled requests too (docs/speculative.md).
+Proposals: a static tree (`medusa_choices`, the Medusa repository's format: each node as the path of top-k ranks
+leading to it; a default tree of 16 nodes otherwise), its first k nodes per step, verified in one target forward
+with a tree attention mask (sample/tree_sampler.py); or, where a tree cannot be verified exactly or the choices are
+a chain, each head's top token as a chain. Point-mass drafts, so verification stays exact for sampled requests.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -91,12 +94,28 @@ def load_medusa(path: str, hidden: int, vocab: int, dtype: torch.dtype) -> Medus
     return heads
 
 
+# A default tree of 16 nodes (each the path of top-k ranks through the heads, parents first): the top few
+# candidates of the first heads, the top one deeper, in the spirit of the Medusa repository's trees.
+DEFAULT_CHOICES = [[0], [1], [0, 0], [2], [0, 1], [1, 0], [0, 0, 0], [3], [0, 2], [0, 0, 1], [1, 1], [0, 1, 0],
+                   [0, 0, 0, 0], [2, 0], [1, 0, 0], [0, 0, 0, 1]]
+
+
 class MedusaDrafter:
     """A lookup-kind drafter (its cost is one call per step): each drafting request's row of the target's hidden
-    states through the heads, the top token of each of the first k heads as the chain."""
+    states through the heads; the tree's nodes take their head's candidate of their rank (head d for a node at
+    depth d + 1). Requests whose sampling depends on the tokens before each row (penalties, a grammar, min_tokens
+    still pending) and models with sliding windows (their masks count slots, not a node's path) get the chain
+    of each head's top token instead."""
 
-    def __init__(self, heads: MedusaHeads) -> None:
+    def __init__(self, heads: MedusaHeads, choices: list[list[int]] | None, trees: bool) -> None:
+        from tokenmill.spec_decode.tree import choices_to_tree, depths, is_chain
+
         self.heads = heads
+        choices = [c for c in (choices or DEFAULT_CHOICES) if len(c) <= heads.num_heads]
+        self.parents = choices_to_tree(choices)
+        self.depth = depths(self.parents) - 1  # the head of each node
+        self.rank = np.array([c[-1] for c in choices], dtype=np.int64)
+        self.trees = trees and not is_chain(self.parents)
 
     def forget(self, rid: str) -> None:
         pass
@@ -107,12 +126,36 @@ class MedusaDrafter:
         sequence's length - 2, and the step's rows start at position view.starts[i]."""
         return int(view.row_starts[i]) + view.length(i) - 2 - int(view.starts[i])
 
+    @staticmethod
+    def tree_safe(view: StepView, i: int) -> bool:
+        """Rows scored the same whatever tokens precede them in the tree (so any node may be verified)."""
+        r = view.requests[i]
+        p = r.params
+        return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+                and p.structured_outputs is None and view.length(i) - r.num_prompt_tokens >= p.min_tokens)
+
     @torch.inference_mode()
     def propose(self, view: StepView, want: set[int], k: int) -> dict[int, Draft]:
         if not want or view.hidden is None:
             return {}
+        from tokenmill.spec_decode.tree import is_chain
+
         order = sorted(want)
         rows = torch.tensor([self.source_row(view, i) for i in order], device=view.hidden.device)
-        n = min(k, self.heads.num_heads)
-        tokens = self.heads(view.hidden.index_select(0, rows), n).argmax(-1).T.tolist()  # [B, n]
-        return {i: Draft(t, None) for i, t in zip(order, tokens)}
+        n = min(k, len(self.parents))  # nodes of the tree
+        chain = min(k, self.heads.num_heads)
+        depth, rank = self.depth[:n], self.rank[:n]
+        used = max(int(depth.max()) + 1, chain)
+        logits = self.heads(view.hidden.index_select(0, rows), used)  # [used heads, B, V]
+        top = logits.topk(max(int(rank.max()) + 1, 1), dim=-1).indices.cpu().numpy()  # [heads, B, K]
+        tree_tokens = top[depth, :, rank].T  # [B, n]
+        chains = top[:chain, :, 0].T  # [B, chain]
+        parents = self.parents[:n]
+        tree = self.trees and not is_chain(parents)
+        out = {}
+        for b, i in enumerate(order):
+            if tree and self.tree_safe(view, i):
+                out[i] = Draft(tree_tokens[b].tolist(), None, parents)
+            else:
+                out[i] = Draft(chains[b].tolist(), None)
+        return out

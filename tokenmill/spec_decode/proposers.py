@@ -126,7 +126,5 @@ def _medusa(ctx: ProposerContext):
 
     target = ctx.target
     heads = load_medusa(ctx.spec.model, target.spec.hidden_size, ctx.vocab_size, target.compute_dtype).to(ctx.device)
-    if ctx.spec.num_speculative_tokens > heads.num_heads:
-        log.warning("medusa: %d heads propose at most %d tokens (num_speculative_tokens %d)", heads.num_heads,
-                    heads.num_heads, ctx.spec.num_speculative_tokens)
-    return MedusaDrafter(heads)
+    windows = {layer.sliding_window for layer in target.spec.layers}
+    return MedusaDrafter(heads, ctx.spec.medusa_choices, trees=windows == {None})

@@ -27,6 +27,11 @@ class BatchLayout:
     num_tokens: int
     max_query_len: int
     max_kv_len: int
+    # Draft trees being verified (spec_decode/tree.py): tree_mask[r] [Nq, Nq] says which of request
+    # tree_req[r]'s new tokens (its last token, then the tree's nodes) each of its queries may see (itself and
+    # its ancestors; not causal order). None: every request is causal.
+    tree_req: torch.Tensor | None = None  # [R] long, batch index of each request verifying a tree
+    tree_mask: torch.Tensor | None = None  # [R, Nq, Nq] bool
 
 
 @dataclass

@@ -18,6 +18,7 @@ from tokenmill import native
 from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend, BatchLayout
 from tokenmill.layers.attention_backends.registry import register_backend
+from tokenmill.layers.attention_backends.torch_sdpa import SDPAGroup, attend_group, sdpa_group
 
 if TYPE_CHECKING:
     from tokenmill.layers.attention import Attention
@@ -32,6 +33,9 @@ class CPUPagedMetadata:
     query_start: torch.Tensor  # [B] int32
     query_len: torch.Tensor  # [B] int32
     kv_len: torch.Tensor  # [B] int32
+    # Requests verifying draft trees: the kernel attends causally, so their rows are attended again in torch
+    # with the tree mask (torch_sdpa's group, unwritten slots zeroed out of the gathered keys).
+    tree_group: SDPAGroup | None = None
 
 
 @register_backend
@@ -68,12 +72,17 @@ class CPUPagedBackend(AttentionBackend):
 
     def build_metadata(self, layout: BatchLayout) -> CPUPagedMetadata:
         i32 = torch.int32
+        tree_group = None
+        if layout.tree_req is not None:
+            tree_group = sdpa_group(layout, layout.tree_req, self.block_size, self.device)
+            tree_group.key_valid = tree_group.key_pos.unsqueeze(0) < layout.kv_len[layout.tree_req].unsqueeze(1)
         return CPUPagedMetadata(
             slot_mapping=layout.slot_mapping.to(torch.long).contiguous(),
             block_table=layout.block_table.to(i32).contiguous(),
             query_start=layout.query_start.to(i32).contiguous(),
             query_len=layout.query_len.to(i32).contiguous(),
             kv_len=layout.kv_len.to(i32).contiguous(),
+            tree_group=tree_group,
         )
 
     def forward(self, layer: Attention, q, k, v, meta: CPUPagedMetadata) -> torch.Tensor:
@@ -87,6 +96,8 @@ class CPUPagedBackend(AttentionBackend):
             out, qf, k.to(cache_dtype).contiguous(), v.to(cache_dtype).contiguous(), layer.k_cache, layer.v_cache,
             meta.slot_mapping, meta.block_table, meta.query_start, meta.query_len, meta.kv_len,
             float(layer.scale), int(layer.sliding_window or 0), float(layer.logits_soft_cap or 0.0))
+        if meta.tree_group is not None:
+            attend_group(layer, qf, meta.tree_group, out)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
     def _forward_quantized(self, layer: Attention, q, qf, k, v, out, meta: CPUPagedMetadata) -> torch.Tensor:
@@ -98,6 +109,8 @@ class CPUPagedBackend(AttentionBackend):
             ks, vs, meta.slot_mapping, meta.block_table, meta.query_start, meta.query_len, meta.kv_len,
             float(layer.scale), int(layer.sliding_window or 0), float(layer.logits_soft_cap or 0.0),
             float(layer.k_scale), float(layer.v_scale))
+        if meta.tree_group is not None:
+            attend_group(layer, qf, meta.tree_group, out)
         return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 

@@ -33,6 +33,8 @@ class SDPAGroup:
     key_pos: torch.Tensor  # [L] = arange(NB * block_size); or [B, L], each request's own key positions
     all_valid: bool
     key_owned: torch.Tensor | None = None  # [B, L] context parallelism: keys this rank holds (None: all)
+    tree_ok: torch.Tensor | None = None  # [B, Q, L] draft trees: False where a node may not see a key
+    key_valid: torch.Tensor | None = None  # [B, L] keys below each request's kv_len (set for unzeroed caches)
     _masks: dict = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -45,6 +47,8 @@ class SDPAGroup:
                 m &= k > q - window
             if self.key_owned is not None:
                 m &= self.key_owned.unsqueeze(1)
+            if self.tree_ok is not None:
+                m &= self.tree_ok
             m = m.unsqueeze(1)  # [B, 1, Q, L]
             self._masks[window] = m
         return m
@@ -136,26 +140,7 @@ class TorchSDPABackend(AttentionBackend):
         return SDPAMetadata(slot_mapping=layout.slot_mapping.to(self.device, torch.long), groups=groups)
 
     def _group(self, layout: BatchLayout, idx: torch.Tensor) -> SDPAGroup:
-        device, bs = self.device, self.block_size
-        q_start = layout.query_start[idx]
-        q_len = layout.query_len[idx]
-        kv_len = layout.kv_len[idx]
-        Q = int(q_len.max())
-        num_blocks = -(-int(kv_len.max()) // bs)
-        tables = layout.block_table[idx, :num_blocks].long()
-        ar = torch.arange(Q)
-        valid = ar.unsqueeze(0) < q_len.unsqueeze(1)
-        token_index = torch.where(valid, q_start.unsqueeze(1) + ar, 0)
-        q_pos = torch.where(valid, (kv_len - q_len).unsqueeze(1) + ar, 0)
-        return SDPAGroup(
-            token_index=token_index.to(device),
-            valid=valid.to(device),
-            flat_index=token_index[valid].to(device),
-            block_tables=tables.to(device),
-            q_pos=q_pos.to(device),
-            key_pos=torch.arange(num_blocks * bs, device=device),
-            all_valid=bool(valid.all()),
-        )
+        return sdpa_group(layout, idx, self.block_size, self.device)
 
     def forward(self, layer: Attention, q, k, v, meta: SDPAMetadata) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hk, D]; caches: [num_blocks, block_size, Hk, D]. Returns [T, H, D]."""
@@ -169,30 +154,86 @@ class TorchSDPABackend(AttentionBackend):
             v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
         for g in meta.groups:
-            B, NB = g.block_tables.shape
-            Q = g.token_index.shape[1]
-            qg = q.index_select(0, g.token_index.view(-1)).view(B, Q, num_heads, -1).transpose(1, 2)  # [B, H, Q, D]
-            # index_select over whole blocks is ~4x faster than advanced indexing on CPU.
-            flat = g.block_tables.view(-1)
-            if quantized:
-                kg, vg = kv_quant.gather_dequantized(layer, flat, q.dtype)
-            else:
-                kg, vg = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
-            kg = kg.view(B, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-            vg = vg.view(B, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-            mask = g.mask(layer.sliding_window)
-            if layer.logits_soft_cap is None:
-                o = F.scaled_dot_product_attention(
-                    qg, kg, vg, attn_mask=mask, scale=layer.scale, enable_gqa=num_heads != num_kv_heads
-                )
-            else:
-                o = _soft_capped_attention(qg, kg, vg, mask, layer.scale, layer.logits_soft_cap)
-            o = o.transpose(1, 2)  # [B, Q, H, D]
-            if g.all_valid:
-                out.index_copy_(0, g.flat_index, o.flatten(0, 1))
-            else:
-                out.index_copy_(0, g.flat_index, o[g.valid])
+            attend_group(layer, q, g, out)
         return out
+
+
+def sdpa_group(layout: BatchLayout, idx: torch.Tensor, bs: int, device: torch.device) -> SDPAGroup:
+    """The requests `idx` of the layout as one padded SDPA call: their queries, block tables, positions."""
+    q_start = layout.query_start[idx]
+    q_len = layout.query_len[idx]
+    kv_len = layout.kv_len[idx]
+    Q = int(q_len.max())
+    num_blocks = -(-int(kv_len.max()) // bs)
+    tables = layout.block_table[idx, :num_blocks].long()
+    ar = torch.arange(Q)
+    valid = ar.unsqueeze(0) < q_len.unsqueeze(1)
+    token_index = torch.where(valid, q_start.unsqueeze(1) + ar, 0)
+    q_pos = torch.where(valid, (kv_len - q_len).unsqueeze(1) + ar, 0)
+    tree_ok = _tree_ok(layout, idx, q_len, kv_len, Q, num_blocks * bs)
+    return SDPAGroup(
+        token_index=token_index.to(device),
+        valid=valid.to(device),
+        flat_index=token_index[valid].to(device),
+        block_tables=tables.to(device),
+        q_pos=q_pos.to(device),
+        key_pos=torch.arange(num_blocks * bs, device=device),
+        all_valid=bool(valid.all()),
+        tree_ok=tree_ok.to(device) if tree_ok is not None else None,
+    )
+
+
+def _tree_ok(layout: BatchLayout, idx: torch.Tensor, q_len, kv_len, Q: int, L: int) -> torch.Tensor | None:
+    """[B, Q, L]: True but where a tree request's query may not see one of its step's own keys."""
+    if layout.tree_req is None:
+        return None
+    member = idx.unsqueeze(1) == layout.tree_req.unsqueeze(0)  # [B, R]
+    if not bool(member.any()):
+        return None
+    gb, r = member.nonzero(as_tuple=True)  # the group's rows that verify trees, and their trees
+    nq = layout.tree_mask.shape[1]
+    ar = torch.arange(nq)
+    inside = ar.unsqueeze(0) < q_len[gb].unsqueeze(1)  # [G, nq]
+    sel = inside.unsqueeze(2) & inside.unsqueeze(1)  # [G, nq, nq]
+    G = gb.numel()
+    rows = gb.view(G, 1, 1).expand(G, nq, nq)
+    queries = ar.view(1, nq, 1).expand(G, nq, nq)
+    keys = ((kv_len - q_len)[gb].view(G, 1, 1) + ar.view(1, 1, nq)).expand(G, nq, nq)
+    ok = torch.ones(idx.numel(), Q, L, dtype=torch.bool)
+    ok[rows[sel], queries[sel], keys[sel]] = layout.tree_mask[r][sel]
+    return ok
+
+
+def attend_group(layer: Attention, q: torch.Tensor, g: SDPAGroup, out: torch.Tensor) -> None:
+    """One group's attention over the layer's paged cache, into its rows of `out`."""
+    k_cache, v_cache = layer.k_cache, layer.v_cache
+    num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+    B, NB = g.block_tables.shape
+    Q = g.token_index.shape[1]
+    qg = q.index_select(0, g.token_index.view(-1)).view(B, Q, num_heads, -1).transpose(1, 2)  # [B, H, Q, D]
+    # index_select over whole blocks is ~4x faster than advanced indexing on CPU.
+    flat = g.block_tables.view(-1)
+    if kv_quant.is_quantized(k_cache.dtype):
+        kg, vg = kv_quant.gather_dequantized(layer, flat, q.dtype)
+    else:
+        kg, vg = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
+    kg = kg.view(B, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    vg = vg.view(B, -1, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    mask = g.mask(layer.sliding_window)
+    if g.key_valid is not None:  # a cache that is never zeroed: unwritten slots may hold anything
+        seen = g.key_valid.view(B, 1, -1, 1)
+        kg, vg = torch.where(seen, kg, 0.0), torch.where(seen, vg, 0.0)
+    if layer.logits_soft_cap is None:
+        o = F.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=mask, scale=layer.scale, enable_gqa=num_heads != num_kv_heads
+        )
+    else:
+        o = _soft_capped_attention(qg, kg, vg, mask, layer.scale, layer.logits_soft_cap)
+    o = o.transpose(1, 2)  # [B, Q, H, D]
+    if g.all_valid:
+        out.index_copy_(0, g.flat_index, o.flatten(0, 1))
+    else:
+        out.index_copy_(0, g.flat_index, o[g.valid])
 
 
 def _soft_capped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
