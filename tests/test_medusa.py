@@ -147,6 +147,33 @@ def test_sampling_with_heads_is_seeded(target, heads):
     assert runs[0] == runs[1] and all(len(t) == 20 for t in runs[0])
 
 
+def test_heads_without_projections_use_the_targets_lm_head(target, tmp_path, baseline):
+    """The tokenmill extension: no medusa_head.{i}.{L}.weight -> the target's LM head: the same proposals as heads
+    holding a copy of it, and greedy output equal to no speculation."""
+    lm_head = load_file(str(target / "model.safetensors"))["lm_head.weight"]
+    full = write_medusa(tmp_path / "full", target, heads=3, seed=4)
+    w = load_file(str(full / "medusa_lm_head.safetensors"))
+    shared = tmp_path / "shared"
+    shutil.copytree(full, shared)
+    save_file({k: v for k, v in w.items() if not k.endswith(".1.weight")}, str(shared / "medusa_lm_head.safetensors"))
+    for k in list(w):
+        if k.endswith(".1.weight"):
+            w[k] = lm_head.clone()
+    save_file(w, str(full / "medusa_lm_head.safetensors"))
+    a = load_medusa(str(full), 64, 384, torch.float32)
+    b = load_medusa(str(shared), 64, 384, torch.float32)
+    assert b.proj is None
+    b.lm_head = lambda x: x @ lm_head.T
+    h = torch.randn(5, 64)
+    torch.testing.assert_close(a(h), b(h))
+    llm = LLM(str(target), speculative_config=medusa(shared, k=6), **KV)
+    assert_same_outputs(baseline, [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)], "shared")
+    w.pop("medusa_head.1.1.weight")
+    save_file(w, str(full / "medusa_lm_head.safetensors"))
+    with pytest.raises(ValueError, match="either every head"):
+        load_medusa(str(full), 64, 384, torch.float32)
+
+
 def test_pt_layout_and_unprefixed_names_load_the_same(target, tmp_path):
     a = load_medusa(str(write_medusa(tmp_path / "a", target, seed=5)), 64, 384, torch.float32)
     b = load_medusa(str(write_medusa(tmp_path / "b", target, seed=5, fmt="pt", prefix="")), 64, 384, torch.float32)

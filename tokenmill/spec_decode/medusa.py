@@ -7,6 +7,10 @@ Published layout (the Medusa repository's, e.g. FasterDecoding/medusa-vicuna-7b-
 `medusa_head.{i}.{j}.linear.weight [H, H]` / `.bias [H]` (x <- x + SiLU(W x + b)) and the vocabulary projection
 `medusa_head.{i}.{medusa_num_layers}.weight [V, H]` (no bias); the `medusa_head.` prefix may be absent. The input
 is the target's final hidden state (after its last norm) at the position that produced the last emitted token.
+A tokenmill extension: heads without `medusa_head.{i}.{L}.weight` use the target's own LM head (one batched call
+over all heads' rows, in its quantized format: for a small model with a large vocabulary, 49k x 576 for SmolLM2,
+a float projection per head would cost several times the model's own step). `tokenmill train-medusa` writes such
+heads (their projection frozen at the LM head while training).
 
 Proposals: a static tree (`medusa_choices`, the Medusa repository's format: each node as the path of top-k ranks
 leading to it; a default tree of 16 nodes otherwise), its first k nodes per step, verified in one target forward
@@ -31,21 +35,31 @@ WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 class MedusaHeads(nn.Module):
     """num_heads heads of num_layers residual blocks and a vocabulary projection, run as batched matmuls."""
 
-    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int, dtype: torch.dtype,
+                 own_projection: bool = True) -> None:
         super().__init__()
         self.num_heads, self.num_layers = num_heads, num_layers
         self.res_weight = nn.Parameter(torch.zeros(num_heads, num_layers, hidden, hidden, dtype=dtype),
                                        requires_grad=False)
         self.res_bias = nn.Parameter(torch.zeros(num_heads, num_layers, hidden, dtype=dtype), requires_grad=False)
-        self.proj = nn.Parameter(torch.zeros(num_heads, vocab, hidden, dtype=dtype), requires_grad=False)
+        self.proj = (nn.Parameter(torch.zeros(num_heads, vocab, hidden, dtype=dtype), requires_grad=False)
+                     if own_projection else None)  # None: the target's LM head (`lm_head` in forward)
+        self.lm_head = None  # set by the proposer when proj is None: hidden [N, H] -> float32 logits [N, V]
+
+    def features(self, hidden: torch.Tensor, heads: int) -> torch.Tensor:
+        """hidden [B, H] -> each head's input to its projection [heads, B, H]."""
+        x = hidden.to(self.res_weight.dtype).unsqueeze(0).expand(heads, -1, -1)
+        for j in range(self.num_layers):
+            w, b = self.res_weight[:heads, j], self.res_bias[:heads, j]
+            x = x + F.silu(torch.baddbmm(b.unsqueeze(1), x, w.transpose(1, 2)))
+        return x
 
     def forward(self, hidden: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         """hidden [B, H] -> logits [heads, B, V] of the first `heads` heads."""
         n = self.num_heads if heads is None else heads
-        x = hidden.to(self.proj.dtype).unsqueeze(0).expand(n, -1, -1)
-        for j in range(self.num_layers):
-            w, b = self.res_weight[:n, j], self.res_bias[:n, j]
-            x = x + F.silu(torch.baddbmm(b.unsqueeze(1), x, w.transpose(1, 2)))
+        x = self.features(hidden, n)
+        if self.proj is None:
+            return self.lm_head(x.reshape(-1, x.shape[-1])).view(n, x.shape[1], -1).float()
         return torch.bmm(x, self.proj[:n].transpose(1, 2)).float()
 
 
@@ -70,7 +84,12 @@ def load_medusa(path: str, hidden: int, vocab: int, dtype: torch.dtype) -> Medus
 
         state = load_file(str(weights))
     state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
-    heads = MedusaHeads(hidden, vocab, num_heads, num_layers, dtype)
+    own = [f"{i}.{num_layers}.weight" in state for i in range(num_heads)]
+    if any(own) and not all(own):
+        missing = next(i for i, o in enumerate(own) if not o)
+        raise ValueError(f"medusa: {weights.name} lacks medusa_head.{missing}.{num_layers}.weight (either every head "
+                         "has its projection or none: then the target's LM head is used).")
+    heads = MedusaHeads(hidden, vocab, num_heads, num_layers, dtype, own_projection=all(own))
     used = set()
 
     def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -87,7 +106,8 @@ def load_medusa(path: str, hidden: int, vocab: int, dtype: torch.dtype) -> Medus
         for j in range(num_layers):
             heads.res_weight.data[i, j] = take(f"{i}.{j}.linear.weight", (hidden, hidden))
             heads.res_bias.data[i, j] = take(f"{i}.{j}.linear.bias", (hidden,))
-        heads.proj.data[i] = take(f"{i}.{num_layers}.weight", (vocab, hidden))
+        if heads.proj is not None:
+            heads.proj.data[i] = take(f"{i}.{num_layers}.weight", (vocab, hidden))
     unused = sorted(set(state) - used)
     if unused:
         raise ValueError(f"medusa: unexpected tensors in {weights.name}: {', '.join(unused[:5])}.")

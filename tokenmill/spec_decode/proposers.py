@@ -126,5 +126,7 @@ def _medusa(ctx: ProposerContext):
 
     target = ctx.target
     heads = load_medusa(ctx.spec.model, target.spec.hidden_size, ctx.vocab_size, target.compute_dtype).to(ctx.device)
+    if heads.proj is None:  # heads sharing the target's LM head (as `tokenmill train-medusa` writes them)
+        heads.lm_head = target.lm_head.compute_logits
     windows = {layer.sliding_window for layer in target.spec.layers}
     return MedusaDrafter(heads, ctx.spec.medusa_choices, trees=windows == {None})
