@@ -9,6 +9,10 @@
    int4 weights as the draft, vs the float32 target alone.
 3. concurrency 64 (random 128-token prompts, 64 output tokens): throughput with ngram speculation
    enabled (adaptive) vs disabled.
+4. medusa: heads trained by `tokenmill train-medusa` on the model's own greedy continuations of the prompts
+   shipped with it (or --medusa-heads DIR), then chain (each head's top token) vs tree (the default 16-node
+   tree, its first --tree-nodes nodes) vs none, at batch 1 and at concurrency 16, on chat prompts that are not
+   in the training set: accepted tokens per verification and tok/s.
 Greedy throughout; every run's tokens are compared with the run without speculation.
 """
 from __future__ import annotations
@@ -160,10 +164,83 @@ def run_concurrency(args) -> None:
           f"same tokens: {'yes' if best['off'][1] == best['on'][1] else 'NO'}")
 
 
+MEDUSA_PROMPTS = FREE + [
+    "Describe how a refrigerator keeps food cold.", "Write a poem about the moon.",
+    "What should I pack for a week of hiking?", "Explain the difference between a virus and a bacterium.",
+    "Give three reasons to learn a second language.", "How do bees make honey?",
+    "Write a short dialogue between a cat and a dog.", "What is the history of the bicycle?",
+    "Explain what an operating system does.", "Describe a busy market in the morning.",
+    "How do rainbows form?", "Write instructions for planting a tree.", "What makes a good friend?",
+    "Explain how a compass works."]
+
+
+def run_medusa(args) -> None:
+    import tempfile
+
+    from tokenmill import SamplingParams
+    from tokenmill.spec_decode.medusa_train import PROMPTS, train_medusa
+
+    assert not set(MEDUSA_PROMPTS) & set(PROMPTS), "benchmark prompts must not be training prompts"
+    heads_dir = args.medusa_heads
+    if heads_dir is None:
+        heads_dir = tempfile.mkdtemp(prefix="tokenmill-medusa-")
+        r = train_medusa(args.model, heads_dir, heads=4, max_tokens=256, steps=600, lr=1e-3)
+        print(f"medusa heads trained in {r.seconds:.0f} s on {r.positions} positions; held-out top-1/top-3: " +
+              ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(r.top1, r.top3)))
+    chain = [[0] * d for d in range(1, 5)]
+    runs = {"none": None,
+            "chain": {"method": "medusa", "model": heads_dir, "num_speculative_tokens": 4, "medusa_choices": chain,
+                      "adaptive": False},
+            "tree": {"method": "medusa", "model": heads_dir, "num_speculative_tokens": args.tree_nodes,
+                     "adaptive": False}}
+    llms = {name: llm_for(args.model, spec, max_num_seqs=16) for name, spec in runs.items()}
+    prompts = [chat_ids(llms["none"], p) for p in MEDUSA_PROMPTS]
+    # batch 1
+    rates = {name: [] for name in runs}
+    tokens = {name: [] for name in runs}
+    for ids in prompts[:4]:
+        for name, llm in llms.items():
+            best = max((batch1(llm, ids, args.max_tokens) for _ in range(args.rounds)), key=lambda x: x[0])
+            rates[name].append(best[0])
+            tokens[name].append(best[1])
+    base = sum(rates["none"]) / len(rates["none"])
+    for name in ("chain", "tree"):
+        r = sum(rates[name]) / len(rates[name])
+        print(f"medusa {name}, batch 1: {base:.1f} -> {r:.1f} tok/s = {r / base:.2f}x; {spec_line(llms[name])}; "
+              f"same tokens: {'yes' if tokens[name] == tokens['none'] else 'NO'}")
+    # concurrency 16
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    batch = [{"prompt_token_ids": p} for p in prompts[:16]]
+    got = {}
+    for name, llm in llms.items():
+        before = llm.engine.core.scheduler.spec_stats.as_dict() if name != "none" else None
+        best = (0.0, None)
+        for _ in range(args.rounds):
+            t = time.perf_counter()
+            out = llm.generate(batch, params, use_tqdm=False)
+            rate = sum(len(o.outputs[0].token_ids) for o in out) / (time.perf_counter() - t)
+            if rate > best[0]:
+                best = (rate, [o.outputs[0].token_ids for o in out])
+        got[name] = best
+        if before is not None:
+            after = llm.engine.core.scheduler.spec_stats.as_dict()
+            d = after["num_drafts"] - before["num_drafts"]
+            acc = (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / d if d else 0.0
+            got[name] += (acc,)
+    for name in ("chain", "tree"):
+        print(f"medusa {name}, concurrency 16: {got['none'][0]:.1f} -> {got[name][0]:.1f} tok/s = "
+              f"{got[name][0] / got['none'][0]:.2f}x; {got[name][2]:.2f} accepted per verification; "
+              f"same tokens: {'yes' if got[name][1] == got['none'][1] else 'NO'}")
+    del llms
+    gc.collect()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct GGUF")
-    ap.add_argument("--only", choices=("ngram", "quantized_self", "concurrency"))
+    ap.add_argument("--only", choices=("ngram", "quantized_self", "concurrency", "medusa"))
+    ap.add_argument("--medusa-heads", default=None, help="Medusa folder (default: train heads first, ~2 min)")
+    ap.add_argument("--tree-nodes", type=int, default=16, help="medusa tree: nodes verified per step")
     ap.add_argument("-k", type=int, default=4, help="num_speculative_tokens (default 4)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="best of this many runs per figure")
@@ -172,7 +249,8 @@ def main() -> None:
                     help="target weight formats for the ngram runs: gguf (Q4_1 blocks), none (float32)")
     args = ap.parse_args()
     print(env_str())
-    for name, fn in (("ngram", run_ngram), ("quantized_self", run_quantized_self), ("concurrency", run_concurrency)):
+    for name, fn in (("ngram", run_ngram), ("quantized_self", run_quantized_self), ("concurrency", run_concurrency),
+                     ("medusa", run_medusa)):
         if args.only in (None, name):
             fn(args)
     print("load average after:", open("/proc/loadavg").read().split()[:3])
