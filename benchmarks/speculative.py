@@ -11,8 +11,9 @@
    enabled (adaptive) vs disabled.
 4. medusa: heads trained by `tokenmill train-medusa` on the model's own greedy continuations of the prompts
    shipped with it (or --medusa-heads DIR), then chain (each head's top token) vs tree (the default 16-node
-   tree, its first --tree-nodes nodes) vs none, at batch 1 and at concurrency 16, on chat prompts that are not
-   in the training set: accepted tokens per verification and tok/s.
+   tree, its first --tree-nodes nodes; fixed, and with the adaptive policy choosing the node budget) vs none, at
+   batch 1 and at concurrency 16, on chat prompts that are not in the training set: accepted tokens per
+   verification and tok/s.
 Greedy throughout; every run's tokens are compared with the run without speculation.
 """
 from __future__ import annotations
@@ -192,7 +193,8 @@ def run_medusa(args) -> None:
             "chain": {"method": "medusa", "model": heads_dir, "num_speculative_tokens": 4, "medusa_choices": chain,
                       "adaptive": False},
             "tree": {"method": "medusa", "model": heads_dir, "num_speculative_tokens": args.tree_nodes,
-                     "adaptive": False}}
+                     "adaptive": False},
+            "tree, adaptive": {"method": "medusa", "model": heads_dir, "num_speculative_tokens": args.tree_nodes}}
     llms = {name: llm_for(args.model, spec, max_num_seqs=16) for name, spec in runs.items()}
     prompts = [chat_ids(llms["none"], p) for p in MEDUSA_PROMPTS]
     # batch 1
@@ -204,7 +206,7 @@ def run_medusa(args) -> None:
             rates[name].append(best[0])
             tokens[name].append(best[1])
     base = sum(rates["none"]) / len(rates["none"])
-    for name in ("chain", "tree"):
+    for name in ("chain", "tree", "tree, adaptive"):
         r = sum(rates[name]) / len(rates[name])
         print(f"medusa {name}, batch 1: {base:.1f} -> {r:.1f} tok/s = {r / base:.2f}x; {spec_line(llms[name])}; "
               f"same tokens: {'yes' if tokens[name] == tokens['none'] else 'NO'}")
@@ -227,7 +229,7 @@ def run_medusa(args) -> None:
             d = after["num_drafts"] - before["num_drafts"]
             acc = (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / d if d else 0.0
             got[name] += (acc,)
-    for name in ("chain", "tree"):
+    for name in ("chain", "tree", "tree, adaptive"):
         print(f"medusa {name}, concurrency 16: {got['none'][0]:.1f} -> {got[name][0]:.1f} tok/s = "
               f"{got[name][0] / got['none'][0]:.2f}x; {got[name][2]:.2f} accepted per verification; "
               f"same tokens: {'yes' if got[name][1] == got['none'][1] else 'NO'}")

@@ -2,8 +2,8 @@
 Medusa-2 recipe: no dataset to download, and the heads learn what this model will say, which is what speculation
 needs).
 
-1. Corpus: the model continues a set of prompts shipped here (`PROMPTS`: questions, instructions, code and prose
-   of the kinds a chat model serves), through its chat template, sampled at --temperature.
+1. Corpus: the model continues the prompts shipped here (`PROMPTS`: six kinds of instruction over forty topics)
+   through its chat template, at --temperature.
 2. Features: one forward per sequence over prompt + continuation with the engine's own model and attention
    backend, keeping the final hidden state (after the last norm) at every position.
 3. Heads: head i maps the hidden state at position p to the token at p + 2 + i through `--layers` residual blocks
@@ -34,27 +34,18 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-PROMPTS = [
-    "What is the capital of France?", "Explain photosynthesis in simple terms.", "Write a haiku about autumn.",
-    "How do I reverse a list in Python?", "Give me three tips for better sleep.", "What is a black hole?",
-    "Summarize the plot of Romeo and Juliet.", "Write a short email asking for a meeting next week.",
-    "What are the benefits of exercise?", "Explain what a neural network is.", "How does a car engine work?",
-    "Write a Python function that checks whether a number is prime.", "What causes the seasons on Earth?",
-    "Describe a sunset over the ocean.", "List five fruits that are high in vitamin C.",
-    "What is the difference between weather and climate?", "How do vaccines work?",
-    "Write a limerick about a cat.", "Explain recursion to a beginner.", "What is the water cycle?",
-    "Give a recipe for pancakes.", "Why is the sky blue?", "Write a SQL query that counts users by country.",
-    "What are prime numbers?", "Tell me a short story about a robot who learns to paint.",
-    "How can I improve my writing skills?", "What is the Pythagorean theorem?", "Explain how the internet works.",
-    "Write a motivational quote and explain it.", "What is machine learning?", "How do plants grow?",
-    "Translate 'good morning, how are you?' into French and Spanish.", "What is inflation in economics?",
-    "Write a JavaScript function that sums an array.", "Describe the life cycle of a butterfly.",
-    "What are the planets of the solar system?", "How do I make a good cup of coffee?",
-    "Explain the rules of chess briefly.", "What is democracy?", "Write a thank-you note to a teacher.",
-    "How does memory work in computers?", "What is the theory of evolution?", "Give advice for a job interview.",
-    "Explain what DNA is.", "Write a bash command that finds large files.", "What is renewable energy?",
-    "How do airplanes fly?", "Describe your ideal weekend.",
-]
+# The corpus's prompts: instructions of the kinds a chat model serves, over topics (templates x topics: 240
+# prompts; the heads generalise with the variety, 48 hand-written prompts left them at 12 % held-out top-1).
+TEMPLATES = ["Explain {t} in simple terms.", "Write a short paragraph about {t}.", "What are three facts about {t}?",
+             "Give a beginner's guide to {t}.", "Why does {t} matter? Answer briefly.",
+             "Write a short story that involves {t}."]
+TOPICS = ["photosynthesis", "black holes", "the French revolution", "volcanoes", "machine learning", "the ocean",
+          "coffee", "electric cars", "the human heart", "ancient Rome", "climate change", "chess", "honeybees",
+          "the internet", "vaccines", "the moon landing", "recycling", "jazz music", "earthquakes", "the stock market",
+          "mountains", "solar panels", "dinosaurs", "the printing press", "sleep", "rainforests", "Python programming",
+          "democracy", "the immune system", "trains", "gravity", "friendship", "bread baking", "the Olympic games",
+          "deserts", "telescopes", "the water cycle", "penguins", "smartphones", "the Renaissance"]
+PROMPTS = [t.format(t=topic) for topic in TOPICS for t in TEMPLATES]
 
 
 @dataclass
