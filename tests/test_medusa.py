@@ -13,20 +13,12 @@ from safetensors.torch import load_file, save_file
 
 from compare import assert_same_outputs
 from medusa_tiny import make_constant_target, write_medusa
+from test_speculative import GREEDY, KV, PROMPTS
 from tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SPEC_METHODS
-from tokenmill.spec_decode.medusa import MedusaDrafter, load_medusa
+from tokenmill.spec_decode.medusa import load_medusa
 from tokenmill.spec_decode.proposers import PROPOSERS
-
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog. The quick brown fox",
-    "SELECT * FROM users WHERE id = 42; SELECT * FROM",
-    "hello",
-    "Once upon a time there was a small language model that could count to ten. " * 3,
-]
-GREEDY = SamplingParams(max_tokens=32, temperature=0, logprobs=2, ignore_eos=True)
-KV = dict(kv_cache_memory_bytes=8 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +184,23 @@ def test_bad_folders_fail_naming_what_is_wrong(target, tmp_path):
         load_medusa(str(write_medusa(tmp_path / "n", target)), 32, 384, torch.float32)
     with pytest.raises(ValueError, match="needs a model"):
         LLM(str(target), speculative_config={"method": "medusa"})
+
+
+def test_train_medusa_writes_heads_that_load_and_serve(target, tmp_path, baseline):
+    """`tokenmill train-medusa` end to end on the tiny target: its continuations, features and a few steps; the
+    folder holds residual blocks only (the target's LM head serves as the projection), loads, serves with output
+    equal to no speculation, and its training moved the heads off their zero start."""
+    from tokenmill.spec_decode.medusa_train import train_medusa
+
+    r = train_medusa(str(target), str(tmp_path / "heads"), heads=2, steps=20, batch=32, max_tokens=16,
+                     prompts=["hello there", "the quick brown fox", "SELECT * FROM", "once upon a time"],
+                     kv_cache_memory_bytes=8 << 20)
+    assert r.sequences == 4 and r.positions > 40 and len(r.top1) == 2
+    w = load_file(str(tmp_path / "heads" / "medusa_lm_head.safetensors"))
+    assert sorted(w) == [f"medusa_head.{i}.0.linear.{p}" for i in range(2) for p in ("bias", "weight")]
+    assert all(t.abs().sum() > 0 for t in w.values())
+    heads = load_medusa(str(tmp_path / "heads"), 64, 384, torch.float32)
+    assert heads.proj is None and heads.num_heads == 2
+    llm = LLM(str(target), speculative_config=medusa(tmp_path / "heads", k=3), **KV)
+    out = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert_same_outputs(baseline, out, "trained heads")
