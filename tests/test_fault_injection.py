@@ -355,3 +355,32 @@ def test_a_seeded_request_resent_after_a_failed_step_continues_its_random_stream
     assert gen(victim_at=4) == solo
     monkeypatch.delenv(faults.ENV)
     assert_idle(llm)
+
+
+@pytest.fixture(scope="module")
+def tree_llm(path, tmp_path_factory):
+    """The same engine verifying Medusa draft trees (random heads: paths off the first nodes get moved)."""
+    from medusa_tiny import write_medusa
+
+    heads = write_medusa(tmp_path_factory.mktemp("medusa"), path, heads=4)
+    return LLM(str(path), max_model_len=MAX_LEN, num_gpu_blocks_override=64, block_size=4,
+               max_num_batched_tokens=32, enable_prefix_caching=True,
+               speculative_config={"method": "medusa", "model": str(heads), "num_speculative_tokens": 8,
+                                   "adaptive": False})
+
+
+@pytest.mark.parametrize("stage", ["forward", "sample"])
+def test_a_fault_while_verifying_trees_fails_only_its_request(tree_llm, solo, monkeypatch, stage):
+    """Issue 30: a step verifying draft trees fails for one request; the others (trees verified, paths moved)
+    keep their solo output, nothing leaks."""
+    neighbours = [rid for rid in PROMPTS if rid != "victim"]
+    monkeypatch.setenv(faults.ENV, f"{stage}=victim")
+    outs = run(tree_llm, neighbours, late=["victim"])
+    monkeypatch.delenv(faults.ENV)
+    (tokens, finish, stop), = outs["victim"]
+    assert finish == "abort" and f"injected fault at {stage}" in str(stop), outs["victim"]
+    for rid in neighbours:
+        if rid != "n-seeded":  # sampled: trees draw other uniforms than plain decoding (same distribution)
+            assert outs[rid] == solo[rid], f"{rid} changed when {stage} failed for the victim"
+    assert tree_llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+    assert_idle(tree_llm)
