@@ -121,6 +121,24 @@ def test_fused_few_rows_path_behind_its_switch():
 
 
 @needs_native
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_few_rows_over_split_blocks_equal_batch_one_bit_for_bit(qtype):
+    """2-7 rows of x over split blocks (a request verifying drafts, a few decodes) share each block's widening
+    and keep each row's batch-1 summation order: every row equals its batch-1 result exactly, so speculative
+    verification scores a row as plain decoding would."""
+    K, N = 7 * 32, 37
+    split = gq.split_rows(torch.from_numpy(random_blocks(qtype, N, K, seed=8)), int(qtype))
+    sq = gq.SPLIT + int(qtype)
+    g = torch.Generator().manual_seed(9)
+    with two_threads():
+        for M in range(2, 8):
+            x = torch.randn(M, K, generator=g)
+            y = torch.ops.tokenmill.gguf_linear(x, split, sq, K, None)
+            for i in range(M):
+                assert torch.equal(y[i:i + 1], torch.ops.tokenmill.gguf_linear(x[i:i + 1], split, sq, K, None)), (M, i)
+
+
+@needs_native
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
 def test_batched_path_many_panels_under_inference_mode(qtype):
     """The batched path splits a large weight into per-thread panels; the engine calls it under

@@ -496,6 +496,34 @@ float split_row_f32(int64_t qt, const uint8_t* row, int64_t nb, const float* x, 
   return hsum(_mm256_add_ps(acc[0], acc[1])) + off;
 }
 
+// A few float rows of x (MR <= 4, a request verifying speculative drafts, a few decodes) against one split row:
+// each block is widened once and dotted with every row, each row's sum kept in split_row_f32's order (two
+// accumulators over alternate blocks, then the offset), so every row's result is bit for bit its M == 1 one.
+template <int MR>
+void split_rows_f32(int64_t qt, const uint8_t* row, int64_t nb, const float* x, int64_t ldx, const float* xs,
+                    int64_t G, float* sc, float* out) {
+  const int64_t base = base_type(qt);
+  f16_row(row, nb, nullptr, sc);
+  const uint8_t* qs = row + split_header(qt, nb);
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  const auto step = [&](int64_t b, int p) TOKENMILL_INLINE {
+    __m256 w[4];
+    if (base == Q8_0) q8_block(qs + 32 * b, w);
+    else q4_block(qs + 16 * b, w);
+    const __m256 d = _mm256_broadcast_ss(sc + b);
+    for (int m = 0; m < MR; ++m) acc[m][p] = _mm256_fmadd_ps(d, dot4(w, x + m * ldx + 32 * b), acc[m][p]);
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    step(b, 0);
+    step(b + 1, 1);
+  }
+  if (b < nb) step(b, 0);
+  for (int m = 0; m < MR; ++m)
+    out[m] = hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + split_offset(base, row, nb, xs + m * G);
+}
+
 // One row of blocks into K floats with the same widening as the dot products (the SGEMM path's scratch).
 void dequant_row_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, float* y) {
   const int64_t nb = K / f.block;
@@ -846,6 +874,16 @@ bool use_dequant_rows() {
 }
 #endif
 
+// TOKENMILL_GGUF_SPLIT_ROWS=0: 2-7 rows of x against split blocks (the repacked Q4_0 / Q4_1 / Q8_0 of the
+// decoder and LM head) take the dequantize-rows path instead of split_rows_f32.
+bool use_split_rows() {
+  static const bool on = [] {
+    const char* v = std::getenv("TOKENMILL_GGUF_SPLIT_ROWS");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+
 // y[M, N] = x W^T for M < GEMM_MIN_ROWS: parallel over weight rows, each read once per MAX_FUSED_ROWS rows of x.
 void decode(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K, const float* xp, int64_t M,
             float* yp) {
@@ -863,6 +901,24 @@ void decode(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K
     if (M == 1 && is_split(qt)) {
       std::vector<float> sc(G);
       for (; n < n1; ++n) yp[n] = split_row_f32(qt, wp + n * row_bytes, G, xp, xs.data(), sc.data());
+    }
+    if (M > 1 && is_split(qt)) {  // up to 4 rows of x per pass over each weight row, as M == 1 per row
+      std::vector<float> sc(G);
+      for (; n < n1; ++n) {
+        const uint8_t* row = wp + n * row_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int64_t mr = std::min<int64_t>(4, M - m0);
+          const float* x = xp + m0 * K;
+          const float* s = xs.data() + m0 * G;
+          switch (mr) {
+            case 1: split_rows_f32<1>(qt, row, G, x, K, s, G, sc.data(), out); break;
+            case 2: split_rows_f32<2>(qt, row, G, x, K, s, G, sc.data(), out); break;
+            case 3: split_rows_f32<3>(qt, row, G, x, K, s, G, sc.data(), out); break;
+            default: split_rows_f32<4>(qt, row, G, x, K, s, G, sc.data(), out); break;
+          }
+          for (int64_t m = 0; m < mr; ++m) yp[(m0 + m) * N + n] = out[m];
+        }
+      }
     }
     if (M == 1 && (qt == Q4_0 || qt == Q4_1)) {
       for (; n + 2 <= n1; n += 2) {
@@ -934,7 +990,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtyp
 #endif
     } else if (M < GEMM_MIN_ROWS) {
 #ifdef TOKENMILL_GGUF_AVX2
-      if (M >= 2 && use_dequant_rows()) {
+      if (M >= 2 && !(is_split(qtype) && use_split_rows()) && use_dequant_rows()) {
         decode_dequant_rows(qtype, f, wp, N, K, x.data_ptr<float>(), M, y.data_ptr<float>());
       } else
 #endif
