@@ -20,6 +20,7 @@ from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend, GroupedMetadata
 from tokenmill.sample.rejection_sampler import rejection_sample
 from tokenmill.sample.tree_sampler import TreeDraft, verify_trees
+from tokenmill.spec_decode.tree import chain
 from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, target_distribution
 from tokenmill.testing import faults
 
@@ -287,7 +288,7 @@ class ModelRunner:
                                                          inp.spec_parents)):
             if not rows:
                 continue
-            trees.append(TreeDraft(row, spec, parents if parents is not None else list(range(-1, len(spec) - 1))))
+            trees.append(TreeDraft(row, spec, parents if parents is not None else chain(len(spec))))
             batch_index.append(i)
             greedy.append(r.params.greedy)
             row += rows

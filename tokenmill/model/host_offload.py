@@ -61,7 +61,6 @@ class HostOffload:
                 p.data = h
             self.streamed.append(OffloadedLayer(i, params, host, sizes[i]))
         self.resident_bytes = self.total_bytes - self.streamed_bytes
-        self.copies = 0  # layer copies made (the test's view of the choreography)
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self._pending: dict[int, tuple[list[torch.Tensor], object]] = {}  # k -> (device copies, copy-done event)
         if cuda:
@@ -91,7 +90,6 @@ class HostOffload:
     def _copy(self, k: int) -> tuple[list[torch.Tensor], object]:
         """Launch layer k's copies to the device (on the side stream on CUDA); (device tensors, done event)."""
         s = self.streamed[k]
-        self.copies += 1
         if self._stream is None:
             return [h.to(self.device, copy=True) for h in s.host], None
         with torch.cuda.stream(self._stream):

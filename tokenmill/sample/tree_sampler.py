@@ -51,13 +51,7 @@ def verify_trees(probs: Tensor | None, greedy_ids: Tensor, trees: list[TreeDraft
     sizes = [len(t.tokens) for t in trees]
     M = sum(sizes)
     row_tokens = greedy_ids.clone()
-    if M == 0:  # no drafts at all: every request samples its root row
-        if probs is not None:
-            sampled = inverse_cdf(probs, row_uniforms(seeds, S, SAMPLE_STREAM, device))
-            greedy_rows = torch.tensor([g for g in is_greedy], dtype=torch.bool, device=device)
-            roots = torch.tensor([t.root_row for t in trees], dtype=torch.long, device=device)
-            row_tokens[roots] = torch.where(greedy_rows, greedy_ids[roots], sampled[roots])
-        return row_tokens, [[t.root_row] for t in trees]
+    greedy_req = torch.tensor(is_greedy, dtype=torch.bool, device=device)
     # Every node, flattened: its request, token, own row, parent's row and node, rank among its siblings.
     req = np.repeat(np.arange(len(trees)), sizes)
     tokens = np.fromiter((x for t in trees for x in t.tokens), np.int64, M)
@@ -79,7 +73,7 @@ def verify_trees(probs: Tensor | None, greedy_ids: Tensor, trees: list[TreeDraft
     t_parent_row = torch.from_numpy(parent_row).to(device)
     t_order = torch.from_numpy(order).to(device)
     t_group_start = torch.from_numpy(group_start).to(device)
-    greedy_node = torch.tensor(is_greedy, dtype=torch.bool, device=device)[torch.from_numpy(req).to(device)]
+    greedy_node = greedy_req[torch.from_numpy(req).to(device)]
     ok = greedy_ids[t_parent_row] == t_tokens  # greedy: the argmax at the parent's row
     if probs is not None and not all(is_greedy):
         p = probs[t_parent_row, t_tokens].double()  # p(t_m) at its parent's row
@@ -127,7 +121,7 @@ def verify_trees(probs: Tensor | None, greedy_ids: Tensor, trees: list[TreeDraft
         residual = torch.where(empty.unsqueeze(1), probs[final_rows].double(), residual)
         keys = seeds[final_rows] if seeds is not None else None
         drawn = inverse_cdf(residual, row_uniforms(keys, len(trees), SAMPLE_STREAM, device))
-        final = torch.where(torch.tensor(is_greedy, dtype=torch.bool, device=device), final, drawn)
+        final = torch.where(greedy_req, final, drawn)
     row_tokens[final_rows] = final
     return row_tokens, emit_rows
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.spec_decode.draft import Draft, StepView
+from tokenmill.spec_decode.tree import choices_to_tree, depths, is_chain
 
 WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
@@ -128,8 +129,6 @@ class MedusaDrafter:
     of each head's top token instead."""
 
     def __init__(self, heads: MedusaHeads, choices: list[list[int]] | None, trees: bool) -> None:
-        from tokenmill.spec_decode.tree import choices_to_tree, depths, is_chain
-
         self.heads = heads
         choices = [c for c in (choices or DEFAULT_CHOICES) if len(c) <= heads.num_heads]
         self.parents = choices_to_tree(choices)
@@ -158,8 +157,6 @@ class MedusaDrafter:
     def propose(self, view: StepView, want: set[int], k: int) -> dict[int, Draft]:
         if not want or view.hidden is None:
             return {}
-        from tokenmill.spec_decode.tree import is_chain
-
         order = sorted(want)
         rows = torch.tensor([self.source_row(view, i) for i in order], device=view.hidden.device)
         n = min(k, len(self.parents))  # nodes of the tree

@@ -95,10 +95,11 @@ def _features(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
 
 def _lm_head_weight(llm) -> torch.Tensor:
     """The target's LM head as a float [V, H] matrix (read back through its own forward: any storage format)."""
-    model = llm.engine.core.executor.worker.runner.model
-    H = model.spec.hidden_size
+    runner = llm.engine.core.executor.worker.runner
+    model = runner.model
     with torch.inference_mode():
-        w = model.lm_head.compute_logits(torch.eye(H, dtype=model.compute_dtype, device=llm.engine.core.executor.worker.runner.device))
+        w = model.lm_head.compute_logits(torch.eye(model.spec.hidden_size, dtype=model.compute_dtype,
+                                                   device=runner.device))
     return w.float().cpu().T.contiguous().clone()
 
 

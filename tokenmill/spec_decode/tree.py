@@ -43,9 +43,9 @@ def visibility(parents: list[int]) -> np.ndarray:
     return v
 
 
-def truncate(parents: list[int], n: int) -> list[int]:
-    """The first n nodes: still a tree (parents come first)."""
-    return parents[:n]
+def chain(n: int) -> list[int]:
+    """The parents of a chain of n drafts."""
+    return list(range(-1, n - 1))
 
 
 def choices_to_tree(choices: list[list[int]]) -> list[int]:
