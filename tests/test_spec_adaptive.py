@@ -61,3 +61,58 @@ def test_switches():
     assert _policy(costs, 0, 4, adaptive=False).choose(64) == 4
     assert _policy({1: 0.01, 8: 0.01}, 4, 4, disable_by_batch_size=8).choose(8) == 0
     assert _policy({1: 0.01, 8: 0.01}, 4, 4, disable_by_batch_size=8).choose(4) > 0
+
+
+def _verify(p: AdaptivePolicy, batch: int, accepted_at, steps: int = 300) -> list[int]:
+    """Run the choose/observe loop: accepted_at(k) accepted drafts per verification at k. The ks chosen."""
+    chosen = []
+    for _ in range(steps):
+        k = p.choose(batch)
+        chosen.append(k)
+        if k:
+            p.observe_verification(k, accepted_at(k))
+    return chosen
+
+
+def test_tree_size_is_learned_per_k():
+    """A tree whose accepted path stops at 2 whatever its size, on a target whose cost grows with every row:
+    the geometric model (acceptance 2/3 per draft) would want the biggest tree; the learned figures settle on a
+    small one. With the path growing with the tree, the biggest pays."""
+    costs = {1: 0.010, 2: 0.0110, 4: 0.0130, 8: 0.017, 16: 0.025, 32: 0.04}
+    flat = AdaptivePolicy(12, shape="tree", drafter="lookup")
+    for t, s in costs.items():
+        flat.forward.observe(t, s)
+    chosen = _verify(flat, 1, lambda k: min(k, 2))
+    assert all(2 <= k <= 4 for k in chosen[-50:] if k), chosen[-50:]
+    grows = AdaptivePolicy(12, shape="tree", drafter="lookup")
+    for t, s in costs.items():
+        grows.forward.observe(t, s)
+    chosen = _verify(grows, 1, lambda k: k)
+    assert max(chosen[-50:]) == 12
+
+
+def test_block_rows_are_what_the_drafter_sent():
+    """Blocks cut by the drafter's estimate: the policy prices the rows it actually verified (here 1 of any k)."""
+    p = AdaptivePolicy(8, shape="block", drafter="lookup")
+    p.forward.observe(1, 0.010)
+    p.forward.observe(2, 0.010)
+    p.forward.observe(9, 0.050)
+    p.last_k = 8
+    for _ in range(50):
+        p.observe_verification(1, 1)
+    emitted, rows = p.per_request(8, p.acceptance)
+    assert rows < 1.5 and emitted > 1.9  # (the prior of 2 verifications at 8 rows fades)
+    assert p.rate(1, 8) > 1.5 * p.rate(1, 0)
+
+
+def test_eagle_tree_drafting_costs_a_forward_per_level():
+    p = AdaptivePolicy(12, drafter="head", shape="tree", tree_width=3, tree_depth=4)
+    p.draft_forward.observe(1, 0.001)
+    p.draft_forward.observe(3, 0.002)
+    p.draft_forward.observe(6, 0.003)
+    p.draft_forward.observe(9, 0.004)
+    t = p.draft_forward
+    # k = 10: levels min(4, 1 + 9 // 3) = 4, fed 3, 6, 9 rows after the catch-up; k = 3: a chain of 2 passes
+    assert p.draft_cost(1, 10, 0.5) == pytest.approx(t(p.per_request(10, 0.5)[0]) + t(3) + t(6) + t(9))
+    assert p.draft_cost(1, 3, 0.5) == pytest.approx(t(p.per_request(3, 0.5)[0]) + 2 * t(1))
+    assert t(9) > t(6) > t(3) > t(1)

@@ -10,7 +10,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "slo")  # core/policies registers one
 ACTIVATION_QUANTIZATIONS = ("none", "int8", "int8_per_token")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # Speculative decoding proposers (vLLM's names; "deepseek_mtp" is taken as "mtp").
-SPEC_METHODS = ("ngram", "draft_model", "quantized_self", "eagle", "eagle3", "mtp", "medusa")
+SPEC_METHODS = ("ngram", "draft_model", "quantized_self", "eagle", "eagle3", "mtp", "medusa", "dflash")
 
 
 @dataclass
@@ -146,6 +146,14 @@ class SpeculativeConfig:
     # medusa: the draft tree, each node as its path of top-k ranks (the Medusa repository's medusa_choices);
     # None: a default tree (spec_decode/medusa.py). num_speculative_tokens caps the nodes verified per step.
     medusa_choices: list[list[int]] | None = None
+    # eagle/eagle3/mtp: EAGLE-2 dynamic draft trees (spec_decode/eagle_tree.py). tree_topk children per node and
+    # nodes expanded per depth (1: a chain), tree_depth levels at most; num_speculative_tokens is the tree's
+    # budget, the nodes verified per step (the best by cumulative draft probability).
+    tree_topk: int = 1
+    tree_depth: int = 4
+    # dflash: send the longest prefix of the drafted block whose estimated acceptance stays at or above this
+    # (spec_decode/dflash.py); 0: the whole block (up to the adaptive k).
+    block_threshold: float = 0.3
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -174,7 +182,7 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative method {self.method!r}; known: {', '.join(SPEC_METHODS)}.")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be an integer in 1..16, got {self.num_speculative_tokens!r}.")
-        if self.method in ("draft_model", "eagle", "eagle3", "medusa") and not self.model:
+        if self.method in ("draft_model", "eagle", "eagle3", "medusa", "dflash") and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs a model (the draft's checkpoint).")
         if self.method == "ngram":
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -195,6 +203,13 @@ class SpeculativeConfig:
                                                   for c in self.medusa_choices):
                 raise ValueError("medusa_choices must be a non-empty list of paths of top-k ranks, e.g. [[0], [1], [0, 0]].")
             choices_to_tree(self.medusa_choices)
+        if (not isinstance(self.tree_topk, int) or not isinstance(self.tree_depth, int) or not 1 <= self.tree_topk <= 8
+                or not 2 <= self.tree_depth <= 8):
+            raise ValueError(f"tree_topk must be in 1..8 and tree_depth in 2..8, got {self.tree_topk!r}, {self.tree_depth!r}.")
+        if self.tree_topk > 1 and self.method not in ("eagle", "eagle3", "mtp"):
+            raise ValueError(f"tree_topk (EAGLE-2 draft trees) applies to eagle, eagle3 and mtp, not {self.method!r}.")
+        if not isinstance(self.block_threshold, (int, float)) or not 0.0 <= self.block_threshold <= 1.0:
+            raise ValueError(f"block_threshold must be a number in [0, 1], got {self.block_threshold!r}.")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be at least 1, got {self.disable_by_batch_size}.")
 

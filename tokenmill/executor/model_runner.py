@@ -58,6 +58,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.spec = spec  # spec_decode.decoder.SpecDecoder: proposes each request's next drafts
         self.lora = None  # lora.manager.LoRAManager with --enable-lora: adapter slots, set per step
+        self._path_rows = None  # this step's accepted tree paths moved into chain order (packed rows: src, dst)
         # Prefill context parallelism (layers/attention_backends/context_parallel.py): this rank runs the model on
         # its share of the step's tokens; the final hidden states are gathered back. None: every token here.
         self.token_split = None
@@ -135,6 +136,7 @@ class ModelRunner:
             for rid in batch.finished_req_ids:
                 self.spec.forget(rid)
         self.input_batch.update(batch)
+        self._path_rows = None
         if not batch:
             return ModelRunnerOutput()
         if getattr(self.model, "pp_size", 1) > 1:
@@ -293,14 +295,15 @@ class ModelRunner:
             greedy.append(r.params.greedy)
             row += rows
         tokens, emit_rows = verify_trees(probs, greedy_ids, trees, greedy, meta.seeds)
-        self._compact_accepted_paths(inp, trees, batch_index, emit_rows)
+        self._path_rows = self._compact_accepted_paths(inp, trees, batch_index, emit_rows)
         return self._result(inp, Sampler.output(raw, tokens, meta), None, emit_rows)
 
     def _compact_accepted_paths(self, inp: StepInputs, trees: list[TreeDraft], batch_index: list[int],
-                                emit_rows: list[list[int]]) -> None:
+                                emit_rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A tree's accepted nodes hold their K/V at their own slots (c + 1 + node); the path's must be at
         c + 1 .. c + a, where the next step reads them: copied there in every layer of every KV cache group
-        (nothing to do where the path is nodes 0 .. a - 1, as a chain's always is)."""
+        (nothing to do where the path is nodes 0 .. a - 1, as a chain's always is). Returns the packed rows
+        moved (source, destination), for the hidden states the proposers read the same way (None: none)."""
         lay = inp.layout
         q_end = (lay.query_start + lay.query_len).tolist()
         src, dst = [], []
@@ -312,7 +315,7 @@ class ModelRunner:
             src += [first + m for m in path]
             dst += [first + j for j in range(len(path))]
         if not src:
-            return
+            return None
         src_rows, dst_rows = torch.tensor(src), torch.tensor(dst)
         for g, group in enumerate(self.kv_groups):
             slots = (lay if g == 0 else inp.group_layouts[g - 1]).slot_mapping
@@ -321,6 +324,7 @@ class ModelRunner:
                 for cache in kv_quant.layer_caches(a):
                     flat = cache.view(-1, *cache.shape[2:])
                     flat.index_copy_(0, d, flat.index_select(0, s))
+        return src_rows, dst_rows
 
     def _result(self, inp: StepInputs, sampled: SamplerOutput, num_accepted: list[int] | None,
                 emit_rows: list[list[int]] | None = None) -> ModelRunnerOutput:
@@ -359,9 +363,14 @@ class ModelRunner:
                     if sp and r.req_id in sampled]
         self.spec.observe(batch.num_tokens, forward_s, verified)
         lay = inp.layout
+        aux = getattr(self.model, "aux_hidden_states", None)
+        moved, self._path_rows = self._path_rows, None
+        if moved is not None:  # accepted tree paths: their hidden rows in chain order too, as their K/V
+            src, dst = (x.to(hidden.device) for x in moved)
+            hidden = hidden.index_copy(0, dst, hidden.index_select(0, src))
+            aux = aux.index_copy(0, dst, aux.index_select(0, src)) if aux is not None else None
         view = StepView(inp.requests, lay.kv_len.numpy() - lay.query_len.numpy(), list(batch.num_scheduled_tokens),
-                        lay.query_start.numpy(), [sampled.get(r.req_id) for r in inp.requests], hidden,
-                        getattr(self.model, "aux_hidden_states", None))
+                        lay.query_start.numpy(), [sampled.get(r.req_id) for r in inp.requests], hidden, aux)
         out.spec_token_ids, out.spec_parents = self.spec.propose(view)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> dict[str, PromptLogprobs]:

@@ -154,15 +154,29 @@ class BatchCost:
 
 class AdaptivePolicy:
     """drafter: "model" (draft_model, quantized_self: catches up only while drafting), "head" (EAGLE,
-    EAGLE-3, MTP: catches up every step, drafting or not) or "lookup" (ngram: no forward, one lookup per
-    step)."""
+    EAGLE-3, MTP: catches up every step, drafting or not) or "lookup" (ngram, Medusa, block drafters: no
+    forward of their own with KV, one call per step).
+
+    shape: what k means. "chain": k drafts in a row, emitting 1 + a + ... + a^k (the geometric model, which
+    one acceptance estimate extends to every k). "tree": k nodes of a draft tree, "block": blocks of at most k
+    drafts cut by the drafter's own acceptance estimate; neither follows the geometric model (a tree's
+    accepted path is at most its depth; a block sends fewer than k rows when its estimate says so), so the
+    tokens accepted and the rows verified are learned per k (decayed means, shrunk towards the geometric
+    model's figures by PRIOR_TRIALS verifications: an untried k looks as good as a chain of k, so it is tried
+    and then known). tree_width: an EAGLE-2 tree's width (its drafting costs one head forward per level over
+    width x level rows, spec_decode/eagle_tree.py); 1 otherwise."""
 
     def __init__(self, max_k: int, adaptive: bool = True, disable_by_batch_size: int | None = None,
-                 drafter: str = "model") -> None:
+                 drafter: str = "model", shape: str = "chain", tree_width: int = 1, tree_depth: int = 1) -> None:
+        if shape not in ("chain", "tree", "block"):
+            raise ValueError(f"draft shape must be chain, tree or block, got {shape!r}")
         self.max_k = max_k
         self.adaptive = adaptive
         self.disable_by_batch_size = disable_by_batch_size
         self.drafter = drafter
+        self.shape = shape
+        self.tree_width, self.tree_depth = tree_width, tree_depth
+        self.by_k: dict[int, list[float]] = {}  # k -> decayed [accepted, drafted, verifications] (trees, blocks)
         self.forward = ForwardCost()  # the target: t(T)
         self.draft_forward = ForwardCost()  # the draft model or head: t_d(T)
         self.lookup = BatchCost()  # ngram: seconds of one step's lookups
@@ -187,6 +201,9 @@ class AdaptivePolicy:
             return
         self.accepted = self.accepted * DECAY + accepted
         self.trials = self.trials * DECAY + accepted + (1 if accepted < drafted else 0)
+        if self.shape != "chain":  # by the k that drafted it (observed before the next choice)
+            s = self.by_k.setdefault(self.last_k, [0.0, 0.0, 0.0])
+            s[0], s[1], s[2] = s[0] * DECAY + accepted, s[1] * DECAY + drafted, s[2] * DECAY + 1.0
 
     def observe_draft_forward(self, tokens: int, seconds: float) -> None:
         """One forward of the draft over `tokens` tokens (a catch-up or a pass), with its logits and sampling."""
@@ -218,7 +235,10 @@ class AdaptivePolicy:
         if not t.keys:
             return 0.0
         if self.drafter == "head":  # catch-up over the positions the target verified, every step
-            catch_up = t(batch * (expected_tokens(a, k) if k > 0 else 1.0))
+            catch_up = t(batch * (self.per_request(k, a)[0] if k > 0 else 1.0))
+            levels = min(self.tree_depth, 1 + (k - 1) // self.tree_width) if k > 0 else 0
+            if self.tree_width > 1 and levels >= 2:  # one forward per level over every node fed so far
+                return catch_up + sum(t(batch * self.tree_width * d) for d in range(1, levels))
             return catch_up + max(k - 1, 0) * t(batch)
         if k == 0:
             return 0.0
@@ -226,14 +246,24 @@ class AdaptivePolicy:
         # accepted (the others' KV was written when they were fed).
         return t(batch * (1.0 + a ** k)) + (k - 1) * t(batch)
 
+    def per_request(self, k: int, a: float) -> tuple[float, float]:
+        """(tokens emitted, drafts verified) per request and step at k."""
+        if self.shape == "chain" or k == 0:
+            return expected_tokens(a, k), float(k)
+        acc, drafted, n = self.by_k.get(k, (0.0, 0.0, 0.0))
+        prior = PRIOR_TRIALS
+        return (1.0 + (acc + prior * (expected_tokens(a, k) - 1.0)) / (n + prior),
+                (drafted + prior * k) / (n + prior))
+
     def rate(self, batch: int, k: int, a: float | None = None) -> float | None:
         """Expected tokens per second with k drafts per request (None: the target's cost is unmeasured)."""
         a = self.acceptance if a is None else a
-        target = self.forward(batch * (k + 1))
+        emitted, rows = self.per_request(k, a)
+        target = self.forward(batch * (rows + 1))
         if target is None:
             return None
         cost = target + self.draft_cost(batch, k, a) + (self.overhead(batch) or 0.0)
-        return batch * expected_tokens(a, k) / cost if cost > 0 else math.inf
+        return batch * emitted / cost if cost > 0 else math.inf
 
     def choose(self, batch: int) -> int:
         """k for the next step with `batch` requests decoding (0: no drafts)."""

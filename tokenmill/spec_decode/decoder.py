@@ -20,7 +20,9 @@ class SpecDecoder:
         self.config = config
         self.k = config.num_speculative_tokens
         self.drafter = drafter  # a DraftRunner (kinds "model", "head"), else a lookup drafter (proposers.py)
-        self.policy = AdaptivePolicy(self.k, config.adaptive, config.disable_by_batch_size, kind)
+        tree = drafter.tree if isinstance(drafter, DraftRunner) else None  # an EAGLE-2 tree's shape: drafting cost
+        self.policy = AdaptivePolicy(self.k, config.adaptive, config.disable_by_batch_size, kind, drafter.shape,
+                                     tree.width if tree else 1, tree.depth if tree else 1)
         self.draft_probs: dict[str, torch.Tensor] = {}  # request -> [k, V] q of its pending random drafts
         # Cost bookkeeping for the policy: the first target forward and the draft's first forward carry
         # one-time setup and are not measurements; the step period minus the forward and the drafting is

@@ -32,6 +32,8 @@ from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend
 from tokenmill.sample.draws import generator_uniforms, inverse_cdf
 from tokenmill.sample.sampler import apply_top_k_top_p_min_p
+from tokenmill.spec_decode.eagle_tree import TreeShape, grow_trees
+from tokenmill.spec_decode.tree import tree_safe
 
 
 @dataclass
@@ -49,6 +51,12 @@ class StepView:
     def length(self, i: int) -> int:
         """Tokens request i has now: those before the step and those it emitted."""
         return len(self.requests[i].token_ids) + len(self.accepted[i] or ())
+
+    def source_row(self, i: int) -> int:
+        """The packed row whose hidden state produced request i's last emitted token: its position is the
+        sequence's length - 2, and the step's rows start at position starts[i] (accepted tree paths are moved
+        into chain order first, model_runner._propose)."""
+        return int(self.row_starts[i]) + self.length(i) - 2 - int(self.starts[i])
 
     def tokens(self, i: int, a: int, b: int) -> list[int]:
         """Tokens [a, b) of request i's sequence now, without copying the whole context."""
@@ -83,6 +91,12 @@ class DraftRunner:
         # (tokens, seconds) of each forward of the last propose, its logits and sampling included: the
         # catch-up first, then the single-token passes (the adaptive policy's draft costs).
         self.timings: list[tuple[int, float]] = []
+        self.tree: TreeShape | None = None  # a head drafting EAGLE-2 trees (set by its proposer), else chains
+
+    @property
+    def shape(self) -> str:
+        """What its k means to the adaptive policy (adaptive.py)."""
+        return "tree" if self.tree is not None else "chain"
 
     # ---- KV pool --------------------------------------------------------------------------
     def block_bytes(self, kv_dtype: torch.dtype) -> int:
@@ -196,11 +210,21 @@ class DraftRunner:
             next_pos = f + len(toks)  # the position the first draft token is fed at (pass 2)
             room = min(len(reqs[i].block_ids) * bs, self.max_model_len) - next_pos
             active.append((j, i, next_pos, max(0, min(k - 1, room))))
+        drafts: dict[int, Draft] = {}
+        tree_shape = self.tree
+        if tree_shape is not None and k > 1 and tree_shape.levels(k) >= 2:
+            need = tree_shape.fed(k)
+            grown = [a for a in active if a[3] >= need and tree_safe(reqs[a[1]], view.length(a[1]))]
+            if grown:
+                t0 = self._grow_trees(grown, last_rows, hidden, feat, reqs, k, drafts, fed_tokens=int(q_len.sum()),
+                                      t0=t0)
+                active = [a for a in active if a not in grown]
         if not active:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
-            timings.append((int(q_len.sum()), time.perf_counter() - t0))
-            return {}
+            if not drafts:
+                timings.append((int(q_len.sum()), time.perf_counter() - t0))
+            return drafts
         fed_of = list(active)
         rows = torch.from_numpy(last_rows[[a[0] for a in active]])
         out: dict[int, list[int]] = {a[1]: [] for a in active}
@@ -208,7 +232,8 @@ class DraftRunner:
         sampler = _DraftSampler([reqs[a[1]] for a in active], self.device)
         cur_hidden, cur_feat = hidden[rows], (feat[rows] if feat is not None else None)
         step = 0
-        fed_tokens = int(q_len.sum())  # tokens of the forward whose logits are sampled next
+        # tokens of the forward whose logits are sampled next (0: the catch-up was timed with the trees)
+        fed_tokens = 0 if drafts else int(q_len.sum())
         while True:
             tokens, q = sampler.sample(self._logits(cur_hidden))
             for (j, i, _, _), t in zip(active, tokens.tolist()):  # .tolist() waits for the device
@@ -237,7 +262,45 @@ class DraftRunner:
         if not self.head:
             for j, i, next_pos, room in fed_of:
                 self.fed[reqs[i].req_id] = (next_pos, min(k - 1, room))
-        return {i: Draft(toks, torch.stack(probs[i]) if probs[i] else None) for i, toks in out.items()}
+        drafts.update({i: Draft(toks, torch.stack(probs[i]) if probs[i] else None) for i, toks in out.items()})
+        return drafts
+
+    def _grow_trees(self, grown: list, last_rows: np.ndarray, hidden: torch.Tensor, feat: torch.Tensor | None,
+                    reqs: list, k: int, drafts: dict[int, Draft], fed_tokens: int, t0: float) -> float:
+        """EAGLE-2 trees of k nodes for the requests `grown` (spec_decode/eagle_tree.py), into `drafts`; one
+        timing per level forward. Returns the time the last timing ended."""
+        shape = self.tree
+        w = shape.width
+        rows = torch.from_numpy(last_rows[[a[0] for a in grown]])
+        root_feat = feat[rows] if feat is not None else None
+        first = np.fromiter((a[2] for a in grown), np.int64, len(grown))
+        tables = [reqs[a[1]].block_ids for a in grown]
+        R = len(grown)
+        clock = [t0, fed_tokens]
+
+        def level(ids: np.ndarray, depth: np.ndarray, masks: np.ndarray, feats: torch.Tensor | None):
+            now = time.perf_counter()
+            self.timings.append((clock[1], now - clock[0]))
+            clock[0] = now
+            N = ids.shape[1]
+            clock[1] = R * N
+            layout, _ = pack_layout(first, np.full(R, N, np.int64), tables, self.block_size)
+            layout.tree_req = torch.arange(R)
+            layout.tree_mask = torch.from_numpy(masks)
+            positions = torch.from_numpy((first[:, None] + depth - 1).reshape(-1)).to(self.device)
+            meta = self.backend.build_metadata(layout)
+            input_ids = torch.from_numpy(ids.reshape(-1)).to(self.device)
+            f = feats.reshape(R * N, -1) if feats is not None else None
+            out_feat, out_hidden = self.module(input_ids, positions, f, meta)
+            logits = self._logits(out_hidden.view(R, N, -1)[:, -w:].reshape(R * w, -1))
+            return (out_feat.view(R, N, -1) if out_feat is not None else None), logits
+
+        trees = grow_trees(level, self._logits(hidden[rows]), root_feat, shape, k)
+        for a, (tokens, parents) in zip(grown, trees):
+            drafts[a[1]] = Draft(tokens, None, parents)
+        now = time.perf_counter()
+        self.timings.append((clock[1], now - clock[0]))
+        return now
 
 
 class _DraftSampler:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.spec_decode.draft import Draft, StepView
-from tokenmill.spec_decode.tree import choices_to_tree, depths, is_chain
+from tokenmill.spec_decode.tree import choices_to_tree, depths, is_chain, tree_safe
 
 WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 
@@ -135,30 +135,17 @@ class MedusaDrafter:
         self.depth = depths(self.parents) - 1  # the head of each node
         self.rank = np.array([c[-1] for c in choices], dtype=np.int64)
         self.trees = trees and not is_chain(self.parents)
+        self.shape = "tree" if self.trees else "chain"  # what its k means to the adaptive policy
 
     def forget(self, rid: str) -> None:
         pass
-
-    @staticmethod
-    def source_row(view: StepView, i: int) -> int:
-        """The packed row whose hidden state produced request i's last emitted token: its position is the
-        sequence's length - 2, and the step's rows start at position view.starts[i]."""
-        return int(view.row_starts[i]) + view.length(i) - 2 - int(view.starts[i])
-
-    @staticmethod
-    def tree_safe(view: StepView, i: int) -> bool:
-        """Rows scored the same whatever tokens precede them in the tree (so any node may be verified)."""
-        r = view.requests[i]
-        p = r.params
-        return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-                and p.structured_outputs is None and view.length(i) - r.num_prompt_tokens >= p.min_tokens)
 
     @torch.inference_mode()
     def propose(self, view: StepView, want: set[int], k: int) -> dict[int, Draft]:
         if not want or view.hidden is None:
             return {}
         order = sorted(want)
-        rows = torch.tensor([self.source_row(view, i) for i in order], device=view.hidden.device)
+        rows = torch.tensor([view.source_row(i) for i in order], device=view.hidden.device)
         n = min(k, len(self.parents))  # nodes of the tree
         chain = min(k, self.heads.num_heads)
         depth, rank = self.depth[:n], self.rank[:n]
@@ -171,7 +158,7 @@ class MedusaDrafter:
         tree = self.trees and not is_chain(parents)
         out = {}
         for b, i in enumerate(order):
-            if tree and self.tree_safe(view, i):
+            if tree and tree_safe(view.requests[i], view.length(i)):
                 out[i] = Draft(tree_tokens[b].tolist(), None, parents)
             else:
                 out[i] = Draft(chains[b].tolist(), None)

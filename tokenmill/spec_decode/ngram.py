@@ -54,6 +54,8 @@ class NgramProposer:
 class NgramDrafter:
     """Prompt lookup over each request's tokens, kept in a growing numpy buffer (no list copy per step)."""
 
+    shape = "chain"  # what its k means to the adaptive policy (adaptive.py)
+
     def __init__(self, min_n: int, max_n: int) -> None:
         self.proposer = NgramProposer(min_n, max_n)
         self.history: dict[str, tuple[np.ndarray, int]] = {}

@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 
 from tokenmill.config import SpeculativeConfig
+from tokenmill.spec_decode.eagle_tree import TreeShape
+from tokenmill.spec_decode.tree import windowed
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +114,14 @@ def _head(ctx: ProposerContext):
     if module.aux_layers:
         target.aux_hidden_layers = tuple(module.aux_layers)
     module.eval()
-    return DraftRunner(module, ctx.backend_cls(ctx.block_size, ctx.device), ctx.block_size, ctx.device,
-                       ctx.vocab_size, ctx.max_model_len, head=True)
+    runner = DraftRunner(module, ctx.backend_cls(ctx.block_size, ctx.device), ctx.block_size, ctx.device,
+                         ctx.vocab_size, ctx.max_model_len, head=True)
+    if ctx.spec.tree_topk > 1:
+        if windowed(target):
+            log.warning("EAGLE-2 draft trees: the target has sliding-window layers; drafting chains instead")
+        else:
+            runner.tree = TreeShape(ctx.spec.tree_topk, ctx.spec.tree_depth)
+    return runner
 
 
 for _name in ("eagle", "eagle3", "mtp"):
@@ -128,5 +136,16 @@ def _medusa(ctx: ProposerContext):
     heads = load_medusa(ctx.spec.model, target.spec.hidden_size, ctx.vocab_size, target.compute_dtype).to(ctx.device)
     if heads.proj is None:  # heads sharing the target's LM head (as `tokenmill train-medusa` writes them)
         heads.lm_head = target.lm_head.compute_logits
-    windows = {layer.sliding_window for layer in target.spec.layers}
-    return MedusaDrafter(heads, ctx.spec.medusa_choices, trees=windows == {None})
+    return MedusaDrafter(heads, ctx.spec.medusa_choices, trees=not windowed(target))
+
+
+@proposer("dflash", "lookup")
+def _dflash(ctx: ProposerContext):
+    from tokenmill.spec_decode.dflash import BlockDrafterProposer, load_block_drafter
+
+    target = ctx.target
+    if target.embed_tokens is None:
+        raise ValueError("dflash: the drafter needs the target's embedding on the last pipeline stage")
+    drafter = load_block_drafter(ctx.spec.model, target.spec.hidden_size, ctx.vocab_size, target.compute_dtype)
+    embed = lambda ids: target.embed_tokens(ids).to(target.compute_dtype)  # noqa: E731
+    return BlockDrafterProposer(drafter.to(ctx.device), embed, target.lm_head.compute_logits, ctx.spec.block_threshold)

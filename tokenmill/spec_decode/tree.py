@@ -63,3 +63,17 @@ def choices_to_tree(choices: list[list[int]]) -> list[int]:
         parents.append(index[path[:-1]] if len(path) > 1 else -1)
         index[path] = m
     return parents
+
+
+def tree_safe(request, length: int) -> bool:
+    """Whether a request's verification rows are scored the same whatever tokens precede them in the tree, so
+    any node may be verified (penalties, a grammar and pending min_tokens depend on the tokens before each row:
+    such requests get chains). `request`: input_batch.CachedRequestState; `length`: its tokens now."""
+    p = request.params
+    return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and p.structured_outputs is None and length - request.num_prompt_tokens >= p.min_tokens)
+
+
+def windowed(target) -> bool:
+    """Whether a target model has sliding-window layers (their masks count slots, not a node's path: chains)."""
+    return any(layer.sliding_window is not None for layer in target.spec.layers)

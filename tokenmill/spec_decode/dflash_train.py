@@ -1,0 +1,164 @@
+"""`tokenmill train-dflash`: a block drafter (spec_decode/dflash.py) for a model, trained on the model's own
+continuations of the prompts train-medusa ships (self-distillation: nothing to download).
+
+At each position p of a continuation the drafter reads the target's final hidden state h_p and the embedding of
+the token t it produced, and learns the K tokens that follow t (positions p + 2 .. p + K + 1) in one forward.
+Cross-entropy through the target's frozen LM head over the tokens the corpus uses (as train-medusa), Adam; the
+acceptance head learns, for each position whose earlier drafts were right, whether its own draft is
+(binary cross-entropy on the drafter's detached features), so the product of its estimates predicts how much of
+a block verification keeps. A tenth of the sequences are held out for the report: per-position top-1 (over the
+full vocabulary), the mean accepted prefix of a block, and the mean estimate of it.
+
+Initialisation: the input projection passes h through and the blocks add nothing (zero output projections), so
+every position starts as the LM head over h; the positions differ by what they learn.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.spec_decode.dflash import BlockDrafter, BlockDrafterConfig
+from tokenmill.spec_decode.medusa_train import PROMPTS, _corpus, _features, _lm_head_weight
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DFlashReport:
+    out: Path
+    sequences: int
+    positions: int
+    seconds: float
+    top1: list[float]  # per block position, held-out
+    accepted: float  # mean accepted prefix of a block (greedy drafts against the continuation), held-out
+    estimated: float  # mean of the acceptance head's estimate of that prefix
+
+
+@torch.inference_mode()
+def _embeddings(llm, ids: torch.Tensor) -> torch.Tensor:
+    runner = llm.engine.core.executor.worker.runner
+    return runner.model.embed_tokens(ids.to(runner.device)).float().cpu().clone()
+
+
+def _examples(llm, feats: list[torch.Tensor], seqs: list[tuple[list[int], int]], K: int):
+    """(h [N, H], e [N, H], targets [N, K], mask [N, K]) over the continuations' positions."""
+    hs, last, ys, ms = [], [], [], []
+    for h, (seq, plen) in zip(feats, seqs):
+        L = len(seq)
+        pos = torch.arange(plen - 1, L - 2)
+        if pos.numel() == 0:
+            continue
+        tok = torch.tensor(seq)
+        idx = pos.unsqueeze(1) + 2 + torch.arange(K).unsqueeze(0)
+        ok = idx < L
+        hs.append(h[pos])
+        last.append(tok[pos + 1])
+        ys.append(torch.where(ok, tok[idx.clamp(max=L - 1)], 0))
+        ms.append(ok)
+    return torch.cat(hs), _embeddings(llm, torch.cat(last)), torch.cat(ys), torch.cat(ms)
+
+
+def _prefix_ok(correct: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[N, K]: the drafts before position j were all right (and present)."""
+    ok = (correct & mask).float()
+    before = torch.cumprod(torch.cat([torch.ones_like(ok[:, :1]), ok[:, :-1]], 1), 1)
+    return before.bool() & mask
+
+
+def train_dflash(model: str | None, out: str, block_size: int = 4, layers: int = 1, heads: int = 4,
+                 steps: int = 1000, batch: int = 256, lr: float = 2e-3, max_tokens: int = 128,
+                 temperature: float = 0.0, seed: int = 0, prompts: list[str] | None = None,
+                 **engine_kw) -> DFlashReport:
+    from tokenmill import LLM
+
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    llm = LLM(model, enable_prefix_caching=False, distributed_executor_backend="uni", **engine_kw)
+    seqs = _corpus(llm, prompts or PROMPTS, max_tokens, temperature, seed)
+    feats = _features(llm, [s for s, _ in seqs])
+    log.info("train-dflash: %d continuations and their features in %.1f s", len(seqs), time.perf_counter() - t0)
+    W = _lm_head_weight(llm)  # [V, H], frozen
+    V, H = W.shape
+    K = block_size
+    held = max(1, len(seqs) // 10)
+    h_tr, e_tr, y_tr, m_tr = _examples(llm, feats[held:], seqs[held:], K)
+    h_te, e_te, y_te, m_te = _examples(llm, feats[:held], seqs[:held], K)
+    vocab = torch.unique(torch.tensor([t for s, _ in seqs for t in s]))
+    remap = torch.full((V,), -1, dtype=torch.long)
+    remap[vocab] = torch.arange(vocab.numel())
+    W_train = W[vocab]
+    y_local = remap[y_tr].clamp(min=0)
+
+    cfg = BlockDrafterConfig(block_size=K, hidden_size=H, num_layers=layers, num_heads=heads,
+                             intermediate_size=2 * H, vocab_size=V)
+    drafter = BlockDrafter(cfg)
+    with torch.no_grad():
+        drafter.in_proj_weight[:, :H] = torch.eye(H)
+        drafter.pos_embed.normal_(0, 0.02)
+        for p in (drafter.qkv, drafter.up):
+            p.normal_(0, H ** -0.5)
+        drafter.attn_norm.fill_(1.0)
+        drafter.mlp_norm.fill_(1.0)
+        # the final norm starts as the target's scale (its hidden states are already normed: keep their size)
+        drafter.norm.fill_(float(h_tr.pow(2).mean().sqrt()))
+    opt = torch.optim.Adam(drafter.parameters(), lr=lr)
+    n = h_tr.shape[0]
+    for step in range(steps):
+        pick = torch.randint(0, n, (min(batch, n),))
+        feat, acc = drafter(h_tr[pick], e_tr[pick])
+        logits = feat @ W_train.T  # [b, K, v]
+        y, m = y_local[pick], m_tr[pick]
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none").view_as(y)
+        loss = (ce * m).sum() / m.sum().clamp(min=1)
+        correct = logits.argmax(-1) == y
+        live = _prefix_ok(correct, m)
+        bce = F.binary_cross_entropy_with_logits(acc, correct.float(), reduction="none")
+        loss = loss + (bce * live).sum() / live.sum().clamp(min=1)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 100 == 0 or step == steps - 1:
+            log.info("train-dflash: step %d/%d, loss %.3f", step + 1, steps, float(loss.detach()))
+    with torch.no_grad():
+        feat, acc = drafter(h_te, e_te)
+        pred = (feat @ W.T).argmax(-1)  # the full vocabulary, as serving sees it
+        correct = (pred == y_te) & m_te
+        top1 = [float(correct[:, j][m_te[:, j]].float().mean()) for j in range(K)]
+        accepted = float(torch.cumprod(correct.float(), 1).sum(1).mean())
+        estimated = float(torch.cumprod(torch.sigmoid(acc), 1).sum(1).mean())
+    out_dir = drafter.save(out, {"base_model_name_or_path": model or "embedded"})
+    return DFlashReport(out_dir, len(seqs), n + h_te.shape[0], time.perf_counter() - t0, top1, accepted, estimated)
+
+
+def add_train_dflash_parser(subparsers) -> None:
+    p = subparsers.add_parser("train-dflash", help="Train a block drafter (method dflash) on a model's own "
+                              "continuations.", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", help="Output folder for config.json and block_drafter.safetensors.")
+    p.add_argument("--model", default=None, help="Model folder or .gguf (default: the embedded model).")
+    p.add_argument("--block-size", type=int, default=4, help="drafts per forward, K (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=1, help="(default: %(default)s)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=1000, help="(default: %(default)s)")
+    p.add_argument("--batch", type=int, default=256, help="positions per step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=2e-3, help="(default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=128, help="continuation per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="of the continuations; 0: greedy (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_train_dflash)
+
+
+def cmd_train_dflash(args: argparse.Namespace) -> int:
+    r = train_dflash(args.model, args.out, args.block_size, args.layers, args.heads, args.steps, args.batch, args.lr,
+                     args.max_tokens, args.temperature, args.seed)
+    acc = ", ".join(f"{a:.2f}" for a in r.top1)
+    print(f"wrote {r.out}: a block of {len(r.top1)} from {r.sequences} continuations ({r.positions} positions) in "
+          f"{r.seconds:.0f} s; held-out top-1 per position {acc}; accepted prefix {r.accepted:.2f} per block "
+          f"(estimated {r.estimated:.2f})")
+    return 0
