@@ -1,7 +1,7 @@
 """Speculative decoding vs none, side by side in one process (ratios, with acceptance beside each figure).
 
     python benchmarks/speculative.py                 # SmolLM2 (embedded), all three workloads
-    python benchmarks/speculative.py --only ngram    # one of: ngram, quantized_self, concurrency
+    python benchmarks/speculative.py --only ngram    # one of: ngram, quantized_self, concurrency, shapes
 
 1. ngram, batch 1, input-grounded prompts (rewrite a given text, edit given code): decode tok/s, with the
    target's weights as GGUF Q4_1 blocks and as float32.
@@ -9,11 +9,14 @@
    int4 weights as the draft, vs the float32 target alone.
 3. concurrency 64 (random 128-token prompts, 64 output tokens): throughput with ngram speculation
    enabled (adaptive) vs disabled.
-4. medusa: heads trained by `tokenmill train-medusa` on the model's own greedy continuations of the prompts
-   shipped with it (or --medusa-heads DIR), then chain (each head's top token) vs tree (the default 16-node
-   tree, its first --tree-nodes nodes; fixed, and with the adaptive policy choosing the node budget) vs none, at
-   batch 1 and at concurrency 16, on chat prompts that are not in the training set: accepted tokens per
-   verification and tok/s.
+4. shapes (chain vs tree vs block): Medusa heads (`tokenmill train-medusa`), an EAGLE head (`tokenmill
+   train-eagle`) and a block drafter (`tokenmill train-dflash`), all trained here on the model's own greedy
+   continuations of the prompts shipped with them (or --medusa-heads, --eagle-head, --dflash-drafter DIR);
+   Medusa as a chain (each head's top token) and as a tree (the default 16-node tree, its first --tree-nodes
+   nodes; fixed, and with the adaptive policy choosing the node budget); EAGLE as a chain of 4 and as EAGLE-2
+   trees of --tree-nodes nodes (width 4, fixed and adaptive); the block drafter sending whole blocks of 4, blocks
+   cut by its acceptance estimate, and that with the adaptive policy; each vs none, at batch 1 and at
+   concurrency 16, on chat prompts that are not in the training set: accepted tokens per verification and tok/s.
 Greedy throughout; every run's tokens are compared with the run without speculation.
 """
 from __future__ import annotations
@@ -175,26 +178,52 @@ MEDUSA_PROMPTS = FREE + [
     "Explain how a compass works."]
 
 
-def run_medusa(args) -> None:
+def run_shapes(args) -> None:
+    """Chain vs tree vs block: Medusa heads (chain of each head's top token, the default tree) and a block drafter
+    (whole blocks, blocks cut by the acceptance estimate, and the adaptive policy over that), both trained here."""
     import tempfile
 
     from tokenmill import SamplingParams
+    from tokenmill.spec_decode.dflash_train import train_dflash
+    from tokenmill.spec_decode.eagle_train import train_eagle
     from tokenmill.spec_decode.medusa_train import PROMPTS, train_medusa
 
     assert not set(MEDUSA_PROMPTS) & set(PROMPTS), "benchmark prompts must not be training prompts"
-    heads_dir = args.medusa_heads
+    heads_dir, block_dir, eagle_dir = args.medusa_heads, args.dflash_drafter, args.eagle_head
     if heads_dir is None:
         heads_dir = tempfile.mkdtemp(prefix="tokenmill-medusa-")
         r = train_medusa(args.model, heads_dir, heads=4, max_tokens=256, steps=600, lr=1e-3)
         print(f"medusa heads trained in {r.seconds:.0f} s on {r.positions} positions; held-out top-1/top-3: " +
               ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(r.top1, r.top3)))
+    if block_dir is None:
+        block_dir = tempfile.mkdtemp(prefix="tokenmill-dflash-")
+        r = train_dflash(args.model, block_dir, block_size=4, max_tokens=256, steps=600)
+        print(f"block drafter trained in {r.seconds:.0f} s on {r.positions} positions; held-out top-1 per position "
+              + ", ".join(f"{a:.2f}" for a in r.top1) + f"; accepted prefix {r.accepted:.2f} per block "
+              f"(estimated {r.estimated:.2f})")
+    if eagle_dir is None:
+        eagle_dir = tempfile.mkdtemp(prefix="tokenmill-eagle-")
+        r = train_eagle(args.model, eagle_dir, max_tokens=256, steps=400)
+        print(f"EAGLE head trained in {r.seconds:.0f} s on {r.positions} positions; held-out top-1 {r.top1:.2f} "
+              f"(first draft), {r.top1_second:.2f} (second, on its own feature)")
     chain = [[0] * d for d in range(1, 5)]
+    medusa = {"method": "medusa", "model": heads_dir}
+    block = {"method": "dflash", "model": block_dir, "num_speculative_tokens": 4}
+    eagle = {"method": "eagle", "model": eagle_dir}
+    eagle_tree = {**eagle, "num_speculative_tokens": args.tree_nodes, "tree_topk": 4, "tree_depth": 5}
     runs = {"none": None,
-            "chain": {"method": "medusa", "model": heads_dir, "num_speculative_tokens": 4, "medusa_choices": chain,
-                      "adaptive": False},
-            "tree": {"method": "medusa", "model": heads_dir, "num_speculative_tokens": args.tree_nodes,
-                     "adaptive": False},
-            "tree, adaptive": {"method": "medusa", "model": heads_dir, "num_speculative_tokens": args.tree_nodes}}
+            "medusa chain": {**medusa, "num_speculative_tokens": 4, "medusa_choices": chain, "adaptive": False},
+            "medusa tree": {**medusa, "num_speculative_tokens": args.tree_nodes, "adaptive": False},
+            "medusa tree, adaptive": {**medusa, "num_speculative_tokens": args.tree_nodes},
+            "eagle chain": {**eagle, "num_speculative_tokens": 4, "adaptive": False},
+            "eagle tree": {**eagle_tree, "adaptive": False},
+            "eagle tree, adaptive": eagle_tree,
+            "block, whole": {**block, "block_threshold": 0.0, "adaptive": False},
+            "block, cut": {**block, "adaptive": False},
+            "block, cut, adaptive": block}
+    if args.only_runs:
+        runs = {k: v for k, v in runs.items() if k == "none" or any(w in k for w in args.only_runs.split(","))}
+    names = [n for n in runs if n != "none"]
     llms = {name: llm_for(args.model, spec, max_num_seqs=16) for name, spec in runs.items()}
     prompts = [chat_ids(llms["none"], p) for p in MEDUSA_PROMPTS]
     # batch 1
@@ -206,9 +235,9 @@ def run_medusa(args) -> None:
             rates[name].append(best[0])
             tokens[name].append(best[1])
     base = sum(rates["none"]) / len(rates["none"])
-    for name in ("chain", "tree", "tree, adaptive"):
+    for name in names:
         r = sum(rates[name]) / len(rates[name])
-        print(f"medusa {name}, batch 1: {base:.1f} -> {r:.1f} tok/s = {r / base:.2f}x; {spec_line(llms[name])}; "
+        print(f"{name}, batch 1: {base:.1f} -> {r:.1f} tok/s = {r / base:.2f}x; {spec_line(llms[name])}; "
               f"same tokens: {'yes' if tokens[name] == tokens['none'] else 'NO'}")
     # concurrency 16
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -228,11 +257,12 @@ def run_medusa(args) -> None:
             after = llm.engine.core.scheduler.spec_stats.as_dict()
             d = after["num_drafts"] - before["num_drafts"]
             acc = (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / d if d else 0.0
-            got[name] += (acc,)
-    for name in ("chain", "tree", "tree, adaptive"):
-        print(f"medusa {name}, concurrency 16: {got['none'][0]:.1f} -> {got[name][0]:.1f} tok/s = "
-              f"{got[name][0] / got['none'][0]:.2f}x; {got[name][2]:.2f} accepted per verification; "
-              f"same tokens: {'yes' if got[name][1] == got['none'][1] else 'NO'}")
+            drafted = (after["num_draft_tokens"] - before["num_draft_tokens"]) / d if d else 0.0
+            got[name] += (acc, drafted)
+    for name in names:
+        print(f"{name}, concurrency 16: {got['none'][0]:.1f} -> {got[name][0]:.1f} tok/s = "
+              f"{got[name][0] / got['none'][0]:.2f}x; {got[name][2]:.2f} accepted of {got[name][3]:.2f} drafted per "
+              f"verification; same tokens: {'yes' if got[name][1] == got['none'][1] else 'NO'}")
     del llms
     gc.collect()
 
@@ -240,8 +270,11 @@ def run_medusa(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct GGUF")
-    ap.add_argument("--only", choices=("ngram", "quantized_self", "concurrency", "medusa"))
+    ap.add_argument("--only", choices=("ngram", "quantized_self", "concurrency", "shapes"))
     ap.add_argument("--medusa-heads", default=None, help="Medusa folder (default: train heads first, ~2 min)")
+    ap.add_argument("--dflash-drafter", default=None, help="block drafter folder (default: train one first, ~5 min)")
+    ap.add_argument("--eagle-head", default=None, help="EAGLE head folder (default: train one first)")
+    ap.add_argument("--only-runs", default=None, help="shapes: comma-separated words of the runs to keep")
     ap.add_argument("--tree-nodes", type=int, default=16, help="medusa tree: nodes verified per step")
     ap.add_argument("-k", type=int, default=4, help="num_speculative_tokens (default 4)")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -252,7 +285,7 @@ def main() -> None:
     args = ap.parse_args()
     print(env_str())
     for name, fn in (("ngram", run_ngram), ("quantized_self", run_quantized_self), ("concurrency", run_concurrency),
-                     ("medusa", run_medusa)):
+                     ("shapes", run_shapes)):
         if args.only in (None, name):
             fn(args)
     print("load average after:", open("/proc/loadavg").read().split()[:3])

@@ -6,6 +6,7 @@ sampling stays seeded; bad shapes are refused."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from compare import assert_same_outputs
 from draft_heads_tiny import add_mtp_layers, make_bigram_target, write_eagle3_head, write_eagle_head
@@ -171,3 +172,39 @@ def test_bad_tree_shapes_are_refused():
         SpeculativeConfig.parse({"method": "eagle", "model": "x", "tree_topk": 2, "tree_depth": 1})
     with pytest.raises(ValueError, match="tree_topk"):
         SpeculativeConfig.parse({"method": "eagle", "model": "x", "tree_topk": 0})
+
+
+def test_train_eagle_writes_a_head_tokenmill_runs_as_it_was_trained(target, tmp_path, baseline):
+    """The head train-eagle writes, loaded by tokenmill and run under its paged attention, gives the training
+    module's outputs (the layout, rotary and norms agree); it serves with trees, output unchanged."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from test_draft_heads import load, load_target, run_head, target_features
+    from tokenmill.spec_decode.eagle_train import TrainableEagle, train_eagle
+
+    r = train_eagle(str(target), str(tmp_path / "head"), steps=15, batch=2, max_tokens=16,
+                    prompts=["hello there", "the quick brown fox", "SELECT * FROM", "once upon a time"],
+                    kv_cache_memory_bytes=8 << 20)
+    assert r.sequences == 4 and 0.0 <= r.top1 <= 1.0
+    folder = tmp_path / "head"
+    trained = TrainableEagle(json.loads((folder / "config.json").read_text()))
+    w = load_file(str(folder / "model.safetensors"))
+    for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):  # the layer must matter
+        w[name] = w[name] * 30
+    save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    trained.fc.load_state_dict({k[3:]: v for k, v in w.items() if k.startswith("fc.")})
+    trained.layer.load_state_dict({k[9:]: v for k, v in w.items() if k.startswith("layers.0.")})
+    model = load_target(target)
+    head = load("eagle", folder, model, target)
+    ids = torch.randint(0, model.spec.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    _, feats = target_features(model, ids)
+    nxt, _ = run_head(head, ids[1:], feats[:-1], [11])
+    with torch.no_grad():
+        want = trained(model.embed_tokens(ids[1:]).float().unsqueeze(0), feats[:-1].unsqueeze(0))[0]
+    assert (want - trained.fc(torch.cat([model.embed_tokens(ids[1:]).float(), feats[:-1]], -1))).abs().max() > 0.1
+    torch.testing.assert_close(nxt, want, atol=2e-4, rtol=2e-4)
+    llm = LLM(str(target), speculative_config=tree_spec("eagle", folder), **KV)
+    out = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert_same_outputs(baseline, out, "trained head")

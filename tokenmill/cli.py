@@ -437,11 +437,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(subparsers)
     from tokenmill.quantize import add_quantize_parser
     from tokenmill.spec_decode.dflash_train import add_train_dflash_parser
+    from tokenmill.spec_decode.eagle_train import add_train_eagle_parser
     from tokenmill.spec_decode.medusa_train import add_train_medusa_parser
 
     add_quantize_parser(subparsers)
     add_train_medusa_parser(subparsers)
     add_train_dflash_parser(subparsers)
+    add_train_eagle_parser(subparsers)
     return parser
 
 
