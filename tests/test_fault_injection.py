@@ -381,3 +381,28 @@ def test_a_fault_while_verifying_trees_fails_only_its_request(tree_llm, solo, mo
     # the sampled neighbour: trees draw other uniforms than plain decoding (the same distribution)
     fail_the_victim(tree_llm, solo, monkeypatch, stage, compare=lambda rid: rid != "n-seeded")
     assert tree_llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+
+
+@pytest.fixture(scope="module", params=["eagle tree", "dflash"])
+def drafting_llm(request, path, tmp_path_factory):
+    """The same engine drafting EAGLE-2 trees from a random head, or blocks from a random block drafter."""
+    from draft_heads_tiny import write_eagle_head
+    from test_dflash import write_drafter
+
+    folder = tmp_path_factory.mktemp("drafter")
+    if request.param == "eagle tree":
+        spec = {"method": "eagle", "model": str(write_eagle_head(folder, path, copy=False)), "tree_topk": 2,
+                "num_speculative_tokens": 6}
+    else:
+        spec = {"method": "dflash", "model": str(write_drafter(folder, path)), "block_threshold": 0.0}
+    return LLM(str(path), max_model_len=MAX_LEN, num_gpu_blocks_override=64, block_size=4,
+               max_num_batched_tokens=32, enable_prefix_caching=True,
+               speculative_config={**spec, "adaptive": False})
+
+
+@pytest.mark.parametrize("stage", ["forward", "sample", "propose"])
+def test_a_fault_while_drafting_trees_or_blocks_fails_only_its_request(drafting_llm, solo, monkeypatch, stage):
+    """Issue 30: EAGLE-2 trees and block drafts; a step fails for one request while drafting, verifying or
+    proposing; the others keep their solo output (the sampled one: another uniform stream, so not compared)."""
+    fail_the_victim(drafting_llm, solo, monkeypatch, stage, compare=lambda rid: rid != "n-seeded")
+    assert drafting_llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0

@@ -17,6 +17,7 @@ from test_speculative import GREEDY, KV, PROMPTS
 from tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SPEC_METHODS
+from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.spec_decode.medusa import load_medusa
 from tokenmill.spec_decode.proposers import PROPOSERS
 
@@ -75,10 +76,14 @@ def test_greedy_output_equals_no_speculation(target, heads, baseline, mode, shap
     assert core.kv.usage == 0.0
 
 
-def test_prefix_hits_n_two_and_stop_strings(target, heads):
+def test_prefix_hits_n_two_stop_strings_and_structured_output(target, heads):
     params = SamplingParams(n=2, max_tokens=24, temperature=0, logprobs=3, stop=["ab", "the"])
-    base = LLM(str(target), **KV).generate(PROMPTS, params, use_tqdm=False)
-    llm = LLM(str(target), speculative_config=medusa(heads), **KV)
+    choice = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    plain = LLM(str(target), **KV)
+    base, base_choice = plain.generate(PROMPTS, params, use_tqdm=False), plain.generate(PROMPTS, choice, use_tqdm=False)
+    llm = LLM(str(target), speculative_config=medusa(heads, k=8), **KV)
+    got = llm.generate(PROMPTS, choice, use_tqdm=False)  # under a grammar: chains, not trees
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in base_choice]
     for _ in range(2):  # the second time from the prefix cache
         got = llm.generate(PROMPTS, params, use_tqdm=False)
         for a, b in zip(base, got):

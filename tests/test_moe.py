@@ -120,6 +120,17 @@ def test_grouped_and_per_expert_gemm_paths_agree(monkeypatch, grouped):
         assert torch.allclose(_layer(experts)(x, w, ids), _reference(x, w, ids, experts), atol=1e-5)
 
 
+def test_the_cpu_grouped_kernel_is_never_chosen_off_the_cpu():
+    """Issue 31: the native grouped kernel is a CPU kernel; a float MoE layer on another device takes the
+    per-expert GEMMs (tested with tensors on the meta device, which has no kernels of tokenmill's)."""
+    from tokenmill.layers.moe import _grouped
+
+    layer = _layer(_experts())
+    x = torch.zeros(4, layer.w13_weight.shape[-1])
+    assert _grouped(layer, x, [1, 1]) == native.has_op("grouped_linear")
+    assert not _grouped(layer, x.to("meta"), [1, 1])
+
+
 @pytest.mark.skipif(not native.has_op("grouped_linear"), reason="native kernels not built")
 @pytest.mark.parametrize("K, N, counts", [(512, 96, [8, 7, 9, 0, 8, 8, 10, 6]), (67, 37, [1, 2, 3, 0, 5]),
                                           (64, 128, [0, 0, 1]), (16, 5, [0, 0])])

@@ -210,7 +210,7 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
             call = None
         if world_size > 1:
             box = [call]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=worker.cpu_group)
             call = box[0]
         method, args = call
         if method == "shutdown":

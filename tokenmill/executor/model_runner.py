@@ -211,7 +211,7 @@ class ModelRunner:
             carried = None
             if not m.is_first:
                 T = inp.input_ids.numel()
-                carried = tuple(collectives.recv_stage([(T, H), (T, H)], dtype, rank - tp))
+                carried = tuple(collectives.recv_stage([(T, H), (T, H)], dtype, rank - tp, self.device))
             out = m(inp.input_ids, inp.positions, meta, carried)
             if m.is_last:
                 hidden.append(out)

@@ -88,6 +88,7 @@ class Worker:
         self.rank = rank
         self.world_size = world_size
         self.distributed_init_method = distributed_init_method
+        self.cpu_group = None  # torch.distributed group for control messages (None: the default group, gloo)
         self.device = torch.device(config.device)
         self.runner: ModelRunner | None = None
         self.kv_group_windows: tuple[int | None, ...] = (None,)  # executor/kv_groups.py, set by init()
@@ -111,6 +112,9 @@ class Worker:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=self.distributed_init_method, rank=self.rank,
                                     world_size=self.world_size)
+            # Control messages (the step each rank runs, the KV pool size) travel over gloo on the CPU, as
+            # vLLM's CPU group: on NCCL they would need device tensors and a device sync per step.
+            self.cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
             par = self.config.parallel
             tp, pp, cp = par.tensor_parallel_size, par.pipeline_parallel_size, par.context_parallel_size
             from tokenmill.layers import collectives
@@ -293,8 +297,8 @@ class Worker:
         if self.world_size > 1:  # every rank holds the same blocks: the smallest pool decides
             import torch.distributed as dist
 
-            n = torch.tensor([num_blocks], dtype=torch.long)
-            dist.all_reduce(n, op=dist.ReduceOp.MIN)
+            n = torch.tensor([num_blocks], dtype=torch.long)  # a CPU tensor: over the gloo control group
+            dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.cpu_group)
             num_blocks = int(n)
         lookahead = self.config.scheduler.num_lookahead_tokens
         need = min_blocks(self.max_model_len, lookahead, cache.block_size, self.kv_group_windows,

@@ -73,10 +73,12 @@ def send_stage(tensors: list[torch.Tensor], dst: int) -> list:
     return [dist.isend(t.contiguous(), dst) for t in tensors]
 
 
-def recv_stage(shapes: list[tuple[int, ...]], dtype: torch.dtype, src: int) -> list[torch.Tensor]:
+def recv_stage(shapes: list[tuple[int, ...]], dtype: torch.dtype, src: int, device: torch.device) -> list[torch.Tensor]:
+    """Pipeline parallelism: the previous stage's activations, received into buffers on this stage's device
+    (NCCL moves device tensors only)."""
     global _spent
     t0 = time.perf_counter()
-    out = [torch.empty(s, dtype=dtype) for s in shapes]
+    out = [torch.empty(s, dtype=dtype, device=device) for s in shapes]
     for t in out:
         dist.recv(t, src)
     _spent += time.perf_counter() - t0

@@ -57,7 +57,8 @@ GROUPED_MAX_ROWS = 24  # measured crossover with per-expert SGEMM: 24-32 rows (2
 
 
 def _grouped(layer: nn.Module, xs: torch.Tensor, counts: list[int] | None = None) -> bool:
-    return (type(layer.quant_method) is UnquantizedMoEMethod and xs.dtype == torch.float32
+    return (type(layer.quant_method) is UnquantizedMoEMethod and xs.device.type == "cpu"  # (a CPU kernel)
+            and xs.dtype == torch.float32
             and layer.w13_weight.dtype == torch.float32
             and (counts is None or max(counts, default=0) <= GROUPED_MAX_ROWS)
             and os.environ.get("TOKENMILL_MOE_GROUPED") != "0" and native.has_op("grouped_linear"))

@@ -11,6 +11,7 @@ from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.spec_decode.adaptive import AdaptivePolicy
 from tokenmill.spec_decode.draft import DraftRunner, StepView
 from tokenmill.spec_decode.proposers import ProposerContext, get_proposer
+from tokenmill.testing import faults
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class SpecDecoder:
         """The next step's drafts per request, and the parents of those that are trees."""
         t0 = time.perf_counter()
         sampled = [i for i, got in enumerate(view.accepted) if got]
+        faults.maybe_raise("propose", (view.requests[i].req_id for i in sampled))
         k = self.policy.choose(len(sampled))
         want = set(sampled)
         runner = self.runner

@@ -13,7 +13,7 @@ site that needs real work to find them checks `enabled()` first.
 
 Stages, in step order: `schedule` (per request the scheduler considers), `transfer` (KV tier and connector
 transfers, with the requests that load blocks, and `kv-tier` when the step also saves or spills), `build_batch`, `bitmask` (grammar masks), `forward`,
-`sample` (in the model runner), `update` (per request, applying the step's tokens), `output` (per request,
+`sample`, `propose` (in the model runner: speculative drafting for the requests that will draft), `update` (per request, applying the step's tokens), `output` (per request,
 the output processor: detokenizing, stop strings, logprobs).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import random
 from typing import Iterable
 
 ENV = "TOKENMILL_FAULTS"
-STAGES = ("schedule", "transfer", "build_batch", "bitmask", "forward", "sample", "update", "output")
+STAGES = ("schedule", "transfer", "build_batch", "bitmask", "forward", "sample", "propose", "update", "output")
 
 
 class InjectedFault(RuntimeError):
