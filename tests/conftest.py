@@ -7,6 +7,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # every GEMM wait for the slower core (parity tests went from ~1 s to ~37 s under load).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Triton kernels (the triton_paged attention backend) run in Triton's interpreter on this CPU-only machine. Triton
+# reads this when it is imported, which torch._dynamo does as soon as anything loads it: set before any import.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 

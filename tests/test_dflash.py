@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from compare import assert_same_outputs
 from medusa_tiny import make_constant_target
+from spec_exactness import assert_exact_with_prefix_hits_n2_stops_and_grammar
 from test_speculative import GREEDY, KV, PROMPTS
 from tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams
-from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.spec_decode.dflash import BlockDrafter, BlockDrafterConfig, block_lengths, load_block_drafter
 
 
@@ -83,20 +83,7 @@ def test_greedy_output_equals_no_speculation(target, drafter, baseline, mode, ba
 
 
 def test_prefix_hits_n_two_stop_strings_and_structured_output(target, drafter):
-    params = SamplingParams(n=2, max_tokens=24, temperature=0, logprobs=3, stop=["ab", "the"])
-    choice = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
-    plain = LLM(str(target), **KV)
-    base, base_choice = plain.generate(PROMPTS, params, use_tqdm=False), plain.generate(PROMPTS, choice, use_tqdm=False)
-    llm = LLM(str(target), speculative_config=dflash(drafter), **KV)
-    for _ in range(2):
-        got = llm.generate(PROMPTS, params, use_tqdm=False)
-        for a, b in zip(base, got):
-            assert [o.text for o in a.outputs] == [o.text for o in b.outputs]
-            assert [o.finish_reason for o in a.outputs] == [o.finish_reason for o in b.outputs]
-            assert_same_outputs(a.outputs, b.outputs, "n=2")
-    got = llm.generate(PROMPTS, choice, use_tqdm=False)
-    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in base_choice]
-    assert llm.engine.core.kv.stats.hits > 0 and llm.engine.core.kv.usage == 0.0
+    assert_exact_with_prefix_hits_n2_stops_and_grammar(target, dflash(drafter))
 
 
 @pytest.mark.parametrize("bias, per_verification", [(6.0, 4), (-6.0, 1)])

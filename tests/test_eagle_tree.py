@@ -10,11 +10,11 @@ import torch
 
 from compare import assert_same_outputs
 from draft_heads_tiny import add_mtp_layers, make_bigram_target, write_eagle3_head, write_eagle_head
+from spec_exactness import assert_exact_with_prefix_hits_n2_stops_and_grammar
 from test_speculative import GREEDY, KV, PROMPTS
 from tiny import make_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SpeculativeConfig
-from tokenmill.sampling_params import StructuredOutputsParams
 
 
 @pytest.fixture(scope="module")
@@ -139,21 +139,7 @@ def test_a_copy_head_has_its_whole_top_path_accepted(tmp_path):
 
 
 def test_prefix_hits_n_two_stop_strings_and_structured_output(target, head):
-    params = SamplingParams(n=2, max_tokens=24, temperature=0, logprobs=3, stop=["ab", "the"])
-    choice = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
-    plain = LLM(str(target), **KV)
-    base, base_choice = plain.generate(PROMPTS, params, use_tqdm=False), plain.generate(PROMPTS, choice, use_tqdm=False)
-    llm = LLM(str(target), speculative_config=tree_spec("eagle", head), **KV)
-    for _ in range(2):  # the second time from the prefix cache
-        got = llm.generate(PROMPTS, params, use_tqdm=False)
-        for a, b in zip(base, got):
-            assert [o.text for o in a.outputs] == [o.text for o in b.outputs]
-            assert [o.finish_reason for o in a.outputs] == [o.finish_reason for o in b.outputs]
-            assert_same_outputs(a.outputs, b.outputs, "n=2")
-    got = llm.generate(PROMPTS, choice, use_tqdm=False)
-    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in base_choice]
-    assert all(o.outputs[0].text in ("yes", "no") for o in got)
-    assert llm.engine.core.kv.stats.hits > 0 and llm.engine.core.kv.usage == 0.0
+    assert_exact_with_prefix_hits_n2_stops_and_grammar(target, tree_spec("eagle", head))
 
 
 def test_sampling_with_trees_is_seeded(target, head):

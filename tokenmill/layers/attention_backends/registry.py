@@ -9,7 +9,7 @@ from tokenmill.layers.attention_backends.base import AttentionBackend
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 # Preferred first; the first one the device supports is the default.
-_DEFAULTS: dict[str, tuple[str, ...]] = {"cpu": ("cpu_paged", "torch_sdpa"), "cuda": ("torch_sdpa",)}
+_DEFAULTS: dict[str, tuple[str, ...]] = {"cpu": ("cpu_paged", "torch_sdpa"), "cuda": ("triton_paged", "torch_sdpa")}
 _FALLBACK = "torch_sdpa"  # runs on any device torch does
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
