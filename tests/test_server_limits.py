@@ -15,17 +15,18 @@ pytestmark = pytest.mark.timeout(120)
 
 MODEL = "tiny"
 DRAIN_TIMEOUT = 1.0
-# A model slow enough (about 5 ms a token here) that a long request outlives the drain timeout.
+# A model and a request long enough that the request outlives the drain timeout on any machine: 4000 tokens take
+# 4.5 s offline on a 2-core Zen 4 (~1 ms a token; 480 tokens, the earlier length, finished inside 1 s there).
 SLOW = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
-            num_key_value_heads=4)
-LONG = 480
+            num_key_value_heads=4, max_position_embeddings=4096)
+LONG = 4000
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("limits") / "llama", "llama", **SLOW)
     srv = start_server(path, path.parent / "server.log", "--served-model-name", MODEL,
-                       "--kv-cache-memory-bytes", "16M", "--max-model-len", "512", "--max-num-seqs", "1",
+                       "--kv-cache-memory-bytes", "64M", "--max-model-len", "4096", "--max-num-seqs", "1",
                        "--max-waiting-requests", "1", "--drain-timeout", str(DRAIN_TIMEOUT))
     yield srv
     srv.stop(signal.SIGKILL)
