@@ -317,22 +317,21 @@ class Worker:
         return num_blocks
 
     def _profile_cuda_blocks(self, kv_dtype: torch.dtype, per_block: int) -> int:
-        """vLLM's recipe: run the largest step the scheduler may send on a throw-away pool, take the peak
-        memory, and give the KV pool what is left of gpu_memory_utilization x total."""
-        from tokenmill.core.batch import NewRequestData
-        from tokenmill.sampling_params import SamplingParams
+        """vLLM's recipe, counting everything a step holds: run the dummy steps of executor/profile_steps.py (the
+        most prompt tokens over the most requests, every one sampled with the most logprobs and prompt logprobs,
+        then k drafts verified for each under a grammar bitmask) on a throw-away pool, take the peak memory, and
+        give the KV pool what is left of gpu_memory_utilization x total."""
+        from tokenmill.executor.profile_steps import profile_steps
 
-        bs = self.config.cache.block_size
-        tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        blocks = -(-tokens // bs)
+        sched, spec = self.config.scheduler, self.config.speculative
+        steps, blocks = profile_steps(min(sched.max_num_batched_tokens, self.max_model_len), sched.max_num_seqs,
+                                      self.max_model_len, self.config.cache.block_size, self.runner.vocab_size,
+                                      len(self.kv_group_windows), spec.num_speculative_tokens if spec else 0)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.runner.allocate_kv_cache(blocks, kv_dtype)
-        table = list(range(blocks))
-        new = NewRequestData("profile", [0] * tokens, tokens, table, 0, SamplingParams(max_tokens=1), None,
-                             group_block_ids=[table] * (len(self.kv_group_windows) - 1))
-        self.runner.execute_model(ScheduledBatch(["profile"], [tokens], [1], [new]))
-        self.runner.execute_model(ScheduledBatch(finished_req_ids=["profile"]))
+        for batch in steps:
+            self.runner.execute_model(batch)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - blocks * per_block
         for a in self.runner.attn_layers:
@@ -341,8 +340,9 @@ class Worker:
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         budget = int(total * self.config.cache.gpu_memory_utilization) - peak - used_by_others
-        log.info("CUDA memory: %.2f GiB total, peak of a %d-token step %.2f GiB, %.2f GiB for the KV cache",
-                 total / GiB, tokens, peak / GiB, max(budget, 0) / GiB)
+        log.info("CUDA memory: %.2f GiB total, peak of the profiling steps (%d tokens, %d sampled requests) %.2f GiB, "
+                 "%.2f GiB for the KV cache", total / GiB, steps[0].num_tokens, len(steps[0]), peak / GiB,
+                 max(budget, 0) / GiB)
         return max(budget, 0) // per_block
 
     # ---- steps ---------------------------------------------------------------------------
