@@ -57,6 +57,27 @@ def test_tp2_chunked_sampled_and_speculative(tmp_path):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_tp2_draft_trees_equal_one_rank(tmp_path, method):
+    """Issue 30 under tensor parallelism: every rank verifies the same tree (the core sends rank 0's drafts),
+    moves the accepted path's K/V in its own shard of the heads, and (EAGLE) grows the next tree from the same
+    hidden states; the tokens and logprobs equal one rank's without speculation."""
+    from draft_heads_tiny import write_eagle_head
+    from medusa_tiny import write_medusa
+
+    path = make_tiny_model(tmp_path / "llama", "llama", seed=3)
+    if method == "medusa":
+        spec = {"method": "medusa", "model": str(write_medusa(tmp_path / "heads", path)), "num_speculative_tokens": 8}
+    else:
+        spec = {"method": "eagle", "model": str(write_eagle_head(tmp_path / "head", path, copy=False)),
+                "num_speculative_tokens": 6, "tree_topk": 2}
+    kw = dict(max_num_batched_tokens=16, block_size=4)
+    ref, _ = generate(path, **kw)
+    out, llm = generate(path, tensor_parallel_size=2, speculative_config={**spec, "adaptive": False}, **kw)
+    assert_same_outputs(ref, out, f"tp=2 {method} trees", atol=1e-4)
+    assert llm.engine.core.scheduler.spec_stats.num_draft_tokens > 4 * llm.engine.core.scheduler.spec_stats.num_drafts
+
+
 def test_tp_with_in_process_executor_is_refused(tmp_path):
     path = make_tiny_model(tmp_path / "llama", "llama")
     with pytest.raises(ValueError, match="'mp'"):
