@@ -471,3 +471,35 @@ def test_seeded_rows_follow_the_distribution():
     ids = Sampler()(probs.log().expand(rows, 4), build([SamplingParams(seed=0)] * rows, 4, seeds=keys)).token_ids
     freq = torch.bincount(ids, minlength=4).float() / rows
     assert (freq - probs).abs().max().item() < 0.02
+
+
+def test_sampled_tokens_and_logprobs_come_back_in_one_host_copy():
+    """Issue 31: a step's sampled tokens and their logprobs reach the host in one copy (each copy is a device sync
+    on a GPU), with exactly the values per-tensor copies gave."""
+    from tokenmill.sample.sampler import SamplerOutput
+
+    class Counted(torch.Tensor):
+        copies = 0
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            # the calls that copy a device tensor to the host (numpy() of a device tensor raises instead)
+            if func in (torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.to):
+                Counted.copies += 1
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    g = torch.Generator().manual_seed(0)
+    B, N = 6, 5
+    out = SamplerOutput(token_ids=torch.randint(0, 49152, (B,), generator=g),
+                        logprobs=-torch.rand(B, generator=g) * 20, top_logprobs=-torch.rand(B, N, generator=g),
+                        top_ids=torch.randint(0, 49152, (B, N), generator=g), ranks=torch.randint(1, 49152, (B,), generator=g))
+    want = (out.token_ids.tolist(), (out.logprobs.tolist(), out.ranks.tolist(), out.top_ids.tolist(),
+                                     out.top_logprobs.tolist()))
+    counted = SamplerOutput(*(t.as_subclass(Counted) for t in (out.token_ids, out.logprobs, out.top_logprobs,
+                                                                 out.top_ids, out.ranks)))
+    got = counted.to_host()
+    assert Counted.copies == 1
+    assert got == want
+    Counted.copies = 0
+    tokens, lp = SamplerOutput(out.token_ids.as_subclass(Counted), None, None, None, None).to_host()
+    assert Counted.copies == 1 and tokens == want[0] and lp is None

@@ -330,11 +330,7 @@ class ModelRunner:
                 emit_rows: list[list[int]] | None = None) -> ModelRunnerOutput:
         """Per request: its sampled rows' tokens, cut after the accepted drafts and the one token that
         follows them (trees: the rows of its accepted path and the one after, `emit_rows`)."""
-        tokens = sampled.token_ids.tolist()
-        lp = None
-        if sampled.logprobs is not None:
-            lp = (sampled.logprobs.tolist(), sampled.ranks.tolist(), sampled.top_ids.tolist(),
-                  sampled.top_logprobs.tolist())
+        tokens, lp = sampled.to_host()  # the step's one copy of its results to the host
         result = ModelRunnerOutput()
         row = j = 0
         for r, rows in zip(inp.requests, inp.rows_per_request):

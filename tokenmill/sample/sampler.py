@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -153,6 +154,20 @@ class SamplerOutput:
     top_logprobs: Tensor | None  # [B, N] float32, descending
     top_ids: Tensor | None  # [B, N] int64
     ranks: Tensor | None  # [B] int64, 1 = most likely
+
+    def to_host(self) -> tuple[list[int], tuple[list, list, list, list] | None]:
+        """(token ids, (logprobs, ranks, top ids, top logprobs) or None) as Python lists, with one device-to-host
+        copy: with logprobs, everything is packed into one float64 tensor first (token ids and ranks are below
+        2^53, float32 logprobs widen exactly), instead of a copy per tensor (each a device sync on a GPU)."""
+        if self.logprobs is None:
+            return self.token_ids.tolist(), None
+        n = self.top_ids.shape[1]
+        packed = torch.cat([self.token_ids.double().unsqueeze(1), self.logprobs.double().unsqueeze(1),
+                            self.ranks.double().unsqueeze(1), self.top_ids.double(), self.top_logprobs.double()], 1)
+        host = packed.cpu().numpy()
+        ints = host[:, :3 + n].astype(np.int64)
+        return ints[:, 0].tolist(), (host[:, 1].tolist(), ints[:, 2].tolist(), ints[:, 3:].tolist(),
+                                     host[:, 3 + n:].tolist())
 
 
 def compute_logprobs(logits: Tensor, token_ids: Tensor, num_top: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
