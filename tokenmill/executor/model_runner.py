@@ -12,6 +12,7 @@ import time
 import torch
 
 from tokenmill.core.batch import ModelRunnerOutput, PromptLogprobs, ScheduledBatch, StepTimings
+from tokenmill.executor.forward_clock import ForwardClock
 from tokenmill.executor.input_batch import InputBatch, StepInputs
 from tokenmill.executor.kv_groups import KVGroup, OffReasons, describe, plan_kv_groups, share_kv_cache
 from tokenmill.layers import collectives
@@ -148,7 +149,8 @@ class ModelRunner:
         timer = self.attn_timer
         if timer is not None:
             timer.total = 0.0
-        t1 = time.perf_counter()
+        clock = ForwardClock(self.device)
+        clock.start()
         split = self.token_split
         if split is None:
             hidden = self.model(inp.input_ids, inp.positions, meta)
@@ -156,18 +158,19 @@ class ModelRunner:
             T = inp.input_ids.shape[0]
             hidden = split.gather(self.model(split.local(inp.input_ids), split.local(inp.positions), meta), T)
         logits = self.model.compute_logits(hidden[inp.sample_rows]) if inp.sample_rows.numel() else None
-        prompt_lps = self._prompt_logprobs(hidden, inp)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        t2 = time.perf_counter()
+        clock.stop()  # (no device sync: CUDA events, read after the results' copy to the host)
         collective_s = collectives.take_time()
         out = self._sample(logits, inp, batch) if logits is not None else ModelRunnerOutput()
+        prompt_lps = self._prompt_logprobs(hidden, inp)
         out.prompt_logprobs = prompt_lps
+        forward_s = clock.seconds()
         if self.spec is not None:
-            self._propose(inp, batch, hidden, out, t2 - t1)
+            self._propose(inp, batch, hidden, out, forward_s)
         layout = inp.layout
         out.timings = StepTimings(
-            prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=time.perf_counter() - t2, kv_tokens=inp.kv_tokens,
+            prepare_s=clock.t0 - t0, forward_s=forward_s,
+            sample_s=max(time.perf_counter() - clock.t0 - forward_s, 0.0),  # the step's wall time after its forward
+            kv_tokens=inp.kv_tokens,
             attn_pairs=inp.attn_pairs, attn_s=timer.total if timer is not None else 0.0,
             attn_bytes=self.attn_read_bytes(layout.query_len, layout.kv_len), collective_s=collective_s,
             weight_wait_s=self._weight_wait())
