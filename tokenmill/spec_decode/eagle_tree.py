@@ -64,7 +64,8 @@ def grow_trees(forward, root_logits: torch.Tensor, root_feat: torch.Tensor | Non
                budget: int) -> list[tuple[list[int], list[int]]]:
     """Trees for R requests: root_logits [R, V] the head's logits for the first draft, root_feat [R, H] the
     feature fed with it (None: the head needs none); forward(ids [R, N], depth [R, N], masks [R, N, N],
-    features [R, N, H] or None) -> (features, logits of the last `width` rows) [R, width, ...] runs one level.
+    features [R, N, H] or None) -> (output features [R, N, H] or None, logits [R * width, V] of each request's
+    last `width` rows) runs one level.
     Returns per request (tokens, parents) of its best `budget` nodes, parents first."""
     w, levels = shape.width, shape.levels(budget)
     R = root_logits.shape[0]
