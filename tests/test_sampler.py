@@ -474,8 +474,8 @@ def test_seeded_rows_follow_the_distribution():
 
 
 def test_sampled_tokens_and_logprobs_come_back_in_one_host_copy():
-    """Issue 31: a step's sampled tokens and their logprobs reach the host in one copy (each copy is a device sync
-    on a GPU), with exactly the values per-tensor copies gave."""
+    """Issue 31: a step's sampled tokens, their logprobs and a verification's accepted counts reach the host in
+    one copy (each copy is a device sync on a GPU), with exactly the values per-tensor copies gave."""
     from tokenmill.sample.sampler import SamplerOutput
 
     class Counted(torch.Tensor):
@@ -497,9 +497,10 @@ def test_sampled_tokens_and_logprobs_come_back_in_one_host_copy():
                                      out.top_logprobs.tolist()))
     counted = SamplerOutput(*(t.as_subclass(Counted) for t in (out.token_ids, out.logprobs, out.top_logprobs,
                                                                  out.top_ids, out.ranks)))
-    got = counted.to_host()
+    accepted = torch.tensor([0, 3, 1]).as_subclass(Counted)  # a verification's accepted drafts per request
+    tokens, lp, counts = counted.to_host(accepted)
     assert Counted.copies == 1
-    assert got == want
+    assert (tokens, lp) == want and counts == [0, 3, 1]
     Counted.copies = 0
-    tokens, lp = SamplerOutput(out.token_ids.as_subclass(Counted), None, None, None, None).to_host()
-    assert Counted.copies == 1 and tokens == want[0] and lp is None
+    tokens, lp, counts = SamplerOutput(out.token_ids.as_subclass(Counted), None, None, None, None).to_host()
+    assert Counted.copies == 1 and tokens == want[0] and lp is None and counts is None

@@ -19,7 +19,7 @@ from tokenmill.layers import collectives
 from tokenmill.layers.attention import Attention, AttentionTimer
 from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend, GroupedMetadata
-from tokenmill.sample.rejection_sampler import rejection_sample
+from tokenmill.sample.rejection_sampler import rejection_sample_on_device
 from tokenmill.sample.tree_sampler import TreeDraft, verify_trees
 from tokenmill.spec_decode.tree import chain
 from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, target_distribution
@@ -278,7 +278,7 @@ class ModelRunner:
         reqs = [(r, rows, spec) for r, rows, spec in zip(inp.requests, inp.rows_per_request, inp.spec) if rows]
         draft_probs = [self.spec.probs_for(r.req_id, len(spec)) if self.spec is not None and spec else None
                        for r, _, spec in reqs]
-        tokens, num_accepted = rejection_sample(
+        tokens, num_accepted = rejection_sample_on_device(
             probs if probs is not None else raw, greedy_ids, [rows for _, rows, _ in reqs],
             [spec for _, _, spec in reqs], draft_probs, [r.params.greedy for r, _, _ in reqs], meta.seeds)
         return self._result(inp, Sampler.output(raw, tokens, meta), num_accepted)
@@ -329,11 +329,11 @@ class ModelRunner:
                     flat.index_copy_(0, d, flat.index_select(0, s))
         return src_rows, dst_rows
 
-    def _result(self, inp: StepInputs, sampled: SamplerOutput, num_accepted: list[int] | None,
+    def _result(self, inp: StepInputs, sampled: SamplerOutput, accepted: torch.Tensor | None,
                 emit_rows: list[list[int]] | None = None) -> ModelRunnerOutput:
         """Per request: its sampled rows' tokens, cut after the accepted drafts and the one token that
         follows them (trees: the rows of its accepted path and the one after, `emit_rows`)."""
-        tokens, lp = sampled.to_host()  # the step's one copy of its results to the host
+        tokens, lp, num_accepted = sampled.to_host(accepted)  # the step's one copy of its results to the host
         result = ModelRunnerOutput()
         row = j = 0
         for r, rows in zip(inp.requests, inp.rows_per_request):

@@ -22,7 +22,23 @@ def rejection_sample(
     is_greedy: list[bool],
     seeds: Tensor | None,
 ) -> tuple[Tensor, list[int]]:
-    """(token per row [S] int64, number of accepted drafts per request).
+    """rejection_sample_on_device with the accepted counts as a list."""
+    tokens, num_accepted = rejection_sample_on_device(probs, greedy_tokens, rows_per_request, draft_token_ids,
+                                                      draft_probs, is_greedy, seeds)
+    return tokens, num_accepted.tolist()
+
+
+def rejection_sample_on_device(
+    probs: Tensor,
+    greedy_tokens: Tensor,
+    rows_per_request: list[int],
+    draft_token_ids: list[list[int]],
+    draft_probs: list[Tensor | None],
+    is_greedy: list[bool],
+    seeds: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """(token per row [S] int64, number of accepted drafts per request [R] int64), both on probs' device (the
+    runner copies them to the host with the step's other results, in one copy).
 
     Request r owns rows_per_request[r] = k_r + 1 consecutive rows of probs [S, V]: rows before
     num_accepted hold its drafts, row num_accepted the corrected or bonus token, later rows are
@@ -68,7 +84,7 @@ def rejection_sample(
     first_rejected = torch.where(is_draft & ~accept, pos, k[req])
     num_accepted = k.scatter_reduce(0, req, first_rejected, reduce="amin", include_self=True)
     tokens = torch.where(pos < num_accepted[req], drafts, final)
-    return tokens, num_accepted.tolist()
+    return tokens, num_accepted
 
 
 def _accept(u: Tensor, p_d: Tensor, q_d: Tensor) -> Tensor:

@@ -155,19 +155,29 @@ class SamplerOutput:
     top_ids: Tensor | None  # [B, N] int64
     ranks: Tensor | None  # [B] int64, 1 = most likely
 
-    def to_host(self) -> tuple[list[int], tuple[list, list, list, list] | None]:
-        """(token ids, (logprobs, ranks, top ids, top logprobs) or None) as Python lists, with one device-to-host
-        copy: with logprobs, everything is packed into one float64 tensor first (token ids and ranks are below
-        2^53, float32 logprobs widen exactly), instead of a copy per tensor (each a device sync on a GPU)."""
-        if self.logprobs is None:
-            return self.token_ids.tolist(), None
-        n = self.top_ids.shape[1]
-        packed = torch.cat([self.token_ids.double().unsqueeze(1), self.logprobs.double().unsqueeze(1),
-                            self.ranks.double().unsqueeze(1), self.top_ids.double(), self.top_logprobs.double()], 1)
-        host = packed.cpu().numpy()
-        ints = host[:, :3 + n].astype(np.int64)
-        return ints[:, 0].tolist(), (host[:, 1].tolist(), ints[:, 2].tolist(), ints[:, 3:].tolist(),
-                                     host[:, 3 + n:].tolist())
+    def to_host(self, extra: Tensor | None = None) -> tuple[list[int], tuple[list, list, list, list] | None,
+                                                             list[int] | None]:
+        """(token ids, (logprobs, ranks, top ids, top logprobs) or None, `extra` as a list or None: the
+        verification's accepted counts) as Python lists, with one device-to-host copy: everything is packed into
+        one float64 tensor first (ids, ranks and counts are below 2^53, float32 logprobs widen exactly), instead
+        of a copy per tensor (each a device sync on a GPU)."""
+        B = self.token_ids.shape[0]
+        parts = [self.token_ids.double()]
+        if self.logprobs is not None:
+            n = self.top_ids.shape[1]
+            parts += [self.logprobs.double(), self.ranks.double(), self.top_ids.double().reshape(-1),
+                      self.top_logprobs.double().reshape(-1)]
+        if extra is not None:
+            parts.append(extra.double())
+        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
+        tokens = host[:B].astype(np.int64).tolist()
+        at, lp = B, None
+        if self.logprobs is not None:
+            lp = (host[at : at + B].tolist(), host[at + B : at + 2 * B].astype(np.int64).tolist(),
+                  host[at + 2 * B : at + 2 * B + B * n].astype(np.int64).reshape(B, n).tolist(),
+                  host[at + 2 * B + B * n : at + 2 * B + 2 * B * n].reshape(B, n).tolist())
+            at += 2 * B + 2 * B * n
+        return tokens, lp, (host[at:].astype(np.int64).tolist() if extra is not None else None)
 
 
 def compute_logprobs(logits: Tensor, token_ids: Tensor, num_top: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
