@@ -281,9 +281,12 @@ def test_disconnect_mid_stream_frees_kv(server, http):
 
 def test_disconnect_while_waiting_for_non_stream_response_aborts(server):
     aborted = server.metric('tokenmill:request_success_total{finished_reason="abort"}')
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_LEN - 16, "n": 4, **EXACT}
+    # 8 x 496 tokens (the most --max-request-tokens allows) take ~0.3 s offline on a 2-core Zen 4 (4 x 496 took
+    # 0.23 s, under the old 0.3 s timeout, and the test failed there): the client gives up after 0.1 s, with the
+    # request sent and running.
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_LEN - 16, "n": 8, **EXACT}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url("/v1/completions"), json=body, headers=server.headers, timeout=0.3)
+        httpx.post(server.url("/v1/completions"), json=body, headers=server.headers, timeout=0.1)
     assert server.wait_metric("tokenmill:kv_cache_usage_perc", 0, 1.0) == 0
     assert server.wait_metric('tokenmill:request_success_total{finished_reason="abort"}', aborted + 1, 1) == aborted + 1
 
