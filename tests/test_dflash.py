@@ -106,9 +106,9 @@ def test_a_copy_drafter_is_accepted_and_its_estimate_sets_the_block(target, tmp_
 
 def test_block_lengths_cut_at_the_estimated_acceptance():
     est = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.5, 0.9, 0.9, 0.9], [0.1, 1.0, 1.0, 1.0]])
-    assert block_lengths(est, 0.7, 4) == [3, 1, 1]  # 0.9^3 = 0.73, 0.9^4 = 0.66
-    assert block_lengths(est, 0.0, 4) == [4, 4, 4]
-    assert block_lengths(est, 0.0, 2) == [2, 2, 2]
+    assert block_lengths(est, 0.7, 4).tolist() == [3, 1, 1]  # 0.9^3 = 0.73, 0.9^4 = 0.66
+    assert block_lengths(est, 0.0, 4).tolist() == [4, 4, 4]
+    assert block_lengths(est, 0.0, 2).tolist() == [2, 2, 2]
 
 
 def test_sampling_with_blocks_is_seeded(target, drafter):

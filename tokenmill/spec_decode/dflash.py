@@ -160,11 +160,11 @@ def load_block_drafter(path: str, hidden: int, vocab: int, dtype: torch.dtype) -
     return drafter
 
 
-def block_lengths(estimates: torch.Tensor, threshold: float, k: int) -> list[int]:
+def block_lengths(estimates: torch.Tensor, threshold: float, k: int) -> torch.Tensor:
     """DSpark's cut: per request, the longest prefix of the block whose estimated acceptance (the running product
-    of the per-position estimates [B, K]) stays >= threshold; at least 1 and at most k."""
+    of the per-position estimates [B, K]) stays >= threshold; at least 1 and at most k. [B] on their device."""
     keep = (torch.cumprod(estimates.float(), dim=1) >= threshold).sum(1)
-    return keep.clamp(1, k).tolist()
+    return keep.clamp(1, k)
 
 
 class BlockDrafterProposer:
@@ -177,7 +177,6 @@ class BlockDrafterProposer:
         self.embed = embed  # token ids [B] -> the target's embeddings [B, H]
         self.lm_head = lm_head  # [N, H] -> float32 logits [N, V]
         self.threshold = threshold
-        self.last_lengths: list[int] = []  # the block lengths of the last proposal (for tests and reports)
 
     def forget(self, rid: str) -> None:
         pass
@@ -200,7 +199,6 @@ class BlockDrafterProposer:
         else:  # the drafter's own confidence
             top = logits.softmax(-1).max(-1)
             est, tokens = top.values, top.indices
-        lengths = block_lengths(est, self.threshold, K)
-        self.last_lengths = lengths
-        tokens = tokens.cpu().tolist()
-        return {i: Draft(tokens[b][: lengths[b]], None) for b, i in enumerate(order)}
+        # the block and its cut reach the host in one copy
+        host = torch.cat([tokens, block_lengths(est, self.threshold, K).unsqueeze(1)], 1).cpu().tolist()
+        return {i: Draft(row[: row[K]], None) for i, row in zip(order, host)}

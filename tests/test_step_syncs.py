@@ -1,0 +1,87 @@
+"""Device syncs per step (issue 31): how many times a step copies device results to the host, each a stall on a
+GPU. On this CPU-only machine the device is emulated: the model's hidden states come back as a tensor subclass,
+so everything computed from them (logits, sampling, verification, drafts) is that subclass too while the host's
+own bookkeeping stays plain, and every call that would copy a device tensor to the host is counted (`.cpu()`,
+`.tolist()`, `.item()`, `bool()`, `int()`, `float()`; `.numpy()` of a device tensor raises instead)."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from test_speculative import KV
+from tiny import make_tiny_model
+from tokenmill import LLM, SamplingParams
+
+TRANSFERS = {"cpu", "tolist", "item", "__bool__", "__int__", "__float__", "__index__"}
+PROMPTS = ["hello hello hello hello", "the cat the cat the cat"]
+
+
+class OnDevice(torch.Tensor):
+    """A tensor standing for one on the accelerator: counts the calls that would copy it to the host."""
+
+    copies: collections.Counter = collections.Counter()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in TRANSFERS:
+            cls.copies[name] += 1
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out.as_subclass(torch.Tensor) if name == "cpu" else out  # its copy is on the host
+
+
+def copies_per_step(llm, params) -> list[tuple[int, int]]:
+    """(rows sampled, host copies) of every step of generating PROMPTS."""
+    runner = llm.engine.core.executor.worker.runner
+    forward = runner.model.forward
+    runner.model.forward = lambda *a, **k: forward(*a, **k).as_subclass(OnDevice)
+    execute, steps = runner.execute_model, []
+
+    def counted(batch):
+        OnDevice.copies.clear()
+        out = execute(batch)
+        steps.append((sum(batch.num_sample_rows), sum(OnDevice.copies.values())))
+        return out
+
+    runner.execute_model = counted
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    return steps
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("target"), "llama", seed=2)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=8, temperature=0, logprobs=3),
+                                    SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=4)],
+                         ids=["greedy+logprobs", "seeded-top-p"])
+def test_a_step_copies_its_results_to_the_host_once(target, params):
+    """Prompt chunks that sample nothing copy nothing; every other step copies once (tokens and logprobs packed)."""
+    llm = LLM(str(target), attention_backend="torch_sdpa", max_num_batched_tokens=8, block_size=4, **KV)
+    steps = copies_per_step(llm, params)
+    assert any(rows == 0 for rows, _ in steps)  # chunked prompts: steps that sample nothing
+    assert all(copies == (1 if rows else 0) for rows, copies in steps), steps
+
+
+@pytest.mark.parametrize("method", ["dflash", "medusa"])
+def test_a_drafting_step_copies_its_results_and_its_drafts_once_each(target, tmp_path, method):
+    """Speculation by a lookup-kind drafter: the verification's tokens, logprobs and accepted counts in one copy,
+    the next drafts (a block and its cut; Medusa's candidates) in another: the drafts must reach the host, where
+    the scheduler places them. (Trees add the verification walk's copy; draft models and EAGLE heads copy each
+    pass's drafts: not yet one copy, docs/gpu.md.)"""
+    from medusa_tiny import write_medusa
+    from test_dflash import write_drafter
+
+    if method == "dflash":
+        spec = {"method": "dflash", "model": str(write_drafter(tmp_path / "d", target)), "block_threshold": 0.3}
+    else:
+        spec = {"method": "medusa", "model": str(write_medusa(tmp_path / "m", target)), "num_speculative_tokens": 3,
+                "medusa_choices": [[0], [0, 0], [0, 0, 0]]}
+    spec["adaptive"] = False
+    llm = LLM(str(target), attention_backend="torch_sdpa", speculative_config=spec, **KV)
+    steps = copies_per_step(llm, SamplingParams(max_tokens=12, temperature=0, logprobs=2))
+    assert llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+    assert all(copies == 2 for _, copies in steps), steps
