@@ -37,6 +37,10 @@ def copies_per_step(llm, params) -> list[tuple[int, int]]:
     runner = llm.engine.core.executor.worker.runner
     forward = runner.model.forward
     runner.model.forward = lambda *a, **k: forward(*a, **k).as_subclass(OnDevice)
+    draft = runner.spec.runner if runner.spec is not None else None
+    if draft is not None and not draft.head:  # a draft model reads tokens only: its outputs are on the device too
+        draft_forward = draft.module.forward
+        draft.module.forward = lambda *a, **k: draft_forward(*a, **k).as_subclass(OnDevice)
     execute, steps = runner.execute_model, []
 
     def counted(batch):
@@ -66,20 +70,22 @@ def test_a_step_copies_its_results_to_the_host_once(target, params):
     assert all(copies == (1 if rows else 0) for rows, copies in steps), steps
 
 
-@pytest.mark.parametrize("method", ["dflash", "medusa"])
+@pytest.mark.parametrize("method", ["dflash", "medusa", "eagle", "draft_model"])
 def test_a_drafting_step_copies_its_results_and_its_drafts_once_each(target, tmp_path, method):
-    """Speculation by a lookup-kind drafter: the verification's tokens, logprobs and accepted counts in one copy,
-    the next drafts (a block and its cut; Medusa's candidates) in another: the drafts must reach the host, where
-    the scheduler places them. (Trees add the verification walk's copy; draft models and EAGLE heads copy each
-    pass's drafts: not yet one copy, docs/gpu.md.)"""
+    """Speculation: the verification's tokens, logprobs and accepted counts in one copy, the next drafts in
+    another (a block and its cut; Medusa's candidates; every pass of an EAGLE head or a draft model, each pass fed
+    the last one's drafts on the device): the drafts must reach the host, where the scheduler places them. (Trees
+    add the verification walk's copy, and EAGLE-2 one per level: not yet, docs/gpu.md.)"""
+    from draft_heads_tiny import write_eagle_head
     from medusa_tiny import write_medusa
     from test_dflash import write_drafter
 
-    if method == "dflash":
-        spec = {"method": "dflash", "model": str(write_drafter(tmp_path / "d", target)), "block_threshold": 0.3}
-    else:
-        spec = {"method": "medusa", "model": str(write_medusa(tmp_path / "m", target)), "num_speculative_tokens": 3,
-                "medusa_choices": [[0], [0, 0], [0, 0, 0]]}
+    spec = {"dflash": {"method": "dflash", "model": str(write_drafter(tmp_path / "d", target)), "block_threshold": 0.3},
+            "medusa": {"method": "medusa", "model": str(write_medusa(tmp_path / "m", target)),
+                       "num_speculative_tokens": 3, "medusa_choices": [[0], [0, 0], [0, 0, 0]]},
+            "eagle": {"method": "eagle", "model": str(write_eagle_head(tmp_path / "e", target, copy=False)),
+                      "num_speculative_tokens": 3},
+            "draft_model": {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3}}[method]
     spec["adaptive"] = False
     llm = LLM(str(target), attention_backend="torch_sdpa", speculative_config=spec, **KV)
     steps = copies_per_step(llm, SamplingParams(max_tokens=12, temperature=0, logprobs=2))

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from tokenmill.executor.forward_clock import ForwardClock
 from tokenmill.executor.input_batch import pack_layout
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.attention_backends import kv_quant
@@ -160,10 +161,9 @@ class DraftRunner:
         end = int(view.starts[i]) + view.lens[i]
         self.stale.update(r.block_ids[dc // bs : -(-end // bs)])
 
-    def _forward(self, ids: list[int], tables, first: np.ndarray, q_len: np.ndarray, features):
+    def _forward(self, input_ids: torch.Tensor, tables, first: np.ndarray, q_len: np.ndarray, features):
         layout, positions = pack_layout(first, q_len, tables, self.block_size)
         meta = self.backend.build_metadata(layout)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.from_numpy(positions).to(self.device)
         if self.head:
             return self.module(input_ids, pos, features, meta)
@@ -181,6 +181,8 @@ class DraftRunner:
     def propose(self, view: StepView, want: set[int], k: int, catch_up_all: bool) -> dict[int, Draft]:
         """Catch up and draft up to k tokens for the requests `want` (indices into the batch) that sampled."""
         t0 = time.perf_counter()
+        clock = ForwardClock(self.device)  # the catch-up and the first drafts (read once the drafts are copied)
+        clock.start()
         self.timings = timings = []
         segs = self._segments(view, want, catch_up_all)
         if not segs:
@@ -192,7 +194,8 @@ class DraftRunner:
         if self.head:
             src = view.aux_hidden if getattr(self.module, "aux_layers", ()) else view.hidden
             features = src[torch.from_numpy(np.concatenate([s[3] for s in segs]))]
-        feat, hidden = self._forward(list(chain.from_iterable(s[2] for s in segs)),
+        ids = torch.tensor(list(chain.from_iterable(s[2] for s in segs)), dtype=torch.long, device=self.device)
+        feat, hidden = self._forward(ids,
                                      [reqs[s[0]].block_ids for s in segs], first, q_len, features)
         bs = self.block_size
         for (i, f, toks, _), n in zip(segs, q_len.tolist()):
@@ -234,13 +237,12 @@ class DraftRunner:
         step = 0
         # tokens of the forward whose logits are sampled next (0: the catch-up was timed with the trees)
         fed_tokens = 0 if drafts else int(q_len.sum())
+        passes, clocks = [], []  # per pass: (requests, drafts on the device), (tokens fed, its clock)
         while True:
             tokens, q = sampler.sample(self._logits(cur_hidden))
-            for (j, i, _, _), t in zip(active, tokens.tolist()):  # .tolist() waits for the device
-                out[i].append(t)
-            t1 = time.perf_counter()
-            timings.append((fed_tokens, t1 - t0))
-            t0 = t1
+            clock.stop()
+            clocks.append((fed_tokens, clock))
+            passes.append(([a[1] for a in active], tokens))
             if q is not None:
                 for row, (j, i, _, _) in enumerate(active):
                     if q[row] is not None:
@@ -252,13 +254,22 @@ class DraftRunner:
             sel = [active.index(a) for a in keep]
             sel_t = torch.tensor(sel, dtype=torch.long)
             first = np.fromiter((a[2] + step - 1 for a in keep), np.int64, len(keep))
-            ids = tokens[sel_t].tolist()
             feats = cur_feat[sel_t] if cur_feat is not None else None
             sampler = sampler.subset(sel)
-            cur_feat, cur_hidden = self._forward(ids, [reqs[a[1]].block_ids for a in keep], first,
-                                                 np.ones(len(keep), np.int64), feats)
+            clock = ForwardClock(self.device)
+            clock.start()
+            cur_feat, cur_hidden = self._forward(tokens[sel_t.to(tokens.device)], [reqs[a[1]].block_ids for a in keep],
+                                                 first, np.ones(len(keep), np.int64), feats)
             fed_tokens = len(keep)
             active = keep
+        # every pass's drafts reach the host in one copy (the passes fed them to the next on the device)
+        host = torch.cat([t for _, t in passes]).cpu().tolist()
+        at = 0
+        for who, t in passes:
+            for i, tok in zip(who, host[at : at + len(who)]):
+                out[i].append(tok)
+            at += len(who)
+        timings.extend((n, c.seconds()) for n, c in clocks)
         if not self.head:
             for j, i, next_pos, room in fed_of:
                 self.fed[reqs[i].req_id] = (next_pos, min(k - 1, room))
