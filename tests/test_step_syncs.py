@@ -2,7 +2,9 @@
 GPU. On this CPU-only machine the device is emulated: the model's hidden states come back as a tensor subclass,
 so everything computed from them (logits, sampling, verification, drafts) is that subclass too while the host's
 own bookkeeping stays plain, and every call that would copy a device tensor to the host is counted (`.cpu()`,
-`.tolist()`, `.item()`, `bool()`, `int()`, `float()`; `.numpy()` of a device tensor raises instead)."""
+`.tolist()`, `.item()`, `bool()`, `int()`, `float()`; `.numpy()` of a device tensor raises instead). Blind spot:
+tensors the host builds and uploads (`.to(device)` is a no-op here) are not tagged, so a sync on those is not
+seen (draws.row_uniforms' all-seeded test on the uploaded keys is one, docs/gpu.md)."""
 from __future__ import annotations
 
 import collections
