@@ -18,7 +18,7 @@ from tokenmill import native
 from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend, BatchLayout
 from tokenmill.layers.attention_backends.registry import register_backend
-from tokenmill.layers.attention_backends.torch_sdpa import SDPAGroup, attend_group, sdpa_group
+from tokenmill.layers.attention_backends.torch_sdpa import SDPAGroup, attend_group, tree_group
 
 if TYPE_CHECKING:
     from tokenmill.layers.attention import Attention
@@ -72,17 +72,13 @@ class CPUPagedBackend(AttentionBackend):
 
     def build_metadata(self, layout: BatchLayout) -> CPUPagedMetadata:
         i32 = torch.int32
-        tree_group = None
-        if layout.tree_req is not None:
-            tree_group = sdpa_group(layout, layout.tree_req, self.block_size, self.device)
-            tree_group.key_valid = tree_group.key_pos.unsqueeze(0) < layout.kv_len[layout.tree_req].unsqueeze(1)
         return CPUPagedMetadata(
             slot_mapping=layout.slot_mapping.to(torch.long).contiguous(),
             block_table=layout.block_table.to(i32).contiguous(),
             query_start=layout.query_start.to(i32).contiguous(),
             query_len=layout.query_len.to(i32).contiguous(),
             kv_len=layout.kv_len.to(i32).contiguous(),
-            tree_group=tree_group,
+            tree_group=tree_group(layout, self.block_size, self.device),
         )
 
     def forward(self, layer: Attention, q, k, v, meta: CPUPagedMetadata) -> torch.Tensor:

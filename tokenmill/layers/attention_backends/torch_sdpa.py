@@ -183,6 +183,17 @@ def sdpa_group(layout: BatchLayout, idx: torch.Tensor, bs: int, device: torch.de
     )
 
 
+def tree_group(layout: BatchLayout, bs: int, device: torch.device) -> SDPAGroup | None:
+    """For a kernel that attends causally (cpu_paged, triton_paged) and never zeroes its pool: the requests
+    verifying draft trees as one SDPA group, attended again with the tree mask, unwritten slots kept out of its
+    gathered keys. None where no request verifies a tree."""
+    if layout.tree_req is None:
+        return None
+    g = sdpa_group(layout, layout.tree_req, bs, device)
+    g.key_valid = g.key_pos.unsqueeze(0) < layout.kv_len[layout.tree_req].to(device).unsqueeze(1)
+    return g
+
+
 def _tree_ok(layout: BatchLayout, idx: torch.Tensor, q_len, kv_len, Q: int, L: int) -> torch.Tensor | None:
     """[B, Q, L]: True but where a tree request's query may not see one of its step's own keys."""
     if layout.tree_req is None:

@@ -22,7 +22,7 @@ import torch
 from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend, BatchLayout
 from tokenmill.layers.attention_backends.registry import register_backend
-from tokenmill.layers.attention_backends.torch_sdpa import SDPAGroup, attend_group, sdpa_group
+from tokenmill.layers.attention_backends.torch_sdpa import SDPAGroup, attend_group, tree_group
 
 if TYPE_CHECKING:
     from tokenmill.layers.attention import Attention
@@ -88,15 +88,12 @@ class TritonPagedBackend(AttentionBackend):
         tiles = (q_len + BLOCK_M - 1) // BLOCK_M
         tile_req = torch.repeat_interleave(torch.arange(q_len.numel()), tiles)
         tile_first = (torch.arange(int(tiles.sum())) - torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles))
-        tree_group = None
-        if layout.tree_req is not None:
-            tree_group = sdpa_group(layout, layout.tree_req, self.block_size, dev)
-            tree_group.key_valid = tree_group.key_pos.unsqueeze(0) < layout.kv_len[layout.tree_req].to(dev).unsqueeze(1)
         to = lambda t: t.to(dev, i32).contiguous()  # noqa: E731
         return TritonMetadata(
             slot_mapping=layout.slot_mapping.to(dev, torch.long).contiguous(), block_table=to(layout.block_table),
             query_start=to(layout.query_start), query_len=to(layout.query_len), kv_len=to(layout.kv_len),
-            tile_req=to(tile_req), tile_first=to(tile_first * BLOCK_M), tree_group=tree_group)
+            tile_req=to(tile_req), tile_first=to(tile_first * BLOCK_M),
+            tree_group=tree_group(layout, self.block_size, dev))
 
     def forward(self, layer: Attention, q, k, v, meta: TritonMetadata) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hk, D]. Returns [T, H, D] in q's dtype."""
