@@ -18,7 +18,6 @@ draft proposes.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from itertools import chain
 from types import SimpleNamespace
@@ -161,8 +160,16 @@ class DraftRunner:
         end = int(view.starts[i]) + view.lens[i]
         self.stale.update(r.block_ids[dc // bs : -(-end // bs)])
 
-    def _forward(self, input_ids: torch.Tensor, tables, first: np.ndarray, q_len: np.ndarray, features):
+    def _forward(self, input_ids: torch.Tensor, tables, first: np.ndarray, q_len: np.ndarray, features,
+                 tree: tuple[np.ndarray, np.ndarray] | None = None):
+        """One forward of the draft over q_len[i] tokens per request from position first[i]. tree: (each row's
+        position, [R, N, N] visibility masks) for draft-tree nodes (spec_decode/eagle_tree.py): their slots still
+        follow first[i], their rotary positions and attention come from the tree."""
         layout, positions = pack_layout(first, q_len, tables, self.block_size)
+        if tree is not None:
+            positions = tree[0]
+            layout.tree_req = torch.arange(len(tables))
+            layout.tree_mask = torch.from_numpy(tree[1])
         meta = self.backend.build_metadata(layout)
         pos = torch.from_numpy(positions).to(self.device)
         if self.head:
@@ -180,7 +187,6 @@ class DraftRunner:
 
     def propose(self, view: StepView, want: set[int], k: int, catch_up_all: bool) -> dict[int, Draft]:
         """Catch up and draft up to k tokens for the requests `want` (indices into the batch) that sampled."""
-        t0 = time.perf_counter()
         clock = ForwardClock(self.device)  # the catch-up and the first drafts (read once the drafts are copied)
         clock.start()
         self.timings = timings = []
@@ -219,14 +225,14 @@ class DraftRunner:
             need = tree_shape.fed(k)
             grown = [a for a in active if a[3] >= need and tree_safe(reqs[a[1]], view.length(a[1]))]
             if grown:
-                t0 = self._grow_trees(grown, last_rows, hidden, feat, reqs, k, drafts, fed_tokens=int(q_len.sum()),
-                                      t0=t0)
+                self._grow_trees(grown, last_rows, hidden, feat, reqs, k, drafts, clock, int(q_len.sum()))
                 active = [a for a in active if a not in grown]
+                clock = ForwardClock(self.device)  # (the chains' first drafts: not a forward, not timed)
+                clock.start()
         if not active:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
             if not drafts:
-                timings.append((int(q_len.sum()), time.perf_counter() - t0))
+                clock.stop()
+                timings.append((int(q_len.sum()), clock.seconds()))
             return drafts
         fed_of = list(active)
         rows = torch.from_numpy(last_rows[[a[0] for a in active]])
@@ -277,41 +283,40 @@ class DraftRunner:
         return drafts
 
     def _grow_trees(self, grown: list, last_rows: np.ndarray, hidden: torch.Tensor, feat: torch.Tensor | None,
-                    reqs: list, k: int, drafts: dict[int, Draft], fed_tokens: int, t0: float) -> float:
-        """EAGLE-2 trees of k nodes for the requests `grown` (spec_decode/eagle_tree.py), into `drafts`; one
-        timing per level forward. Returns the time the last timing ended."""
-        shape = self.tree
-        w = shape.width
+                    reqs: list, k: int, drafts: dict[int, Draft], clock: ForwardClock, fed_tokens: int) -> None:
+        """EAGLE-2 trees of k nodes for the requests `grown` (spec_decode/eagle_tree.py), into `drafts`. `clock`
+        started with the catch-up forward of `fed_tokens` tokens; one timing per forward, that one included."""
+        w = self.tree.width
         rows = torch.from_numpy(last_rows[[a[0] for a in grown]])
-        root_feat = feat[rows] if feat is not None else None
         first = np.fromiter((a[2] for a in grown), np.int64, len(grown))
         tables = [reqs[a[1]].block_ids for a in grown]
         R = len(grown)
-        clock = [t0, fed_tokens]
+        timed = [clock, fed_tokens]  # the forward being timed and its tokens
+
+        def lap(next_tokens: int | None) -> None:
+            """The timed forward ends; the next one (of next_tokens tokens) starts, unless None."""
+            c, n = timed
+            c.stop()
+            self.timings.append((n, c.seconds()))
+            if next_tokens is not None:
+                timed[0] = ForwardClock(self.device)
+                timed[0].start()
+                timed[1] = next_tokens
 
         def level(ids: np.ndarray, depth: np.ndarray, masks: np.ndarray, feats: torch.Tensor | None):
-            now = time.perf_counter()
-            self.timings.append((clock[1], now - clock[0]))
-            clock[0] = now
             N = ids.shape[1]
-            clock[1] = R * N
-            layout, _ = pack_layout(first, np.full(R, N, np.int64), tables, self.block_size)
-            layout.tree_req = torch.arange(R)
-            layout.tree_mask = torch.from_numpy(masks)
-            positions = torch.from_numpy((first[:, None] + depth - 1).reshape(-1)).to(self.device)
-            meta = self.backend.build_metadata(layout)
-            input_ids = torch.from_numpy(ids.reshape(-1)).to(self.device)
-            f = feats.reshape(R * N, -1) if feats is not None else None
-            out_feat, out_hidden = self.module(input_ids, positions, f, meta)
+            lap(R * N)
+            out_feat, out_hidden = self._forward(
+                torch.from_numpy(ids.reshape(-1)).to(self.device), tables, first, np.full(R, N, np.int64),
+                feats.reshape(R * N, -1) if feats is not None else None,
+                tree=((first[:, None] + depth - 1).reshape(-1), masks))
             logits = self._logits(out_hidden.view(R, N, -1)[:, -w:].reshape(R * w, -1))
             return (out_feat.view(R, N, -1) if out_feat is not None else None), logits
 
-        trees = grow_trees(level, self._logits(hidden[rows]), root_feat, shape, k)
+        trees = grow_trees(level, self._logits(hidden[rows]), feat[rows] if feat is not None else None, self.tree, k)
         for a, (tokens, parents) in zip(grown, trees):
             drafts[a[1]] = Draft(tokens, None, parents)
-        now = time.perf_counter()
-        self.timings.append((clock[1], now - clock[0]))
-        return now
+        lap(None)
 
 
 class _DraftSampler:
