@@ -15,9 +15,17 @@ import torch
 
 from tokenmill.sample import rejection_sampler as rs
 from tokenmill.sample.draws import UNSEEDED, position_seed
-from tokenmill.sample.rejection_sampler import rejection_sample
+from tokenmill.sample.rejection_sampler import rejection_sample as _rejection_sample
 from tokenmill.sample.sampler import SamplingMetadata, apply_top_k_top_p_min_p
 from tokenmill.sampling_params import SamplingParams
+
+
+def rejection_sample(*args):
+    """The sampler's rejection_sample with the accepted counts as a list (the runner copies them to the host with
+    the step's other results)."""
+    tokens, num_accepted = _rejection_sample(*args)
+    return tokens, num_accepted.tolist()
+
 
 N = 20000
 

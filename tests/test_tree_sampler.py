@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_rejection_sampler import chi2_pvalue, random_dist, top_p_target
+from test_rejection_sampler import chi2_pvalue, random_dist, rejection_sample, top_p_target
 from tokenmill.sample.draws import position_seed
-from tokenmill.sample.rejection_sampler import rejection_sample
 from tokenmill.sample.tree_sampler import TreeDraft, verify_trees
 from tokenmill.spec_decode.tree import ancestors, choices_to_tree, visibility
 

@@ -19,10 +19,10 @@ from tokenmill.layers import collectives
 from tokenmill.layers.attention import Attention, AttentionTimer
 from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend, GroupedMetadata
-from tokenmill.sample.rejection_sampler import rejection_sample_on_device
+from tokenmill.sample.rejection_sampler import rejection_sample
+from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, target_distribution
 from tokenmill.sample.tree_sampler import TreeDraft, verify_trees
 from tokenmill.spec_decode.tree import chain
-from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, target_distribution
 from tokenmill.testing import faults
 
 log = logging.getLogger(__name__)
@@ -278,7 +278,7 @@ class ModelRunner:
         reqs = [(r, rows, spec) for r, rows, spec in zip(inp.requests, inp.rows_per_request, inp.spec) if rows]
         draft_probs = [self.spec.probs_for(r.req_id, len(spec)) if self.spec is not None and spec else None
                        for r, _, spec in reqs]
-        tokens, num_accepted = rejection_sample_on_device(
+        tokens, num_accepted = rejection_sample(
             probs if probs is not None else raw, greedy_ids, [rows for _, rows, _ in reqs],
             [spec for _, _, spec in reqs], draft_probs, [r.params.greedy for r, _, _ in reqs], meta.seeds)
         return self._result(inp, Sampler.output(raw, tokens, meta), num_accepted)

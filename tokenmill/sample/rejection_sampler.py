@@ -21,21 +21,6 @@ def rejection_sample(
     draft_probs: list[Tensor | None],
     is_greedy: list[bool],
     seeds: Tensor | None,
-) -> tuple[Tensor, list[int]]:
-    """rejection_sample_on_device with the accepted counts as a list."""
-    tokens, num_accepted = rejection_sample_on_device(probs, greedy_tokens, rows_per_request, draft_token_ids,
-                                                      draft_probs, is_greedy, seeds)
-    return tokens, num_accepted.tolist()
-
-
-def rejection_sample_on_device(
-    probs: Tensor,
-    greedy_tokens: Tensor,
-    rows_per_request: list[int],
-    draft_token_ids: list[list[int]],
-    draft_probs: list[Tensor | None],
-    is_greedy: list[bool],
-    seeds: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """(token per row [S] int64, number of accepted drafts per request [R] int64), both on probs' device (the
     runner copies them to the host with the step's other results, in one copy).
