@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.spec_decode.dflash import BlockDrafter, BlockDrafterConfig
-from tokenmill.spec_decode.medusa_train import PROMPTS, _corpus, _features, _lm_head_weight
+from tokenmill.spec_decode.medusa_train import PROMPTS, _corpus, _embed, _features, _lm_head_weight
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +40,6 @@ class DFlashReport:
     top1: list[float]  # per block position, held-out
     accepted: float  # mean accepted prefix of a block (greedy drafts against the continuation), held-out
     estimated: float  # mean of the acceptance head's estimate of that prefix
-
-
-@torch.inference_mode()
-def _embeddings(llm, ids: torch.Tensor) -> torch.Tensor:
-    runner = llm.engine.core.executor.worker.runner
-    return runner.model.embed_tokens(ids.to(runner.device)).float().cpu().clone()
 
 
 def _examples(llm, feats: list[torch.Tensor], seqs: list[tuple[list[int], int]], K: int):
@@ -63,7 +57,7 @@ def _examples(llm, feats: list[torch.Tensor], seqs: list[tuple[list[int], int]],
         last.append(tok[pos + 1])
         ys.append(torch.where(ok, tok[idx.clamp(max=L - 1)], 0))
         ms.append(ok)
-    return torch.cat(hs), _embeddings(llm, torch.cat(last)), torch.cat(ys), torch.cat(ms)
+    return torch.cat(hs), _embed(llm, torch.cat(last)), torch.cat(ys), torch.cat(ms)
 
 
 def _prefix_ok(correct: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

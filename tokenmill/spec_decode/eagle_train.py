@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.spec_decode.medusa_train import PROMPTS, _corpus, _features, _lm_head_weight
+from tokenmill.spec_decode.medusa_train import PROMPTS, _corpus, _embed, _features, _lm_head_weight
 
 log = logging.getLogger(__name__)
 _CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -82,13 +82,6 @@ class TrainableEagle(nn.Module):
         t = {"fc.weight": self.fc.weight, "fc.bias": self.fc.bias}
         t.update({f"layers.0.{k}": v for k, v in self.layer.state_dict().items()})
         return {k: v.detach().float().contiguous().clone() for k, v in t.items()}
-
-
-@torch.inference_mode()
-def _embed(llm, ids: torch.Tensor) -> torch.Tensor:
-    """The target's embeddings of token ids, as float32 on the CPU."""
-    runner = llm.engine.core.executor.worker.runner
-    return runner.model.embed_tokens(ids.to(runner.device)).float().cpu().clone()
 
 
 def _pad(xs: list[torch.Tensor]) -> torch.Tensor:

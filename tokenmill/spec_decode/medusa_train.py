@@ -93,6 +93,13 @@ def _features(llm, seqs: list[list[int]]) -> list[torch.Tensor]:
     return out
 
 
+@torch.inference_mode()
+def _embed(llm, ids: torch.Tensor) -> torch.Tensor:
+    """The target's embeddings of token ids, as float32 on the CPU (train-eagle's and train-dflash's inputs)."""
+    runner = llm.engine.core.executor.worker.runner
+    return runner.model.embed_tokens(ids.to(runner.device)).float().cpu().clone()
+
+
 def _lm_head_weight(llm) -> torch.Tensor:
     """The target's LM head as a float [V, H] matrix (read back through its own forward: any storage format)."""
     runner = llm.engine.core.executor.worker.runner
