@@ -9,7 +9,10 @@ Compute is grouped: the T*k (token, expert) pairs are sorted by expert, each *ac
 gate_up GEMM and one down GEMM over its contiguous slice, the rows are scaled by their routing weights
 and scattered back with one index_add_. The Python loop runs over experts, never over tokens; with few
 tokens per expert (decode batches) float experts run in two native calls over all experts instead
-(csrc/grouped_linear.cpp).
+(csrc/grouped_linear.cpp). Those paths read the per-expert counts on the host (a device sync); float experts
+on CUDA take moe_triton.py instead: the pairs aligned by expert on the device and one Triton grouped GEMM
+launch per projection, sync-free and CUDA-graph capturable (TOKENMILL_MOE_TRITON=0 turns it off; =1 selects
+it on the CPU under TRITON_INTERPRET=1, for tests).
 
 Loading: `weight_loader(param, tensor, shard_id)` with shard_id (expert or None, "w1"|"w3"|"w2"):
 per-expert checkpoint tensors (experts.{e}.gate_proj/up_proj/down_proj, Mixtral's w1/w3/w2) or merged
@@ -19,6 +22,7 @@ loading with the same packing and native kernels as the linear layers.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 
@@ -62,6 +66,24 @@ def _grouped(layer: nn.Module, xs: torch.Tensor, counts: list[int] | None = None
             and layer.w13_weight.dtype == torch.float32
             and (counts is None or max(counts, default=0) <= GROUPED_MAX_ROWS)
             and os.environ.get("TOKENMILL_MOE_GROUPED") != "0" and native.has_op("grouped_linear"))
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _triton(layer: nn.Module, x: torch.Tensor) -> bool:
+    """The sync-free Triton path (moe_triton.py): float experts on CUDA unless TOKENMILL_MOE_TRITON=0; on the CPU
+    only with TOKENMILL_MOE_TRITON=1 under TRITON_INTERPRET=1 (the tests' way to run the kernel)."""
+    if type(layer.quant_method) is not UnquantizedMoEMethod or x.dtype not in _FLOATS \
+            or layer.w13_weight.dtype not in _FLOATS:
+        return False
+    switch = os.environ.get("TOKENMILL_MOE_TRITON")
+    if x.device.type == "cpu":
+        on = switch == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+    else:
+        on = x.device.type == "cuda" and switch != "0"
+    # Found, not imported: Triton reads TRITON_INTERPRET when first imported (moe_triton imports it on first use).
+    return on and importlib.util.find_spec("triton") is not None
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +231,11 @@ class FusedMoE(nn.Module):
         """topk_ids are global expert ids; under expert parallelism only this rank's experts run (the
         partial outputs are summed by the caller's all-reduce)."""
         T, k = topk_ids.shape
+        if _triton(self, x):  # before anything below reads expert ids or counts on the host
+            from tokenmill.layers.moe_triton import fused_moe_triton
+
+            return self._reduce(fused_moe_triton(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                                 self.first, self.local, self.act_name))
         if T == 1 and not _grouped(self, x):  # batch-1 decode: the k experts in turn, no sort or scatter
             out = None
             for e, w in zip(topk_ids[0].tolist(), topk_weights[0].to(x.dtype)):
