@@ -31,6 +31,7 @@ ROUND_TRIP = {
     "cpu_offload_gb": (["--cpu-offload-gb", "4"], 4.0, "model.cpu_offload_gb"),
     "device": (["--device", "cuda"], "cuda", "device"),
     "attention_backend": (["--attention-backend", "torch_sdpa"], "torch_sdpa", "attention_backend"),
+    "enforce_eager": (["--enforce-eager"], True, "enforce_eager"),
     "block_size": (["--block-size", "32"], 32, "cache.block_size"),
     "kv_cache_dtype": (["--kv-cache-dtype", "float16"], "float16", "cache.kv_cache_dtype"),
     "enable_prefix_caching": (["--no-enable-prefix-caching"], False, "cache.enable_prefix_caching"),

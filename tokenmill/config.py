@@ -251,6 +251,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
     attention_backend: str | None = None  # None: the device's default backend
+    enforce_eager: bool = False  # never capture CUDA graphs (executor/cuda_graphs.py)
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
     lora: LoRAConfig | None = None  # None: adapters off

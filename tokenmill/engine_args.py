@@ -98,6 +98,9 @@ class EngineArgs:
     attention_backend: str | None = _arg(
         EngineConfig.attention_backend, "Attention backend by registry name, e.g. torch_sdpa (default: the "
         "device's default).", metavar="NAME")
+    enforce_eager: bool = _arg(
+        EngineConfig.enforce_eager, "Never capture CUDA graphs: every decode step runs eagerly (on CUDA, decode "
+        "batches of up to --max-num-seqs otherwise replay graphs captured per padded batch size; default: off).")
     # KV cache
     block_size: int = _arg(CacheConfig.block_size, "Tokens per KV cache block (default: %(default)s).")
     kv_cache_dtype: str = _arg(CacheConfig.kv_cache_dtype, "KV cache dtype; auto: the weights' storage dtype; "
@@ -277,6 +280,7 @@ class EngineArgs:
                                     enable_expert_parallel=self.enable_expert_parallel),
             device=self.device,
             attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
             speculative=SpeculativeConfig.parse(self.speculative_config),
             kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
             lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,

@@ -12,6 +12,7 @@ import time
 import torch
 
 from tokenmill.core.batch import ModelRunnerOutput, PromptLogprobs, ScheduledBatch, StepTimings
+from tokenmill.executor.cuda_graphs import DecodeGraphs, capture_sizes
 from tokenmill.executor.forward_clock import ForwardClock
 from tokenmill.executor.input_batch import InputBatch, StepInputs
 from tokenmill.executor.kv_groups import KVGroup, OffReasons, describe, plan_kv_groups, share_kv_cache
@@ -71,6 +72,10 @@ class ModelRunner:
         # For the K/V bytes attention reads per step: (sliding window or None, K+V bytes per token summed
         # over the layers with that window), set once the cache dtype is known.
         self._attn_read_groups: list[tuple[int | None, int]] = []
+        # CUDA graphs for decode steps (executor/cuda_graphs.py): the mode the worker planned before the pool was
+        # allocated ("cuda", "emulate" or None), and the captured graphs once it is.
+        self.graph_mode: str | None = None
+        self.graphs: DecodeGraphs | None = None
 
     def block_bytes(self, kv_dtype: torch.dtype) -> int:
         """K and V of one block over all layers (with int8's scales), a speculative draft's layers included."""
@@ -94,8 +99,44 @@ class ModelRunner:
         log.info("KV cache: %s", describe(self.kv_groups))
         return tuple(group.window for group in self.kv_groups)
 
+    def graph_blockers(self) -> str | None:
+        """Why this model's decode steps cannot replay from CUDA graphs (None: they can). Each reason is state a
+        replay would not see change: per-step host work inside the forward, or Python attributes set by it."""
+        from tokenmill.layers.moe import FusedMoE
+
+        if self.backend.graph_buffers(1, 1, 0) is None:
+            return f"attention backend {self.backend.name} has no fixed-address metadata"
+        reasons = [
+            (self.spec is not None, "speculative decoding (its heads read per-step attributes of the forward)"),
+            (self.lora is not None, "LoRA adapters (slots chosen per step on the host)"),
+            (self.token_split is not None, "context parallelism"),
+            (getattr(self.model, "pp_size", 1) > 1, "pipeline parallelism"),
+            (getattr(self.model, "weight_store", None) is not None, "streamed or host-offloaded weights"),
+            (self.attn_timer is not None and self.attn_timer.sync,
+             f"attention timing ({TIME_ATTENTION_ENV}=1: it synchronises the device per layer)"),
+            (len(self.kv_groups) > 1, "more than one KV cache group (sliding-window layers)"),
+            (any(isinstance(m, FusedMoE) and not m.graph_safe() for m in self.model.modules()),
+             "MoE layers whose routing copies counts to the host"),
+        ]
+        return next((why for bad, why in reasons if bad), None)
+
+    def capture_graphs(self, max_num_seqs: int, max_blocks: int) -> None:
+        """Capture the decode graphs (worker, after allocate_kv_cache; the pad block is the one past the pool)."""
+        buffers = self.backend.graph_buffers(max_num_seqs, max_blocks, self.num_blocks)
+        graphs = DecodeGraphs(self.model, buffers, capture_sizes(max_num_seqs), self.device, self.graph_mode)
+        t0 = time.perf_counter()
+        try:
+            graphs.capture()
+        except RuntimeError as e:  # a kernel that cannot be captured: say so and stay eager
+            log.warning("CUDA graphs off: capturing the decode forward failed (%s); every step runs eagerly", e)
+            return
+        self.graphs = graphs
+        log.info("CUDA graphs: decode batches of %s captured in %.1f s (--enforce-eager turns them off)",
+                 ", ".join(map(str, graphs.sizes)), time.perf_counter() - t0)
+
     def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
-        self.backend.allocate_kv_cache(self.kv_groups[0].layers, num_blocks, kv_dtype)
+        # With CUDA graphs, one block more than the scheduler's pool: the pad block of padded decode batches.
+        self.backend.allocate_kv_cache(self.kv_groups[0].layers, num_blocks + (self.graph_mode is not None), kv_dtype)
         share_kv_cache(self.kv_groups)
         if self.spec is not None:
             self.spec.allocate_kv_cache(num_blocks, kv_dtype)
@@ -145,14 +186,17 @@ class ModelRunner:
         inp = self.input_batch.prepare(batch)
         if self.lora is not None:
             self.lora.prepare(inp.requests, batch.num_scheduled_tokens)
-        meta = self._metadata(inp)
+        graph_size = self.graphs.size_for(inp) if self.graphs is not None else None  # a decode batch a graph takes
+        meta = self._metadata(inp) if graph_size is None else None
         timer = self.attn_timer
         if timer is not None:
             timer.total = 0.0
         clock = ForwardClock(self.device)
         clock.start()
         split = self.token_split
-        if split is None:
+        if graph_size is not None:
+            hidden = self.graphs.run(inp, graph_size)
+        elif split is None:
             hidden = self.model(inp.input_ids, inp.positions, meta)
         else:
             T = inp.input_ids.shape[0]

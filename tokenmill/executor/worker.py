@@ -201,8 +201,13 @@ class Worker:
                      len(self.runner.lora.targets.layers), self.runner.lora.nbytes / 2**20)
         kv_dtype = kv_dtype_for(getattr(cache, "kv_cache_dtype", "auto"), model)
         self.kv_group_windows = self.runner.configure_kv_groups(off_reasons(self.config, spec))
+        self.plan_graphs()
         num_blocks = self.determine_num_blocks(kv_dtype)
         self.runner.allocate_kv_cache(num_blocks, kv_dtype)
+        if self.runner.graph_mode is not None:
+            lookahead = self.config.scheduler.num_lookahead_tokens
+            self.runner.capture_graphs(self.config.scheduler.max_num_seqs,
+                                       -(-(self.max_model_len + lookahead) // cache.block_size))
         log.info("KV cache: %d blocks x %d tokens, %.1f MiB (kv_cache_dtype %s: %s); attention backend %s", num_blocks,
                  cache.block_size, num_blocks * self.runner.bytes_per_block / 2**20,
                  getattr(cache, "kv_cache_dtype", "auto"), str(kv_dtype).removeprefix("torch."), type(self.runner.backend).describe())
@@ -228,6 +233,21 @@ class Worker:
                           str(model.compute_dtype).removeprefix("torch."), self.model_cost(), offload,
                           self.runner.backend.name, targets.shapes if targets else None, targets.num_layers if targets else 0,
                           self.kv_group_windows, store.describe() if store is not None else None)
+
+    def plan_graphs(self) -> None:
+        """Whether decode steps will replay CUDA graphs (executor/cuda_graphs.py), decided before the pool is
+        sized (the graphs' pad block is one past it); the reason is logged when the device has graphs but this
+        configuration cannot use them."""
+        from tokenmill.executor.cuda_graphs import graph_mode
+
+        mode = graph_mode(self.device, self.config.enforce_eager)
+        why = self.runner.graph_blockers() if mode is not None else None
+        if why is None and mode is not None and self.config.parallel.world_size > 1:
+            why = "more than one rank (capturing collectives is not yet proven on a GPU)"
+        if why is not None:
+            log.info("CUDA graphs off: %s; decode steps run eagerly", why)
+            mode = None
+        self.runner.graph_mode = mode
 
     def log_resident_memory(self, model: torch.nn.Module, quant) -> None:
         """One INFO line on what this process holds after loading: weight bytes by kind (GGUF blocks, packed,

@@ -227,6 +227,12 @@ class FusedMoE(nn.Module):
         return [f"{self.prefix}.{e}.{names[k]}.weight" for e in range(self.first, self.first + self.local)
                 for k in ("w1", "w3", "w2") if (e, k) not in self.loaded]
 
+    def graph_safe(self) -> bool:
+        """Whether a CUDA graph can capture this layer's forward (executor/cuda_graphs.py): only the Triton path
+        reads nothing on the host (the others copy expert ids or counts there). The weights' device and dtype
+        stand in for the activations' (the model computes in its weights' dtype)."""
+        return _triton(self, self.w13_weight[:0])
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """topk_ids are global expert ids; under expert parallelism only this rank's experts run (the
         partial outputs are summed by the caller's all-reduce)."""

@@ -82,6 +82,11 @@ class AttentionBackend:
     def build_metadata(self, layout: BatchLayout) -> Any:
         raise NotImplementedError
 
+    def graph_buffers(self, max_batch: int, max_blocks: int, pad_block: int) -> Any | None:
+        """Fixed-address metadata for decode steps replayed from CUDA graphs (executor/cuda_graphs.py:
+        GraphBuffers), or None: this backend's steps build host-dependent metadata and always run eagerly."""
+        return None
+
     def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hk, D]. Writes k/v into the layer's cache, then attends: [T, H, D]."""
         raise NotImplementedError

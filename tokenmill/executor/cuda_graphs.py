@@ -1,0 +1,157 @@
+"""CUDA graphs for decode steps: the model's forward captured once per padded batch size, then replayed.
+
+A decode step of a small model is launch-bound on a GPU: hundreds of small kernels, each a few µs of Python and
+driver time. A CUDA graph records a forward's kernels once and replays them with one launch. Replay repeats the
+same kernels on the same addresses with the same host-side values, so everything a step varies must live in
+fixed-address device buffers the step copies into: the token ids and positions (here) and the attention
+backend's metadata (its `graph_buffers`, e.g. triton_paged.TritonGraphBuffers). A batch of B decodes runs the
+graph of the smallest captured size P >= B; the P - B pad rows decode in the pad block (one block past the
+scheduler's pool), so they touch no request's K/V.
+
+Only pure decode steps replay (one query per request, no draft tree, one KV cache group, no prompt logprobs);
+prompt chunks, verification steps and larger batches run eagerly as before. `--enforce-eager` (or
+TOKENMILL_CUDA_GRAPHS=0) never captures. The logits and sampling run after the replay, eagerly, on the B real rows.
+
+On the CPU there are no graphs; TOKENMILL_CUDA_GRAPHS=emulate runs the same machinery with `EmulatedGraph`
+(replay = call the captured body again, closed over the same fixed buffers and metadata views), so the tests
+check here what the graphs depend on: the padding, the pad block, the fixed buffers, and that a step reads
+nothing else (a stale host value would change the tokens the tests compare with eager steps and transformers).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+log = logging.getLogger(__name__)
+
+GRAPHS_ENV = "TOKENMILL_CUDA_GRAPHS"  # "0": never capture (as --enforce-eager); "emulate": on the CPU, for tests
+WARMUP_RUNS = 2  # eager runs before capture: lazy initialisation (Triton's compilation, cuBLAS handles) stays out
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, then every multiple of 8 up to max_num_seqs, and max_num_seqs itself: a batch pads to the next
+    size, so above 8 requests at most 7 pad rows are computed (vLLM's choice too)."""
+    sizes = [s for s in (1, 2, 4) if s <= max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
+    return sorted(set(sizes) | {max_num_seqs})
+
+
+def graph_mode(device: torch.device, enforce_eager: bool) -> str | None:
+    """"cuda", "emulate" or None (eager), from the device, --enforce-eager and TOKENMILL_CUDA_GRAPHS."""
+    flag = os.environ.get(GRAPHS_ENV, "").strip()
+    if enforce_eager or flag == "0":
+        return None
+    if flag == "emulate":
+        return "emulate"
+    return "cuda" if torch.device(device).type == "cuda" else None
+
+
+class GraphBuffers(Protocol):
+    """What an attention backend's `graph_buffers` returns (triton_paged.TritonGraphBuffers)."""
+
+    max_batch: int
+    max_blocks: int
+
+    def view(self, size: int) -> Any: ...
+
+    def fill(self, layout: Any, size: int) -> None: ...
+
+
+class Replay(Protocol):
+    def replay(self) -> torch.Tensor: ...
+
+
+class CudaGraph:
+    """One forward captured on the current CUDA stream's device, into the memory pool all sizes share (captured
+    largest first, so the smaller ones reuse its blocks)."""
+
+    def __init__(self, body: Callable[[], torch.Tensor], pool: Any) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = body()
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+
+class EmulatedGraph:
+    """The CPU stand-in: the captured body runs again at each replay (see the module docstring)."""
+
+    def __init__(self, body: Callable[[], torch.Tensor]) -> None:
+        self.body = body
+        for _ in range(WARMUP_RUNS):
+            self.out = body()
+
+    def replay(self) -> torch.Tensor:
+        self.out = self.body()
+        return self.out
+
+
+@dataclass
+class GraphStats:
+    sizes: list[int] = field(default_factory=list)  # captured batch sizes
+    replays: int = 0  # decode steps replayed
+    padded_rows: int = 0  # pad rows computed over those steps
+    by_size: dict[int, int] = field(default_factory=dict)  # replays per size
+
+
+class DecodeGraphs:
+    """The captured decode forwards and the fixed buffers they read. `size_for` says which graph takes a step's
+    inputs (StepInputs; None: the step runs eagerly), `run` replays it and returns the hidden states [B, hidden]."""
+
+    def __init__(self, model: torch.nn.Module, buffers: GraphBuffers, sizes: list[int], device: torch.device,
+                 mode: str) -> None:
+        self.model = model
+        self.buffers = buffers
+        self.sizes = sizes
+        self.mode = mode
+        self.max_batch = sizes[-1]
+        self.input_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
+        self.graphs: dict[int, Replay] = {}
+        self.stats = GraphStats()
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Every size, largest first. Until a step fills them, the buffers hold pad rows only (pad block)."""
+        pool = torch.cuda.graph_pool_handle() if self.mode == "cuda" else None
+        for size in reversed(self.sizes):
+            meta = self.buffers.view(size)  # host-side fields fixed from here on, as a graph's would be
+
+            def body(size: int = size, meta: Any = meta) -> torch.Tensor:
+                return self.model(self.input_ids[:size], self.positions[:size], meta)
+
+            self.graphs[size] = CudaGraph(body, pool) if self.mode == "cuda" else EmulatedGraph(body)
+        self.stats.sizes = list(self.sizes)
+
+    def size_for(self, inp: Any) -> int | None:
+        """The captured size that takes this step, or None (eager): pure decodes of one KV cache group only."""
+        lay = inp.layout
+        B = lay.num_tokens
+        if (lay.max_query_len != 1 or lay.tree_req is not None or inp.group_layouts or inp.prompt_rows
+                or B > self.max_batch or lay.block_table.shape[1] > self.buffers.max_blocks):
+            return None
+        return self.sizes[bisect.bisect_left(self.sizes, B)]
+
+    def run(self, inp: Any, size: int) -> torch.Tensor:
+        B = inp.layout.num_tokens
+        self.buffers.fill(inp.layout, size)
+        self.input_ids[:B].copy_(inp.input_ids)  # (pad rows keep earlier steps' ids and positions: in range)
+        self.positions[:B].copy_(inp.positions)
+        hidden = self.graphs[size].replay()
+        s = self.stats
+        s.replays += 1
+        s.padded_rows += size - B
+        s.by_size[size] = s.by_size.get(size, 0) + 1
+        return hidden[:B]
