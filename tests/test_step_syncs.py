@@ -2,9 +2,9 @@
 GPU. On this CPU-only machine the device is emulated: the model's hidden states come back as a tensor subclass,
 so everything computed from them (logits, sampling, verification, drafts) is that subclass too while the host's
 own bookkeeping stays plain, and every call that would copy a device tensor to the host is counted (`.cpu()`,
-`.tolist()`, `.item()`, `bool()`, `int()`, `float()`; `.numpy()` of a device tensor raises instead). Blind spot:
-tensors the host builds and uploads (`.to(device)` is a no-op here) are not tagged, so a sync on those is not
-seen (draws.row_uniforms' all-seeded test on the uploaded keys is one, docs/gpu.md)."""
+`.tolist()`, `.item()`, `bool()`, `int()`, `float()`; `.numpy()` of a device tensor raises instead). What the
+host uploads through host_upload.Uploader (the step's inputs, the sampling tensors) comes back tagged too, so a
+read of those is counted as well (draws.row_uniforms used to test the uploaded draw keys for "all seeded")."""
 from __future__ import annotations
 
 import collections
@@ -39,6 +39,9 @@ def copies_per_step(llm, params) -> list[tuple[int, int]]:
     runner = llm.engine.core.executor.worker.runner
     forward = runner.model.forward
     runner.model.forward = lambda *a, **k: forward(*a, **k).as_subclass(OnDevice)
+    for uploader in (runner.input_batch.uploader, runner.input_batch.sampling.uploader):
+        upload = uploader.upload
+        uploader.upload = lambda a, upload=upload: upload(a).as_subclass(OnDevice)
     draft = runner.spec.runner if runner.spec is not None else None
     if draft is not None and not draft.head:  # a draft model reads tokens only: its outputs are on the device too
         draft_forward = draft.module.forward

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from tokenmill.core.batch import CachedRequestData, ScheduledBatch
+from tokenmill.host_upload import Uploader
 from tokenmill.layers.attention_backends.base import BatchLayout
 from tokenmill.sample.draws import position_seed
 from tokenmill.sample.sampler import SamplingMetadata
@@ -71,6 +72,7 @@ class InputBatch:
         self.block_size = block_size
         self.num_groups = num_groups  # KV cache groups (executor/kv_groups.py): a block table each
         self.device = device
+        self.uploader = Uploader(device)  # pinned, non-blocking copies on CUDA; none on the CPU
         self.requests: dict[str, CachedRequestState] = {}
         # Sampling parameters as tensors, converted once per request here and then updated in place with
         # the accepted tokens, so a step's sampling costs no more for a large logit_bias, stop list or history.
@@ -218,8 +220,9 @@ class InputBatch:
         """Packed token ids and positions, the block table, slots and sampled rows, gathered from the rows of
         the batch's requests. Built with numpy (a µs or so per op on these small arrays, against torch's
         dispatch cost per op; Python sums and maxes on the short per-request lists cost less still) into
-        fresh arrays (a step's inputs outlive the next prepare: pipeline micro-batches; and on the CPU
-        `.to(device)` does not copy), handed over as tensors sharing the memory."""
+        fresh arrays (a step's inputs outlive the next prepare: pipeline micro-batches), handed over as tensors
+        sharing the memory; the token ids, positions and sampled rows reach the device in one copy (host_upload:
+        none on the CPU, from pinned memory without blocking on CUDA)."""
         reqs = [self.requests[rid] for rid in batch.req_ids]
         B = len(reqs)
         lens = batch.num_scheduled_tokens
@@ -270,7 +273,7 @@ class InputBatch:
             tree_req, tree_mask, positions = _trees(parents, q_end, start_pos, positions)
         host[T : 2 * T] = positions
         host[2 * T :] = sample_rows
-        dev = torch.from_numpy(host).to(self.device)
+        dev = self.uploader.upload(host)
         t = torch.from_numpy
         layout = BatchLayout(query_start=t(q_start), query_len=t(q_len), kv_len=t(kv_len), block_table=t(table),
                              slot_mapping=t(slots), num_tokens=T, max_query_len=max_query_len,

@@ -9,6 +9,7 @@ import logging
 import os
 import time
 
+import numpy as np
 import torch
 
 from tokenmill.core.batch import ModelRunnerOutput, PromptLogprobs, ScheduledBatch, StepTimings
@@ -303,9 +304,9 @@ class ModelRunner:
                     bitmask_rows.extend(range(first, first + rows))
                 row += rows
             if grammar_rows:
-                bitmask = torch.from_numpy(batch.grammar_bitmask)
-                meta.grammar_rows = torch.tensor(grammar_rows, dtype=torch.long, device=self.device)
-                meta.grammar_bitmask = bitmask[torch.tensor(bitmask_rows, dtype=torch.long)].to(self.device)
+                upload = self.input_batch.uploader.upload
+                meta.grammar_rows = upload(np.asarray(grammar_rows, dtype=np.int64))
+                meta.grammar_bitmask = upload(batch.grammar_bitmask[np.asarray(bitmask_rows, dtype=np.int64)])
         return meta
 
     def _sample(self, logits: torch.Tensor, inp: StepInputs, batch: ScheduledBatch) -> ModelRunnerOutput:
@@ -324,7 +325,8 @@ class ModelRunner:
                        for r, _, spec in reqs]
         tokens, num_accepted = rejection_sample(
             probs if probs is not None else raw, greedy_ids, [rows for _, rows, _ in reqs],
-            [spec for _, _, spec in reqs], draft_probs, [r.params.greedy for r, _, _ in reqs], meta.seeds)
+            [spec for _, _, spec in reqs], draft_probs, [r.params.greedy for r, _, _ in reqs], meta.seeds,
+            meta.all_seeded)
         return self._result(inp, Sampler.output(raw, tokens, meta), num_accepted)
 
     def _verify_trees(self, inp: StepInputs, raw: torch.Tensor, greedy_ids: torch.Tensor, probs: torch.Tensor | None,

@@ -63,13 +63,15 @@ def counter_uniforms(keys: Tensor, stream: int) -> Tensor:
     return _shr(z, 11).double() * (1.0 / (1 << 53))
 
 
-def row_uniforms(keys: Tensor | None, rows: int, stream: int, device) -> Tensor:
-    """One U[0, 1) per row (float64): the counter hash for seeded rows, the global generator for the rest."""
+def row_uniforms(keys: Tensor | None, rows: int, stream: int, device, all_seeded: bool | None = None) -> Tensor:
+    """One U[0, 1) per row (float64): the counter hash for seeded rows, the global generator for the rest.
+    `all_seeded`: whether every key is seeded, when the caller knows it on the host (None: read from the keys,
+    a device sync on a GPU)."""
     if keys is None:
         return torch.rand(rows, dtype=torch.float64, device=device)
     seeded = keys >= 0
     hashed = counter_uniforms(keys, stream)
-    if bool(seeded.all()):
+    if all_seeded if all_seeded is not None else bool(seeded.all()):
         return hashed
     return torch.where(seeded, hashed, torch.rand(rows, dtype=torch.float64, device=device))
 

@@ -21,6 +21,7 @@ def rejection_sample(
     draft_probs: list[Tensor | None],
     is_greedy: list[bool],
     seeds: Tensor | None,
+    all_seeded: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(token per row [S] int64, number of accepted drafts per request [R] int64), both on probs' device (the
     runner copies them to the host with the step's other results, in one copy).
@@ -30,6 +31,7 @@ def rejection_sample(
     unspecified. draft_probs[r] is [k_r, V] (what the drafts were sampled from) or None (point mass).
     seeds is the sampler's per-row draw keys ([S] int64, -1 unseeded; None: none seeded): a seeded request's
     accept tests and corrected tokens are functions of its seed and output positions alone, not of the batch.
+    all_seeded: whether every row is seeded, when known on the host (draws.row_uniforms).
     """
     S, V = probs.shape
     device = probs.device
@@ -61,9 +63,9 @@ def rejection_sample(
             q[index] = torch.cat([qr.float() for _, qr in dense]).to(device)
         p_d = probs.gather(1, drafts.unsqueeze(1)).squeeze(1)
         q_d = q.gather(1, drafts.unsqueeze(1)).squeeze(1)
-        u = row_uniforms(seeds, S, ACCEPT_STREAM, device)
+        u = row_uniforms(seeds, S, ACCEPT_STREAM, device, all_seeded)
         accept = torch.where(greedy_row, accept, _accept(u, p_d, q_d))
-        sampled = inverse_cdf(_residual(probs, q), row_uniforms(seeds, S, SAMPLE_STREAM, device))
+        sampled = inverse_cdf(_residual(probs, q), row_uniforms(seeds, S, SAMPLE_STREAM, device, all_seeded))
         final = torch.where(greedy_row, greedy_tokens, sampled)
 
     first_rejected = torch.where(is_draft & ~accept, pos, k[req])

@@ -54,6 +54,9 @@ class SamplingMetadata:
     # bit t%32 of word t//32 set = token t allowed), filled by the engine core.
     grammar_rows: Tensor | None = None
     grammar_bitmask: Tensor | None = None
+    # Every row seeded (its draws need no global generator), known on the host so that the draws need not read
+    # the keys back from the device to find out.
+    all_seeded: bool = False
 
     @classmethod
     def build(
@@ -109,6 +112,7 @@ class SamplingMetadata:
             seeds=None if all(s is None for s in seeds) else
             vec([UNSEEDED if s is None else s for s in seeds], torch.int64),
             all_greedy=all(greedy),
+            all_seeded=all(s is not None for s in seeds),
             max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
             need_logprobs=any(p.logprobs is not None for p in params),
             use_top_k=any(0 < p.top_k < V for p in random_rows),
@@ -293,7 +297,8 @@ class Sampler:
         raw, token_ids, probs = target_distribution(logits, meta)
         if probs is not None:
             # One uniform per row, inverted through the row's cumulative distribution (draws.py).
-            sampled = inverse_cdf(probs, row_uniforms(meta.seeds, probs.shape[0], SAMPLE_STREAM, probs.device))
+            sampled = inverse_cdf(probs, row_uniforms(meta.seeds, probs.shape[0], SAMPLE_STREAM, probs.device,
+                                                         meta.all_seeded))
             token_ids = torch.where(meta.temperature == 0, token_ids, sampled)
         return self.output(raw, token_ids, meta)
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tokenmill.host_upload import Uploader
 from tokenmill.sample.draws import UNSEEDED, position_seeds
 from tokenmill.sample.sampler import SamplingMetadata
 from tokenmill.sampling_params import SamplingParams
@@ -83,6 +84,7 @@ class SamplingState:
     def __init__(self, vocab_size: int, device: torch.device | str) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.uploader = Uploader(self.device)  # pinned, non-blocking copies on CUDA; none on the CPU
         self.scalars = np.zeros((0, _NUM_SCALARS), dtype=np.float32)
         self.vocab_rows = np.zeros((0, 4), dtype=np.int64)  # slot -> its row of each vocabulary table (0: none)
         self.min_tokens = np.zeros(0, dtype=np.int64)
@@ -167,7 +169,7 @@ class SamplingState:
         row_slot = np.repeat(slots, rows)
         sc = self.scalars[row_slot]
         # One host-to-device copy for every scalar; its rows are then views.
-        scalars = torch.from_numpy(np.ascontiguousarray(sc.T)).to(self.device)
+        scalars = self.uploader.upload(sc.T)
         random = sc[:, _TEMPERATURE] > 0
         top_k, any_random = sc[:, _TOP_K], bool(random.any())
         logprobs = self.logprobs[row_slot]
@@ -186,6 +188,7 @@ class SamplingState:
             banned=vocab[_BAN],
             seeds=self._row_seeds(seeds, rows, num_output_tokens),
             all_greedy=not any_random,
+            all_seeded=all(s is not None for s, n in zip(seeds, rows) if n),
             max_num_logprobs=int(logprobs.max(initial=0)),
             need_logprobs=bool((logprobs >= 0).any()),
             use_top_k=any_random and bool((random & (top_k > 0) & (top_k < self.vocab_size)).any()),
@@ -200,7 +203,7 @@ class SamplingState:
         base = np.fromiter((s or 0 for s in seeds), np.uint64, len(seeds))
         keys = position_seeds(np.repeat(base, rows), np.repeat(num_output_tokens, rows) + _ranks(rows))
         keys = np.where(np.repeat(seeded, rows), keys, UNSEEDED)
-        return torch.from_numpy(keys).to(self.device)
+        return self.uploader.upload(keys)
 
     def _vocab_tensors(self, row_slot: np.ndarray, rows: np.ndarray, num_output_tokens: np.ndarray,
                        drafts: Sequence[Sequence[int]]) -> list[Tensor | None]:
@@ -212,7 +215,7 @@ class SamplingState:
             position = np.repeat(num_output_tokens, rows) + _ranks(rows)
             vocab_rows[:, _BAN] = np.where(position < self.min_tokens[row_slot], vocab_rows[:, _BAN], 0)
         in_use = vocab_rows.any(axis=0).tolist()
-        index = torch.from_numpy(np.ascontiguousarray(vocab_rows.T)).to(self.device)  # one copy; rows are views
+        index = self.uploader.upload(vocab_rows.T)  # one copy; rows are views
         out = [table.gather(index[kind]) if used else None
                for kind, (table, used) in enumerate(zip(self._tables, in_use))]
         if out[_COUNTS] is not None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tokenmill.host_upload import Uploader
 from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend, BatchLayout
 from tokenmill.layers.attention_backends.registry import register_backend
@@ -143,22 +144,31 @@ class TritonPagedBackend(AttentionBackend):
             kv_quant.allocate(a, self.kv_cache_shape(num_blocks, a.num_kv_heads, a.head_dim), dtype, self.device)
             a.backend = self
 
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        super().__init__(block_size, device)
+        self.uploader = Uploader(self.device)
+
     def graph_buffers(self, max_batch: int, max_blocks: int, pad_block: int) -> TritonGraphBuffers:
         """Fixed-address metadata for decode steps replayed from CUDA graphs (executor/cuda_graphs.py)."""
         return TritonGraphBuffers(max_batch, max_blocks, pad_block, self.block_size, self.device)
 
     def build_metadata(self, layout: BatchLayout) -> TritonMetadata:
-        i32, dev = torch.int32, self.device
+        """The step's metadata in two copies to the device (the int32 tensors packed in one, the int64 slots)."""
+        i32 = torch.int32
         q_len = layout.query_len.to("cpu", torch.long)
+        B = q_len.numel()
         tiles = (q_len + BLOCK_M - 1) // BLOCK_M
-        tile_req = torch.repeat_interleave(torch.arange(q_len.numel()), tiles)
+        tile_req = torch.repeat_interleave(torch.arange(B), tiles)
         tile_first = (torch.arange(int(tiles.sum())) - torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles))
-        to = lambda t: t.to(dev, i32).contiguous()  # noqa: E731
+        table = layout.block_table.to("cpu", i32)
+        parts = [table.reshape(-1), layout.query_start, q_len, layout.kv_len, tile_req, tile_first * BLOCK_M]
+        packed = self.uploader.upload(torch.cat([t.to("cpu", i32) for t in parts]))
+        sizes = [t.numel() for t in parts]
+        flat, q_start, q_len_d, kv_len, req, first = packed.split(sizes)
         return TritonMetadata(
-            slot_mapping=layout.slot_mapping.to(dev, torch.long).contiguous(), block_table=to(layout.block_table),
-            query_start=to(layout.query_start), query_len=to(layout.query_len), kv_len=to(layout.kv_len),
-            tile_req=to(tile_req), tile_first=to(tile_first * BLOCK_M),
-            tree_group=tree_group(layout, self.block_size, dev))
+            slot_mapping=self.uploader.upload(layout.slot_mapping.to("cpu", torch.long)),
+            block_table=flat.view(table.shape), query_start=q_start, query_len=q_len_d, kv_len=kv_len,
+            tile_req=req, tile_first=first, tree_group=tree_group(layout, self.block_size, self.device))
 
     def forward(self, layer: Attention, q, k, v, meta: TritonMetadata) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hk, D]. Returns [T, H, D] in q's dtype."""
