@@ -7,10 +7,11 @@ Sections (each timed and reported on its own; one failing does not stop the rest
 1. env: torch, CUDA, the GPU, Triton, the attention backend tokenmill picks.
 2. attention: every attention backend the device supports against dense float64 attention on random paged
    batches (prompt chunks over cached prefixes, decodes, GQA/MQA, a sliding window, bfloat16 and float32).
-3. parity: a tiny random Llama through the engine on the device (each backend) against transformers on the CPU
+3. parity: a tiny random Llama through the engine on the device (each backend; triton_paged with CUDA graphs
+   and with --enforce-eager) and a tiny Mixtral (float MoE) against transformers on the CPU
    in float32: greedy tokens equal, the largest logprob difference.
-4. throughput: the embedded SmolLM2 (and --model M if given): decode tok/s at batch 1 and offline tok/s at 64
-   concurrent requests.
+4. throughput: the embedded SmolLM2 (and --model M if given): decode tok/s at batch 1 (with CUDA graphs and
+   with --enforce-eager) and offline tok/s at 64 concurrent requests.
 5. serve: `tokenmill serve` on the model, 32 concurrent streamed chat requests: TTFT and tok/s.
 6. roofline: a bf16 GEMM's TFLOP/s and a device copy's bandwidth against the card's published peaks.
 Writes OUT/report.json and OUT/report.md (the figures docs/performance.md wants).
@@ -128,26 +129,33 @@ def parity(args) -> dict:
     from tokenmill import LLM, SamplingParams
     from tokenmill.layers.attention_backends import available_backends
 
-    path = make_tiny_model(Path(tempfile.mkdtemp()) / "llama", "llama")
-    oracle = None
     out = {}
-    names = [n for n in available_backends(args.device) if args.device == "cuda" or n != "triton_paged"]
-    for name in names:
-        llm = LLM(str(path), device=args.device, attention_backend=name, max_model_len=128,
-                  num_gpu_blocks_override=64, block_size=16)
-        prompts = prompts_for(llm.engine.vocab_size)[: (2 if args.quick else 8)]
-        if oracle is None:
-            oracle = hf_greedy(path, prompts)
-        got = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1), use_tqdm=False)
-        same = all(g.outputs[0].token_ids == t for g, (t, _) in zip(got, oracle))
-        diff = max(abs(lp.logprob - float(ref[step, tid]))
-                   for g, (_, ref) in zip(got, oracle) for step, entry in enumerate(g.outputs[0].logprobs)
-                   for tid, lp in entry.items())
-        out[name] = {"same_tokens": same, "max_logprob_diff": diff}
-        del llm
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+    runs = [(n, {}) for n in available_backends(args.device) if args.device == "cuda" or n != "triton_paged"]
+    if args.device == "cuda":  # the CUDA default replays decode batches from CUDA graphs: eager beside it
+        runs.append(("triton_paged", {"enforce_eager": True}))
+    for arch in ("llama", "mixtral"):  # (mixtral: float MoE, through the Triton grouped GEMM on CUDA)
+        path = make_tiny_model(Path(tempfile.mkdtemp()) / arch, arch)
+        oracle = None
+        for name, kw in runs if arch == "llama" else runs[:1]:
+            llm = LLM(str(path), device=args.device, attention_backend=name, max_model_len=128,
+                      num_gpu_blocks_override=64, block_size=16, max_num_seqs=8, **kw)
+            graphs = llm.engine.core.executor.worker.runner.graphs
+            prompts = prompts_for(llm.engine.vocab_size)[: (2 if args.quick else 8)]
+            if oracle is None:
+                oracle = hf_greedy(path, prompts)
+            got = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=1),
+                               use_tqdm=False)
+            same = all(g.outputs[0].token_ids == t for g, (t, _) in zip(got, oracle))
+            diff = max(abs(lp.logprob - float(ref[step, tid]))
+                       for g, (_, ref) in zip(got, oracle) for step, entry in enumerate(g.outputs[0].logprobs)
+                       for tid, lp in entry.items())
+            label = f"{arch}/{name}" + ("/eager" if kw else "/graphs" if graphs is not None else "")
+            out[label] = {"same_tokens": same, "max_logprob_diff": diff,
+                          "graph_replays": graphs.stats.replays if graphs is not None else 0}
+            del llm
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
     return out
 
 
@@ -180,33 +188,45 @@ def _models(args) -> list[str | None]:
     return models + ([args.model] if args.model else [])
 
 
+def _batch1_decode(llm, prompt, n: int) -> float:
+    """Decode tok/s of one request after its prefill step."""
+    from tokenmill import SamplingParams
+
+    e = llm.engine
+    e.add_request("b1", None, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), prompt_token_ids=prompt)
+    e.step()
+    t0 = time.perf_counter()
+    while e.has_unfinished_requests():
+        e.step()
+    return (n - 1) / (time.perf_counter() - t0)
+
+
 def throughput(args) -> dict:
     from tokenmill import LLM, SamplingParams
 
     out = {}
     for model in _models(args):
         llm = LLM(model, device=args.device, max_num_seqs=64)
-        e = llm.engine
         tok = llm.get_tokenizer()
         prompt = tok.apply_chat_template([{"role": "user", "content": "Write a long story about a lighthouse."}],
                                          add_generation_prompt=True, tokenize=True, return_dict=False)
         n1 = 32 if args.quick else 256
-        e.add_request("b1", None, SamplingParams(temperature=0, max_tokens=n1, ignore_eos=True),
-                      prompt_token_ids=prompt)
-        e.step()
-        t0 = time.perf_counter()
-        while e.has_unfinished_requests():
-            e.step()
-        b1 = (n1 - 1) / (time.perf_counter() - t0)
+        b1 = _batch1_decode(llm, prompt, n1)
         n64 = 4 if args.quick else 64
         params = SamplingParams(temperature=0, max_tokens=16 if args.quick else 256, ignore_eos=True)
         t0 = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": prompt}] * n64, params, use_tqdm=False)
         dt = time.perf_counter() - t0
-        out[model or "embedded SmolLM2-135M"] = {
-            "batch1_decode_tok_s": round(b1, 1),
-            f"batch{n64}_tok_s": round(sum(len(r.outputs[0].token_ids) for r in res) / dt, 1)}
+        graphs = llm.engine.core.executor.worker.runner.graphs
+        row = {"cuda_graphs": graphs is not None, "batch1_decode_tok_s": round(b1, 1),
+               f"batch{n64}_tok_s": round(sum(len(r.outputs[0].token_ids) for r in res) / dt, 1)}
         del llm
+        if graphs is not None:  # the same batch-1 decode without graphs: what they save
+            eager = LLM(model, device=args.device, max_num_seqs=64, enforce_eager=True)
+            row["batch1_decode_tok_s_eager"] = round(_batch1_decode(eager, prompt, n1), 1)
+            row["graphs_vs_eager"] = round(b1 / row["batch1_decode_tok_s_eager"], 2)
+            del eager
+        out[model or "embedded SmolLM2-135M"] = row
     return out
 
 
