@@ -34,8 +34,9 @@ class OnDevice(torch.Tensor):
         return out.as_subclass(torch.Tensor) if name == "cpu" else out  # its copy is on the host
 
 
-def copies_per_step(llm, params) -> list[tuple[int, int]]:
-    """(rows sampled, host copies) of every step of generating PROMPTS."""
+def copies_per_step(llm, params, prompt_logprobs: list | None = None) -> list[tuple[int, int]]:
+    """(rows sampled, host copies) of every step of generating PROMPTS; `prompt_logprobs` collects whether each
+    step computed prompt logprobs."""
     runner = llm.engine.core.executor.worker.runner
     forward = runner.model.forward
     runner.model.forward = lambda *a, **k: forward(*a, **k).as_subclass(OnDevice)
@@ -52,6 +53,8 @@ def copies_per_step(llm, params) -> list[tuple[int, int]]:
         OnDevice.copies.clear()
         out = execute(batch)
         steps.append((sum(batch.num_sample_rows), sum(OnDevice.copies.values())))
+        if prompt_logprobs is not None:
+            prompt_logprobs.append(bool(batch.prompt_logprob_ranges))
         return out
 
     runner.execute_model = counted
@@ -73,6 +76,15 @@ def test_a_step_copies_its_results_to_the_host_once(target, params):
     steps = copies_per_step(llm, params)
     assert any(rows == 0 for rows, _ in steps)  # chunked prompts: steps that sample nothing
     assert all(copies == (1 if rows else 0) for rows, copies in steps), steps
+
+
+def test_prompt_logprobs_of_every_request_come_back_in_one_copy(target):
+    """A step with prompt logprobs adds one copy, whatever the number of requests asking (four per request before)."""
+    llm = LLM(str(target), attention_backend="torch_sdpa", max_num_batched_tokens=8, block_size=4, **KV)
+    with_prompt: list[bool] = []
+    steps = copies_per_step(llm, SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=3), with_prompt)
+    assert sum(with_prompt) >= 2
+    assert all(copies == (1 if rows else 0) + p for (rows, copies), p in zip(steps, with_prompt)), steps
 
 
 @pytest.mark.parametrize("method", ["dflash", "medusa", "eagle", "draft_model"])
