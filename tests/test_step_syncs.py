@@ -87,12 +87,13 @@ def test_prompt_logprobs_of_every_request_come_back_in_one_copy(target):
     assert all(copies == (1 if rows else 0) + p for (rows, copies), p in zip(steps, with_prompt)), steps
 
 
-@pytest.mark.parametrize("method", ["dflash", "medusa", "eagle", "draft_model"])
+@pytest.mark.parametrize("method", ["dflash", "medusa", "medusa_tree", "eagle", "draft_model"])
 def test_a_drafting_step_copies_its_results_and_its_drafts_once_each(target, tmp_path, method):
     """Speculation: the verification's tokens, logprobs and accepted counts in one copy, the next drafts in
     another (a block and its cut; Medusa's candidates; every pass of an EAGLE head or a draft model, each pass fed
-    the last one's drafts on the device): the drafts must reach the host, where the scheduler places them. (Trees
-    add the verification walk's copy, and EAGLE-2 one per level: not yet, docs/gpu.md.)"""
+    the last one's drafts on the device): the drafts must reach the host, where the scheduler places them. A tree's
+    accepted paths come back with the tokens; its K/V moves after. (EAGLE-2 trees copy once per level: not yet,
+    docs/gpu.md.)"""
     from draft_heads_tiny import write_eagle_head
     from medusa_tiny import write_medusa
     from test_dflash import write_drafter
@@ -100,6 +101,8 @@ def test_a_drafting_step_copies_its_results_and_its_drafts_once_each(target, tmp
     spec = {"dflash": {"method": "dflash", "model": str(write_drafter(tmp_path / "d", target)), "block_threshold": 0.3},
             "medusa": {"method": "medusa", "model": str(write_medusa(tmp_path / "m", target)),
                        "num_speculative_tokens": 3, "medusa_choices": [[0], [0, 0], [0, 0, 0]]},
+            "medusa_tree": {"method": "medusa", "model": str(write_medusa(tmp_path / "m", target)),
+                            "num_speculative_tokens": 4, "medusa_choices": [[0], [1], [0, 0], [1, 0]]},
             "eagle": {"method": "eagle", "model": str(write_eagle_head(tmp_path / "e", target, copy=False)),
                       "num_speculative_tokens": 3},
             "draft_model": {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3}}[method]

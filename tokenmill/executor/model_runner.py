@@ -23,7 +23,7 @@ from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend, GroupedMetadata
 from tokenmill.sample.rejection_sampler import rejection_sample
 from tokenmill.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, target_distribution
-from tokenmill.sample.tree_sampler import TreeDraft, verify_trees
+from tokenmill.sample.tree_sampler import TreeDraft, verify_on_device
 from tokenmill.spec_decode.tree import chain
 from tokenmill.testing import faults
 
@@ -343,9 +343,12 @@ class ModelRunner:
             batch_index.append(i)
             greedy.append(r.params.greedy)
             row += rows
-        tokens, emit_rows = verify_trees(probs, greedy_ids, trees, greedy, meta.seeds)
+        tokens, on_path, walk = verify_on_device(probs, greedy_ids, trees, greedy, meta.seeds)
+        # The paths come back with the tokens (one copy); their K/V moves after it, on the device.
+        tokens_h, lp, path = Sampler.output(raw, tokens, meta).to_host(on_path)
+        emit_rows = walk.emit_rows(np.asarray(path, dtype=bool))
         self._path_rows = self._compact_accepted_paths(inp, trees, batch_index, emit_rows)
-        return self._result(inp, Sampler.output(raw, tokens, meta), None, emit_rows)
+        return self._emit(inp, tokens_h, lp, None, emit_rows)
 
     def _compact_accepted_paths(self, inp: StepInputs, trees: list[TreeDraft], batch_index: list[int],
                                 emit_rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -366,20 +369,24 @@ class ModelRunner:
         if not src:
             return None
         src_rows, dst_rows = torch.tensor(src), torch.tensor(dst)
+        upload = self.input_batch.uploader.upload
         for g, group in enumerate(self.kv_groups):
             slots = (lay if g == 0 else inp.group_layouts[g - 1]).slot_mapping
-            s, d = slots[src_rows].to(self.device), slots[dst_rows].to(self.device)
+            s, d = upload(slots[src_rows]), upload(slots[dst_rows])
             for a in group.layers:
                 for cache in kv_quant.layer_caches(a):
                     flat = cache.view(-1, *cache.shape[2:])
                     flat.index_copy_(0, d, flat.index_select(0, s))
         return src_rows, dst_rows
 
-    def _result(self, inp: StepInputs, sampled: SamplerOutput, accepted: torch.Tensor | None,
-                emit_rows: list[list[int]] | None = None) -> ModelRunnerOutput:
+    def _result(self, inp: StepInputs, sampled: SamplerOutput, accepted: torch.Tensor | None) -> ModelRunnerOutput:
+        tokens, lp, num_accepted = sampled.to_host(accepted)  # the step's one copy of its results to the host
+        return self._emit(inp, tokens, lp, num_accepted)
+
+    def _emit(self, inp: StepInputs, tokens: list[int], lp, num_accepted: list[int] | None,
+              emit_rows: list[list[int]] | None = None) -> ModelRunnerOutput:
         """Per request: its sampled rows' tokens, cut after the accepted drafts and the one token that
         follows them (trees: the rows of its accepted path and the one after, `emit_rows`)."""
-        tokens, lp, num_accepted = sampled.to_host(accepted)  # the step's one copy of its results to the host
         result = ModelRunnerOutput()
         row = j = 0
         for r, rows in zip(inp.requests, inp.rows_per_request):
@@ -411,7 +418,7 @@ class ModelRunner:
         aux = getattr(self.model, "aux_hidden_states", None)
         moved, self._path_rows = self._path_rows, None
         if moved is not None:  # accepted tree paths: their hidden rows in chain order too, as their K/V
-            src, dst = (x.to(hidden.device) for x in moved)
+            src, dst = (self.input_batch.uploader.upload(x) for x in moved)
             hidden = hidden.index_copy(0, dst, hidden.index_select(0, src))
             aux = aux.index_copy(0, dst, aux.index_select(0, src)) if aux is not None else None
         view = StepView(inp.requests, lay.kv_len.numpy() - lay.query_len.numpy(), list(batch.num_scheduled_tokens),
