@@ -87,3 +87,44 @@ def test_cuda_sizing_counts_the_profiled_peak(target, monkeypatch):
     assert all(a.k_cache is None for a in runner.attn_layers)  # the throw-away pool is gone
     runner.allocate_kv_cache(64, runner.kv_dtype)
     assert np.isfinite(n)
+
+
+def test_cuda_sizing_sets_aside_what_the_decode_graphs_hold(target, monkeypatch):
+    """With CUDA graphs planned, the graphs are captured once on the profiling pool and what they reserve (their
+    private pool) comes off the KV budget, with the pad block; then they are released (captured again later)."""
+    llm = LLM(str(target), num_gpu_blocks_override=64, block_size=16, max_model_len=256, max_num_seqs=6,
+              max_num_batched_tokens=64)
+    worker = llm.engine.core.executor.worker
+    runner = worker.runner
+    GiB = 2**30
+    reserved = [4 * GiB]
+    captured = []
+
+    def capture(max_num_seqs, max_blocks):  # stands for DecodeGraphs.capture's reservations
+        captured.append((max_num_seqs, max_blocks))
+        reserved[0] += GiB
+        runner.graphs = object()
+
+    def empty_cache():  # what is released goes back to the device: the graphs' GiB once they are dropped
+        if runner.graphs is None:
+            reserved[0] = 4 * GiB
+
+    for name, fn in {"empty_cache": empty_cache, "reset_peak_memory_stats": lambda d=None: None,
+                     "synchronize": lambda d=None: None, "max_memory_allocated": lambda d=None: 3 * GiB,
+                     "mem_get_info": lambda d=None: (70 * GiB, 80 * GiB),
+                     "memory_reserved": lambda d=None: reserved[0]}.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    monkeypatch.setattr(runner, "capture_graphs", capture)
+    per_block = runner.bytes_per_block
+    plain = worker._profile_cuda_blocks(runner.kv_dtype, per_block)
+    assert not captured
+    monkeypatch.setattr(runner, "graph_mode", "cuda")
+    with_graphs = worker._profile_cuda_blocks(runner.kv_dtype, per_block)
+    assert captured == [(6, 256 // 16)] and runner.graphs is None
+    _, blocks = profile_steps(64, 6, 256, 16, runner.vocab_size)
+    left = int(80 * GiB * llm.engine.config.cache.gpu_memory_utilization) - (3 * GiB - blocks * per_block) \
+        - (80 - 70 - 4) * GiB  # utilization x total - peak - others
+    assert plain == left // per_block
+    assert with_graphs == (left - GiB - per_block) // per_block  # the graphs' GiB and their pad block
+    runner.graph_mode = None
+    runner.allocate_kv_cache(64, runner.kv_dtype)

@@ -354,16 +354,30 @@ class Worker:
             self.runner.execute_model(batch)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - blocks * per_block
+        graphs = self._graph_bytes() if self.runner.graph_mode is not None else 0
         for a in self.runner.attn_layers:
             a.k_cache = a.v_cache = a.k_scale_cache = a.v_scale_cache = None
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - used_by_others
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - graphs - used_by_others
+        if graphs:
+            budget -= per_block  # the graphs' pad block, allocated past the pool
         log.info("CUDA memory: %.2f GiB total, peak of the profiling steps (%d tokens, %d sampled requests) %.2f GiB, "
-                 "%.2f GiB for the KV cache", total / GiB, steps[0].num_tokens, len(steps[0]), peak / GiB,
-                 max(budget, 0) / GiB)
+                 "CUDA graphs %.2f GiB, %.2f GiB for the KV cache", total / GiB, steps[0].num_tokens, len(steps[0]),
+                 peak / GiB, graphs / GiB, max(budget, 0) / GiB)
         return max(budget, 0) // per_block
+
+    def _graph_bytes(self) -> int:
+        """What the decode graphs hold for good (their private memory pool, which eager steps cannot reuse, and
+        their fixed buffers), measured by capturing them once on the profiling pool and releasing them."""
+        cache, sched = self.config.cache, self.config.scheduler
+        before = torch.cuda.memory_reserved(self.device)
+        self.runner.capture_graphs(sched.max_num_seqs,
+                                   -(-(self.max_model_len + sched.num_lookahead_tokens) // cache.block_size))
+        held = torch.cuda.memory_reserved(self.device) - before
+        self.runner.graphs = None
+        return max(held, 0)
 
     # ---- steps ---------------------------------------------------------------------------
     def execute_model(self, batch: ScheduledBatch) -> ModelRunnerOutput:
