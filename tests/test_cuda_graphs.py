@@ -84,7 +84,7 @@ def test_decode_batches_replay_padded_graphs_and_equal_transformers(tmp_path, mo
     assert graphs is not None and graphs.sizes == [1, 2, 4, 6]
     # The pool holds one block past the scheduler's: the pad block.
     assert runner.kv_groups[0].layers[0].k_cache.shape[0] == runner.num_blocks + 1 == 65
-    addresses = [graphs.input_ids.data_ptr(), graphs.positions.data_ptr(), graphs.buffers.block_table.data_ptr()]
+    addresses = [graphs.input_ids.data_ptr(), graphs.positions.data_ptr(), graphs.buffers[0].block_table.data_ptr()]
     prompts = prompts_for(llm.engine.vocab_size)[:5]
     oracle = hf_greedy(path, prompts)
     # Different lengths: the running batch shrinks 5 -> 1 and replays graphs of 6, 4, 2 and 1 rows.
@@ -97,7 +97,7 @@ def test_decode_batches_replay_padded_graphs_and_equal_transformers(tmp_path, mo
     assert {6, 4, 2, 1} <= set(stats.by_size), stats
     assert stats.padded_rows > 0 and stats.replays == sum(stats.by_size.values())
     assert [graphs.input_ids.data_ptr(), graphs.positions.data_ptr(),
-            graphs.buffers.block_table.data_ptr()] == addresses
+            graphs.buffers[0].block_table.data_ptr()] == addresses
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks  # nothing leaked
 
 
@@ -149,3 +149,23 @@ def test_a_moe_model_replays_graphs_only_on_the_sync_free_triton_path(tmp_path, 
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3), use_tqdm=False)
     check_against_oracle(outs, [(t[:8], lp[:8]) for t, lp in hf_greedy(path, prompts)], "moe graphs")
     assert llm.engine.core.executor.worker.runner.graphs.stats.replays > 0
+
+
+def test_a_model_with_sliding_window_layers_replays_with_a_table_per_kv_cache_group(tmp_path, monkeypatch):
+    """Gemma 3: full and sliding-window layers in two KV cache groups, each with its fixed buffers; contexts grow
+    past the window while the batch shrinks."""
+    monkeypatch.setenv(GRAPHS_ENV, "emulate")
+    path = make_tiny_model(tmp_path / "gemma3", "gemma3", num_hidden_layers=4,
+                           layer_types=["sliding_attention", "full_attention"] * 2)
+    llm = _llm(path)
+    runner = llm.engine.core.executor.worker.runner
+    assert len(runner.kv_groups) == 2 and len(runner.graphs.buffers) == 2
+    prompts = prompts_for(llm.engine.vocab_size)[:4]
+    oracle = hf_greedy(path, prompts)
+    lengths = [6, 12, 20, len(oracle[0][0])]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in lengths],
+                        use_tqdm=False)
+    check_against_oracle(outs, [(t[:n], lp[:n]) for (t, lp), n in zip(oracle, lengths)], "gemma3 graphs")
+    assert {4, 2, 1} <= set(runner.graphs.stats.by_size)
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks

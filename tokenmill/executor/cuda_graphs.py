@@ -8,7 +8,8 @@ backend's metadata (its `graph_buffers`, e.g. triton_paged.TritonGraphBuffers). 
 graph of the smallest captured size P >= B; the P - B pad rows decode in the pad block (one block past the
 scheduler's pool), so they touch no request's K/V.
 
-Only pure decode steps replay (one query per request, no draft tree, one KV cache group, no prompt logprobs);
+Only pure decode steps replay (one query per request, no draft tree, no prompt logprobs; each KV cache group has its
+buffers);
 prompt chunks, verification steps and larger batches run eagerly as before. `--enforce-eager` (or
 TOKENMILL_CUDA_GRAPHS=0) never captures. The logits and sampling run after the replay, eagerly, on the B real rows.
 
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
+
+from tokenmill.layers.attention_backends.base import GroupedMetadata
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +113,10 @@ class DecodeGraphs:
     """The captured decode forwards and the fixed buffers they read. `size_for` says which graph takes a step's
     inputs (StepInputs; None: the step runs eagerly), `run` replays it and returns the hidden states [B, hidden]."""
 
-    def __init__(self, model: torch.nn.Module, buffers: GraphBuffers, sizes: list[int], device: torch.device,
+    def __init__(self, model: torch.nn.Module, buffers: list[GraphBuffers], sizes: list[int], device: torch.device,
                  mode: str) -> None:
         self.model = model
-        self.buffers = buffers
+        self.buffers = buffers  # one per KV cache group (executor/kv_groups.py): each has its own block table
         self.sizes = sizes
         self.mode = mode
         self.max_batch = sizes[-1]
@@ -127,7 +130,9 @@ class DecodeGraphs:
         """Every size, largest first. Until a step fills them, the buffers hold pad rows only (pad block)."""
         pool = torch.cuda.graph_pool_handle() if self.mode == "cuda" else None
         for size in reversed(self.sizes):
-            meta = self.buffers.view(size)  # host-side fields fixed from here on, as a graph's would be
+            # (host-side fields fixed from here on, as a graph's would be)
+            meta = (self.buffers[0].view(size) if len(self.buffers) == 1
+                    else GroupedMetadata([b.view(size) for b in self.buffers]))
 
             def body(size: int = size, meta: Any = meta) -> torch.Tensor:
                 return self.model(self.input_ids[:size], self.positions[:size], meta)
@@ -136,17 +141,18 @@ class DecodeGraphs:
         self.stats.sizes = list(self.sizes)
 
     def size_for(self, inp: Any) -> int | None:
-        """The captured size that takes this step, or None (eager): pure decodes of one KV cache group only."""
+        """The captured size that takes this step, or None (eager): pure decodes only."""
         lay = inp.layout
         B = lay.num_tokens
-        if (lay.max_query_len != 1 or lay.tree_req is not None or inp.group_layouts or inp.prompt_rows
-                or B > self.max_batch or lay.block_table.shape[1] > self.buffers.max_blocks):
+        if (lay.max_query_len != 1 or lay.tree_req is not None or inp.prompt_rows or B > self.max_batch
+                or lay.block_table.shape[1] > self.buffers[0].max_blocks):
             return None
         return self.sizes[bisect.bisect_left(self.sizes, B)]
 
     def run(self, inp: Any, size: int) -> torch.Tensor:
         B = inp.layout.num_tokens
-        self.buffers.fill(inp.layout, size)
+        for buffers, layout in zip(self.buffers, [inp.layout, *inp.group_layouts]):
+            buffers.fill(layout, size)
         self.input_ids[:B].copy_(inp.input_ids)  # (pad rows keep earlier steps' ids and positions: in range)
         self.positions[:B].copy_(inp.positions)
         hidden = self.graphs[size].replay()

@@ -115,7 +115,6 @@ class ModelRunner:
             (getattr(self.model, "weight_store", None) is not None, "streamed or host-offloaded weights"),
             (self.attn_timer is not None and self.attn_timer.sync,
              f"attention timing ({TIME_ATTENTION_ENV}=1: it synchronises the device per layer)"),
-            (len(self.kv_groups) > 1, "more than one KV cache group (sliding-window layers)"),
             (any(isinstance(m, FusedMoE) and not m.graph_safe() for m in self.model.modules()),
              "MoE layers whose routing copies counts to the host"),
         ]
@@ -123,7 +122,7 @@ class ModelRunner:
 
     def capture_graphs(self, max_num_seqs: int, max_blocks: int) -> None:
         """Capture the decode graphs (worker, after allocate_kv_cache; the pad block is the one past the pool)."""
-        buffers = self.backend.graph_buffers(max_num_seqs, max_blocks, self.num_blocks)
+        buffers = [self.backend.graph_buffers(max_num_seqs, max_blocks, self.num_blocks) for _ in self.kv_groups]
         graphs = DecodeGraphs(self.model, buffers, capture_sizes(max_num_seqs), self.device, self.graph_mode)
         t0 = time.perf_counter()
         try:
