@@ -118,7 +118,7 @@ def test_the_same_tokens_with_graphs_and_without_under_sampling(tmp_path, monkey
 @pytest.mark.parametrize("kw, reason", [
     (dict(enforce_eager=True), None),
     (dict(attention_backend="torch_sdpa"), "no fixed-address metadata"),
-    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}), "speculative decoding"),
+    (dict(enable_lora=True, max_lora_rank=8), "LoRA adapters"),
 ])
 def test_configurations_graphs_cannot_take_run_eagerly_and_say_why(tmp_path, monkeypatch, caplog, kw, reason):
     monkeypatch.setenv(GRAPHS_ENV, "emulate")
@@ -169,3 +169,49 @@ def test_a_model_with_sliding_window_layers_replays_with_a_table_per_kv_cache_gr
     check_against_oracle(outs, [(t[:n], lp[:n]) for (t, lp), n in zip(oracle, lengths)], "gemma3 graphs")
     assert {4, 2, 1} <= set(runner.graphs.stats.by_size)
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_speculative_decoding_replays_the_steps_without_drafts(tmp_path, monkeypatch):
+    """n-gram drafts on repetitive prompts: verification steps run eagerly, steps where no request has a draft
+    replay graphs; the tokens are transformers' either way."""
+    monkeypatch.setenv(GRAPHS_ENV, "emulate")
+    path = make_tiny_model(tmp_path / "llama", "llama")
+    llm = _llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                                         "adaptive": False})
+    runner = llm.engine.core.executor.worker.runner
+    assert runner.graphs is not None
+    prompts = [p[:6] * 3 for p in prompts_for(llm.engine.vocab_size)[:3]]  # repeats for the n-gram lookup
+    oracle = hf_greedy(path, prompts)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=len(oracle[0][0]), ignore_eos=True, logprobs=3),
+                        use_tqdm=False)
+    check_against_oracle(outs, oracle, "ngram + graphs")
+    assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0 and runner.graphs.stats.replays > 0
+
+
+def test_a_replay_sets_the_eagle3_aux_hidden_states_of_its_rows(tmp_path, monkeypatch):
+    """EAGLE-3 targets keep the residual stream of some layers in model.aux_hidden_states, set by the forward: a
+    replay sets it from the graph's output, equal to what the eager forward of the same step computes."""
+    monkeypatch.setenv(GRAPHS_ENV, "emulate")
+    path = make_tiny_model(tmp_path / "llama", "llama")
+    llm = _llm(path)
+    runner = llm.engine.core.executor.worker.runner
+    runner.model.aux_hidden_layers = (0, 1)
+    runner.capture_graphs(6, 8)  # again, now returning the aux states
+    graphs, checked = runner.graphs, []
+    replay = graphs.run
+
+    def run(inp, size):
+        hidden = replay(inp, size)
+        aux = runner.model.aux_hidden_states
+        eager = runner.model(inp.input_ids, inp.positions, runner._metadata(inp))  # same K/V rewritten
+        torch.testing.assert_close(aux, runner.model.aux_hidden_states)
+        torch.testing.assert_close(hidden, eager)
+        checked.append(aux.shape[0])
+        return hidden
+
+    monkeypatch.setattr(graphs, "run", run)
+    prompts = prompts_for(llm.engine.vocab_size)[:3]
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 5, 7)], use_tqdm=False)
+    assert {3, 2, 1} <= set(checked)

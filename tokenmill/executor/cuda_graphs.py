@@ -65,14 +65,14 @@ class GraphBuffers(Protocol):
 
 
 class Replay(Protocol):
-    def replay(self) -> torch.Tensor: ...
+    def replay(self) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 class CudaGraph:
     """One forward captured on the current CUDA stream's device, into the memory pool all sizes share (captured
     largest first, so the smaller ones reuse its blocks)."""
 
-    def __init__(self, body: Callable[[], torch.Tensor], pool: Any) -> None:
+    def __init__(self, body: Callable[[], tuple], pool: Any) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -83,7 +83,7 @@ class CudaGraph:
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = body()
 
-    def replay(self) -> torch.Tensor:
+    def replay(self) -> tuple:
         self.graph.replay()
         return self.out
 
@@ -91,12 +91,12 @@ class CudaGraph:
 class EmulatedGraph:
     """The CPU stand-in: the captured body runs again at each replay (see the module docstring)."""
 
-    def __init__(self, body: Callable[[], torch.Tensor]) -> None:
+    def __init__(self, body: Callable[[], tuple]) -> None:
         self.body = body
         for _ in range(WARMUP_RUNS):
             self.out = body()
 
-    def replay(self) -> torch.Tensor:
+    def replay(self) -> tuple:
         self.out = self.body()
         return self.out
 
@@ -124,6 +124,9 @@ class DecodeGraphs:
         self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
         self.graphs: dict[int, Replay] = {}
         self.stats = GraphStats()
+        # EAGLE-3 targets: the forward also sets model.aux_hidden_states (a Python attribute a replay would not
+        # set again): the graph returns it beside the hidden states and each replay sets it from there.
+        self.aux = bool(getattr(model, "aux_hidden_layers", ()))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -134,8 +137,9 @@ class DecodeGraphs:
             meta = (self.buffers[0].view(size) if len(self.buffers) == 1
                     else GroupedMetadata([b.view(size) for b in self.buffers]))
 
-            def body(size: int = size, meta: Any = meta) -> torch.Tensor:
-                return self.model(self.input_ids[:size], self.positions[:size], meta)
+            def body(size: int = size, meta: Any = meta) -> tuple[torch.Tensor, torch.Tensor | None]:
+                hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
+                return hidden, (self.model.aux_hidden_states if self.aux else None)
 
             self.graphs[size] = CudaGraph(body, pool) if self.mode == "cuda" else EmulatedGraph(body)
         self.stats.sizes = list(self.sizes)
@@ -155,7 +159,9 @@ class DecodeGraphs:
             buffers.fill(layout, size)
         self.input_ids[:B].copy_(inp.input_ids)  # (pad rows keep earlier steps' ids and positions: in range)
         self.positions[:B].copy_(inp.positions)
-        hidden = self.graphs[size].replay()
+        hidden, aux = self.graphs[size].replay()
+        if aux is not None:
+            self.model.aux_hidden_states = aux[:B]
         s = self.stats
         s.replays += 1
         s.padded_rows += size - B

@@ -108,7 +108,6 @@ class ModelRunner:
         if self.backend.graph_buffers(1, 1, 0) is None:
             return f"attention backend {self.backend.name} has no fixed-address metadata"
         reasons = [
-            (self.spec is not None, "speculative decoding (its heads read per-step attributes of the forward)"),
             (self.lora is not None, "LoRA adapters (slots chosen per step on the host)"),
             (self.token_split is not None, "context parallelism"),
             (getattr(self.model, "pp_size", 1) > 1, "pipeline parallelism"),
