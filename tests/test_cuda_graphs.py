@@ -171,22 +171,54 @@ def test_a_model_with_sliding_window_layers_replays_with_a_table_per_kv_cache_gr
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
-def test_speculative_decoding_replays_the_steps_without_drafts(tmp_path, monkeypatch):
-    """n-gram drafts on repetitive prompts: verification steps run eagerly, steps where no request has a draft
-    replay graphs; the tokens are transformers' either way."""
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_speculative_decoding_replays_decodes_and_uniform_verifications(tmp_path, monkeypatch, method):
+    """Graphs for 1 and k + 1 tokens per request: steps where every request verifies k drafts replay (an EAGLE head
+    drafts k each step), as do steps with no drafts (n-gram lookups that find nothing); others run eagerly. The
+    tokens are transformers' either way."""
+    from draft_heads_tiny import write_eagle_head
+
     monkeypatch.setenv(GRAPHS_ENV, "emulate")
     path = make_tiny_model(tmp_path / "llama", "llama")
-    llm = _llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
-                                         "adaptive": False})
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "ngram":
+        spec["prompt_lookup_min"] = 2
+    else:
+        spec["model"] = str(write_eagle_head(tmp_path / "eagle", path, copy=False))
+    llm = _llm(path, speculative_config=spec)
     runner = llm.engine.core.executor.worker.runner
-    assert runner.graphs is not None
+    assert runner.graphs.query_lens == (1, 4)
     prompts = [p[:6] * 3 for p in prompts_for(llm.engine.vocab_size)[:3]]  # repeats for the n-gram lookup
     oracle = hf_greedy(path, prompts)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=len(oracle[0][0]), ignore_eos=True, logprobs=3),
                         use_tqdm=False)
-    check_against_oracle(outs, oracle, "ngram + graphs")
-    assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0 and runner.graphs.stats.replays > 0
+    check_against_oracle(outs, oracle, f"{method} + graphs")
+    stats = runner.graphs.stats
+    assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0 and stats.replays > 0
+    if method == "eagle":
+        assert stats.by_query_len.get(4, 0) > 0, stats
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_buffers_take_uniform_steps_of_several_tokens_per_request():
+    backend = get_attention_backend(BACKEND, "cpu")(4, torch.device("cpu"))
+    buf = backend.graph_buffers(4, 5, pad_block=9, max_query_len=3)
+    B, P, q = 2, 4, 3
+    t = torch.from_numpy
+    table = np.array([[1, 2, 0], [3, 4, 5]], dtype=np.int32)
+    kv = np.array([7, 11])
+    slots = t(np.arange(B * q, dtype=np.int64) + 100)
+    layout = BatchLayout(query_start=t(np.arange(B) * q), query_len=t(np.full(B, q)), kv_len=t(kv),
+                         block_table=t(table), slot_mapping=slots, num_tokens=B * q, max_query_len=q,
+                         max_kv_len=11)
+    buf.fill(layout, P)
+    meta = buf.view(P, q)
+    assert meta.slot_mapping.tolist() == list(range(100, 106)) + [36, 37, 38] * 2  # pad requests: the pad block
+    assert meta.kv_len.tolist() == [7, 11, 3, 3] and meta.query_len.tolist() == [3] * 4
+    assert meta.query_start.tolist() == [0, 3, 6, 9] and meta.tile_req.tolist() == [0, 1, 2, 3]
+    assert meta.block_table[:B, :3].tolist() == table.tolist() and meta.block_table[B:, :3].tolist() == [[9] * 3] * 2
+    assert backend.graph_buffers(4, 5, 9, max_query_len=17) is None  # more queries than a tile holds
 
 
 def test_a_replay_sets_the_eagle3_aux_hidden_states_of_its_rows(tmp_path, monkeypatch):
@@ -197,7 +229,7 @@ def test_a_replay_sets_the_eagle3_aux_hidden_states_of_its_rows(tmp_path, monkey
     llm = _llm(path)
     runner = llm.engine.core.executor.worker.runner
     runner.model.aux_hidden_layers = (0, 1)
-    runner.capture_graphs(6, 8)  # again, now returning the aux states
+    runner.capture_graphs(6, 8)  # again, now returning the aux states (decodes only)
     graphs, checked = runner.graphs, []
     replay = graphs.run
 

@@ -100,8 +100,8 @@ def test_cuda_sizing_sets_aside_what_the_decode_graphs_hold(target, monkeypatch)
     reserved = [4 * GiB]
     captured = []
 
-    def capture(max_num_seqs, max_blocks):  # stands for DecodeGraphs.capture's reservations
-        captured.append((max_num_seqs, max_blocks))
+    def capture(max_num_seqs, max_blocks, query_lens):  # stands for DecodeGraphs.capture's reservations
+        captured.append((max_num_seqs, max_blocks, query_lens))
         reserved[0] += GiB
         runner.graphs = object()
 
@@ -120,7 +120,7 @@ def test_cuda_sizing_sets_aside_what_the_decode_graphs_hold(target, monkeypatch)
     assert not captured
     monkeypatch.setattr(runner, "graph_mode", "cuda")
     with_graphs = worker._profile_cuda_blocks(runner.kv_dtype, per_block)
-    assert captured == [(6, 256 // 16)] and runner.graphs is None
+    assert captured == [(6, 256 // 16, (1,))] and runner.graphs is None
     _, blocks = profile_steps(64, 6, 256, 16, runner.vocab_size)
     left = int(80 * GiB * llm.engine.config.cache.gpu_memory_utilization) - (3 * GiB - blocks * per_block) \
         - (80 - 70 - 4) * GiB  # utilization x total - peak - others

@@ -8,8 +8,8 @@ backend's metadata (its `graph_buffers`, e.g. triton_paged.TritonGraphBuffers). 
 graph of the smallest captured size P >= B; the P - B pad rows decode in the pad block (one block past the
 scheduler's pool), so they touch no request's K/V.
 
-Only pure decode steps replay (one query per request, no draft tree, no prompt logprobs; each KV cache group has its
-buffers);
+Uniform steps replay: every request the same q new tokens, q = 1 (decodes) or, with speculative decoding, q = k + 1
+(chain verifications of k drafts); no draft tree, no prompt logprobs; each KV cache group has its buffers;
 prompt chunks, verification steps and larger batches run eagerly as before. `--enforce-eager` (or
 TOKENMILL_CUDA_GRAPHS=0) never captures. The logits and sampling run after the replay, eagerly, on the B real rows.
 
@@ -59,7 +59,7 @@ class GraphBuffers(Protocol):
     max_batch: int
     max_blocks: int
 
-    def view(self, size: int) -> Any: ...
+    def view(self, size: int, q: int) -> Any: ...
 
     def fill(self, layout: Any, size: int) -> None: ...
 
@@ -103,26 +103,30 @@ class EmulatedGraph:
 
 @dataclass
 class GraphStats:
-    sizes: list[int] = field(default_factory=list)  # captured batch sizes
-    replays: int = 0  # decode steps replayed
-    padded_rows: int = 0  # pad rows computed over those steps
+    sizes: list[int] = field(default_factory=list)  # captured batch sizes (requests)
+    query_lens: list[int] = field(default_factory=list)  # captured tokens per request
+    replays: int = 0  # steps replayed
+    padded_rows: int = 0  # pad requests computed over those steps
     by_size: dict[int, int] = field(default_factory=dict)  # replays per size
+    by_query_len: dict[int, int] = field(default_factory=dict)  # replays per tokens per request
 
 
 class DecodeGraphs:
-    """The captured decode forwards and the fixed buffers they read. `size_for` says which graph takes a step's
-    inputs (StepInputs; None: the step runs eagerly), `run` replays it and returns the hidden states [B, hidden]."""
+    """The captured forwards and the fixed buffers they read. `key_for` says which graph takes a step's inputs
+    (StepInputs; None: the step runs eagerly), `run` replays it and returns the hidden states [T, hidden]."""
 
     def __init__(self, model: torch.nn.Module, buffers: list[GraphBuffers], sizes: list[int], device: torch.device,
-                 mode: str) -> None:
+                 mode: str, query_lens: tuple[int, ...] = (1,)) -> None:
         self.model = model
         self.buffers = buffers  # one per KV cache group (executor/kv_groups.py): each has its own block table
         self.sizes = sizes
+        self.query_lens = query_lens
         self.mode = mode
         self.max_batch = sizes[-1]
-        self.input_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
-        self.graphs: dict[int, Replay] = {}
+        T = self.max_batch * max(query_lens)
+        self.input_ids = torch.zeros(T, dtype=torch.long, device=device)
+        self.positions = torch.zeros(T, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[int, int], Replay] = {}
         self.stats = GraphStats()
         # EAGLE-3 targets: the forward also sets model.aux_hidden_states (a Python attribute a replay would not
         # set again): the graph returns it beside the hidden states and each replay sets it from there.
@@ -130,40 +134,44 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Every size, largest first. Until a step fills them, the buffers hold pad rows only (pad block)."""
+        """Every (tokens per request, size), largest first. Until a step fills them, the buffers hold pad rows."""
         pool = torch.cuda.graph_pool_handle() if self.mode == "cuda" else None
-        for size in reversed(self.sizes):
-            # (host-side fields fixed from here on, as a graph's would be)
-            meta = (self.buffers[0].view(size) if len(self.buffers) == 1
-                    else GroupedMetadata([b.view(size) for b in self.buffers]))
+        for q in sorted(self.query_lens, reverse=True):
+            for size in reversed(self.sizes):
+                # (host-side fields fixed from here on, as a graph's would be)
+                meta = (self.buffers[0].view(size, q) if len(self.buffers) == 1
+                        else GroupedMetadata([b.view(size, q) for b in self.buffers]))
 
-            def body(size: int = size, meta: Any = meta) -> tuple[torch.Tensor, torch.Tensor | None]:
-                hidden = self.model(self.input_ids[:size], self.positions[:size], meta)
-                return hidden, (self.model.aux_hidden_states if self.aux else None)
+                def body(T: int = size * q, meta: Any = meta) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    hidden = self.model(self.input_ids[:T], self.positions[:T], meta)
+                    return hidden, (self.model.aux_hidden_states if self.aux else None)
 
-            self.graphs[size] = CudaGraph(body, pool) if self.mode == "cuda" else EmulatedGraph(body)
-        self.stats.sizes = list(self.sizes)
+                self.graphs[q, size] = CudaGraph(body, pool) if self.mode == "cuda" else EmulatedGraph(body)
+        self.stats.sizes, self.stats.query_lens = list(self.sizes), sorted(self.query_lens)
 
-    def size_for(self, inp: Any) -> int | None:
-        """The captured size that takes this step, or None (eager): pure decodes only."""
+    def key_for(self, inp: Any) -> tuple[int, int] | None:
+        """(tokens per request, captured size) of the graph that takes this step, or None (eager): uniform steps
+        only (every request q tokens: T == B * q with q the longest)."""
         lay = inp.layout
-        B = lay.num_tokens
-        if (lay.max_query_len != 1 or lay.tree_req is not None or inp.prompt_rows or B > self.max_batch
-                or lay.block_table.shape[1] > self.buffers[0].max_blocks):
+        B, q = lay.query_len.numel(), lay.max_query_len
+        if (q not in self.query_lens or lay.num_tokens != B * q or lay.tree_req is not None or inp.prompt_rows
+                or B > self.max_batch or lay.block_table.shape[1] > self.buffers[0].max_blocks):
             return None
-        return self.sizes[bisect.bisect_left(self.sizes, B)]
+        return q, self.sizes[bisect.bisect_left(self.sizes, B)]
 
-    def run(self, inp: Any, size: int) -> torch.Tensor:
-        B = inp.layout.num_tokens
+    def run(self, inp: Any, key: tuple[int, int]) -> torch.Tensor:
+        q, size = key
+        T = inp.layout.num_tokens
         for buffers, layout in zip(self.buffers, [inp.layout, *inp.group_layouts]):
             buffers.fill(layout, size)
-        self.input_ids[:B].copy_(inp.input_ids)  # (pad rows keep earlier steps' ids and positions: in range)
-        self.positions[:B].copy_(inp.positions)
-        hidden, aux = self.graphs[size].replay()
+        self.input_ids[:T].copy_(inp.input_ids)  # (pad rows keep earlier steps' ids and positions: in range)
+        self.positions[:T].copy_(inp.positions)
+        hidden, aux = self.graphs[key].replay()
         if aux is not None:
-            self.model.aux_hidden_states = aux[:B]
+            self.model.aux_hidden_states = aux[:T]
         s = self.stats
         s.replays += 1
-        s.padded_rows += size - B
+        s.padded_rows += size - T // q
         s.by_size[size] = s.by_size.get(size, 0) + 1
-        return hidden[:B]
+        s.by_query_len[q] = s.by_query_len.get(q, 0) + 1
+        return hidden[:T]

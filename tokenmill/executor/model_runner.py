@@ -119,10 +119,17 @@ class ModelRunner:
         ]
         return next((why for bad, why in reasons if bad), None)
 
-    def capture_graphs(self, max_num_seqs: int, max_blocks: int) -> None:
-        """Capture the decode graphs (worker, after allocate_kv_cache; the pad block is the one past the pool)."""
-        buffers = [self.backend.graph_buffers(max_num_seqs, max_blocks, self.num_blocks) for _ in self.kv_groups]
-        graphs = DecodeGraphs(self.model, buffers, capture_sizes(max_num_seqs), self.device, self.graph_mode)
+    def capture_graphs(self, max_num_seqs: int, max_blocks: int, query_lens: tuple[int, ...] = (1,)) -> None:
+        """Capture the graphs (worker, after allocate_kv_cache; the pad block is the one past the pool): decodes,
+        and with speculative decoding chain verifications (query_lens 1 and k + 1) where the backend takes them."""
+        def buffers(q: int) -> list:
+            return [self.backend.graph_buffers(max_num_seqs, max_blocks, self.num_blocks, q) for _ in self.kv_groups]
+
+        per_group = buffers(max(query_lens))
+        if any(b is None for b in per_group):  # more tokens per request than the backend's graphs take
+            query_lens, per_group = (1,), buffers(1)
+        graphs = DecodeGraphs(self.model, per_group, capture_sizes(max_num_seqs), self.device, self.graph_mode,
+                              query_lens)
         t0 = time.perf_counter()
         try:
             graphs.capture()
@@ -130,8 +137,8 @@ class ModelRunner:
             log.warning("CUDA graphs off: capturing the decode forward failed (%s); every step runs eagerly", e)
             return
         self.graphs = graphs
-        log.info("CUDA graphs: decode batches of %s captured in %.1f s (--enforce-eager turns them off)",
-                 ", ".join(map(str, graphs.sizes)), time.perf_counter() - t0)
+        log.info("CUDA graphs: batches of %s requests x %s tokens captured in %.1f s (--enforce-eager turns them off)",
+                 ", ".join(map(str, graphs.sizes)), " or ".join(map(str, query_lens)), time.perf_counter() - t0)
 
     def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
         # With CUDA graphs, one block more than the scheduler's pool: the pad block of padded decode batches.
@@ -185,16 +192,16 @@ class ModelRunner:
         inp = self.input_batch.prepare(batch)
         if self.lora is not None:
             self.lora.prepare(inp.requests, batch.num_scheduled_tokens)
-        graph_size = self.graphs.size_for(inp) if self.graphs is not None else None  # a decode batch a graph takes
-        meta = self._metadata(inp) if graph_size is None else None
+        graph = self.graphs.key_for(inp) if self.graphs is not None else None  # a uniform batch a graph takes
+        meta = self._metadata(inp) if graph is None else None
         timer = self.attn_timer
         if timer is not None:
             timer.total = 0.0
         clock = ForwardClock(self.device)
         clock.start()
         split = self.token_split
-        if graph_size is not None:
-            hidden = self.graphs.run(inp, graph_size)
+        if graph is not None:
+            hidden = self.graphs.run(inp, graph)
         elif split is None:
             hidden = self.model(inp.input_ids, inp.positions, meta)
         else:

@@ -205,9 +205,7 @@ class Worker:
         num_blocks = self.determine_num_blocks(kv_dtype)
         self.runner.allocate_kv_cache(num_blocks, kv_dtype)
         if self.runner.graph_mode is not None:
-            lookahead = self.config.scheduler.num_lookahead_tokens
-            self.runner.capture_graphs(self.config.scheduler.max_num_seqs,
-                                       -(-(self.max_model_len + lookahead) // cache.block_size))
+            self.runner.capture_graphs(*self._graph_shapes())
         log.info("KV cache: %d blocks x %d tokens, %.1f MiB (kv_cache_dtype %s: %s); attention backend %s", num_blocks,
                  cache.block_size, num_blocks * self.runner.bytes_per_block / 2**20,
                  getattr(cache, "kv_cache_dtype", "auto"), str(kv_dtype).removeprefix("torch."), type(self.runner.backend).describe())
@@ -368,13 +366,19 @@ class Worker:
                  peak / GiB, graphs / GiB, max(budget, 0) / GiB)
         return max(budget, 0) // per_block
 
+    def _graph_shapes(self) -> tuple[int, int, tuple[int, ...]]:
+        """What the graphs are captured for: up to max_num_seqs requests, block tables as wide as the longest
+        request's (drafts' slots included), 1 token per request, and k + 1 with k drafts per step."""
+        cache, sched, spec = self.config.cache, self.config.scheduler, self.config.speculative
+        max_blocks = -(-(self.max_model_len + sched.num_lookahead_tokens) // cache.block_size)
+        k = spec.num_speculative_tokens if spec is not None else 0
+        return sched.max_num_seqs, max_blocks, (1, k + 1) if k else (1,)
+
     def _graph_bytes(self) -> int:
         """What the decode graphs hold for good (their private memory pool, which eager steps cannot reuse, and
         their fixed buffers), measured by capturing them once on the profiling pool and releasing them."""
-        cache, sched = self.config.cache, self.config.scheduler
         before = torch.cuda.memory_reserved(self.device)
-        self.runner.capture_graphs(sched.max_num_seqs,
-                                   -(-(self.max_model_len + sched.num_lookahead_tokens) // cache.block_size))
+        self.runner.capture_graphs(*self._graph_shapes())
         held = torch.cuda.memory_reserved(self.device) - before
         self.runner.graphs = None
         return max(held, 0)

@@ -82,9 +82,10 @@ class AttentionBackend:
     def build_metadata(self, layout: BatchLayout) -> Any:
         raise NotImplementedError
 
-    def graph_buffers(self, max_batch: int, max_blocks: int, pad_block: int) -> Any | None:
-        """Fixed-address metadata for decode steps replayed from CUDA graphs (executor/cuda_graphs.py:
-        GraphBuffers), or None: this backend's steps build host-dependent metadata and always run eagerly."""
+    def graph_buffers(self, max_batch: int, max_blocks: int, pad_block: int, max_query_len: int = 1) -> Any | None:
+        """Fixed-address metadata for steps of up to max_batch requests of up to max_query_len tokens each replayed
+        from CUDA graphs (executor/cuda_graphs.py: GraphBuffers), or None: this backend's steps build
+        host-dependent metadata (or cannot take that many queries) and always run eagerly."""
         return None
 
     def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any) -> torch.Tensor:

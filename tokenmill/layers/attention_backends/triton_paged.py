@@ -52,64 +52,74 @@ class TritonMetadata:
 
 
 class TritonGraphBuffers:
-    """The metadata of decode steps replayed from CUDA graphs (executor/cuda_graphs.py), in tensors whose
-    addresses never change: a graph replays its kernels on the pointers it was captured with, so each step
-    copies its values in (`fill`) instead of building new tensors. Batches are padded to a captured size P;
-    a pad row decodes one token of the pad block (a block past the scheduler's pool): it writes its K/V
-    there and attends to that slot only, so it can neither touch a request's blocks nor read garbage.
+    """The metadata of steps replayed from CUDA graphs (executor/cuda_graphs.py), in tensors whose addresses never
+    change: a graph replays its kernels on the pointers it was captured with, so each step copies its values in
+    (`fill`) instead of building new tensors. A graph takes a uniform batch: every request q new tokens (q = 1:
+    decodes; q = k + 1: chain verifications of k drafts), q <= BLOCK_M, so the launch's layout is constant (one
+    tile per request, request i's queries at rows i*q ..). Batches are padded to a captured size P; a pad request
+    computes q tokens in the pad block (a block past the scheduler's pool): it writes its K/V there and attends to
+    those slots only, so it can neither touch a request's blocks nor read garbage."""
 
-    Decode rows make the launch's layout constant: row i is request i's only query, one tile each."""
-
-    def __init__(self, max_batch: int, max_blocks: int, pad_block: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, max_batch: int, max_blocks: int, pad_block: int, block_size: int, device: torch.device,
+                 max_query_len: int = 1) -> None:
+        if max_query_len > BLOCK_M:
+            raise ValueError(f"graphs take at most {BLOCK_M} queries per request, not {max_query_len}")
         i32, dev = torch.int32, torch.device(device)
-        self.max_batch, self.max_blocks = max_batch, max_blocks
-        self.pad_block, self.pad_slot = pad_block, pad_block * block_size
-        self.slot_mapping = torch.full((max_batch,), self.pad_slot, dtype=torch.long, device=dev)
+        self.max_batch, self.max_blocks, self.max_query_len = max_batch, max_blocks, max_query_len
+        self.block_size, self.pad_block = block_size, pad_block
+        T = max_batch * max_query_len
+        self.slot_mapping = torch.full((T,), pad_block * block_size, dtype=torch.long, device=dev)
         self.block_table = torch.full((max_batch, max_blocks), pad_block, dtype=i32, device=dev)
         self.kv_len = torch.ones(max_batch, dtype=i32, device=dev)
-        self.query_start = torch.arange(max_batch, dtype=i32, device=dev)  # also each tile's request
-        self.query_len = torch.ones(max_batch, dtype=i32, device=dev)
+        self.requests = torch.arange(max_batch, dtype=i32, device=dev)  # each tile's request
         self.tile_first = torch.zeros(max_batch, dtype=i32, device=dev)
-        # One host-to-device copy per step: [slots P | kv_len P | block table P x n] packed on the host (pinned on
-        # CUDA, so the copy does not block), then spread into the fixed buffers on the device.
-        n = max_batch * (2 + max_blocks)
+        self._starts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # q -> (query_start, query_len), fixed
+        # One host-to-device copy per step: [slots P*q | kv_len P | block table P x n] packed on the host (pinned
+        # on CUDA, so the copy does not block), then spread into the fixed buffers on the device.
+        n = T + max_batch * (1 + max_blocks)
         self._host = torch.empty(n, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._stage = torch.empty(n, dtype=torch.long, device=dev)
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None  # the last copy out of _host has run
 
-    def view(self, size: int) -> TritonMetadata:
-        """The metadata a graph of `size` rows is captured with (views of the fixed buffers)."""
-        rows = self.query_start[:size]
-        return TritonMetadata(slot_mapping=self.slot_mapping[:size], block_table=self.block_table[:size],
-                              query_start=rows, query_len=self.query_len[:size], kv_len=self.kv_len[:size],
+    def view(self, size: int, q: int = 1) -> TritonMetadata:
+        """The metadata a graph of `size` requests of q tokens each is captured with (views of fixed buffers)."""
+        if q not in self._starts:
+            dev = self.requests.device
+            self._starts[q] = (self.requests * q, torch.full((self.max_batch,), q, dtype=torch.int32, device=dev))
+        starts, lens = self._starts[q]
+        rows = self.requests[:size]
+        return TritonMetadata(slot_mapping=self.slot_mapping[: size * q], block_table=self.block_table[:size],
+                              query_start=starts[:size], query_len=lens[:size], kv_len=self.kv_len[:size],
                               tile_req=rows, tile_first=self.tile_first[:size])
 
     def fill(self, layout: BatchLayout, size: int) -> None:
-        """This step's B decode rows into the buffers' first B rows, pad rows up to `size`. The pinned host
+        """This step's B requests into the buffers' first B rows, pad requests up to `size`. The pinned host
         buffer is rewritten only after the previous step's copy from it has run (an event; in practice long
-        done: every decode step ends with the copy of its sampled tokens to the host, ordered after it)."""
-        B, n = layout.query_len.numel(), layout.block_table.shape[1]
-        if layout.max_query_len != 1 or B > size or size > self.max_batch or n > self.max_blocks:
-            raise ValueError(f"a graph of {size} decode rows cannot take this step ({B} requests, "
-                             f"{layout.max_query_len} queries at most, {n} blocks)")
+        done: every such step ends with the copy of its sampled tokens to the host, ordered after it)."""
+        B, n, q = layout.query_len.numel(), layout.block_table.shape[1], layout.max_query_len
+        if (B > size or size > self.max_batch or n > self.max_blocks or q > self.max_query_len
+                or layout.num_tokens != B * q):
+            raise ValueError(f"a graph of {size} requests cannot take this step ({B} requests, {layout.num_tokens} "
+                             f"tokens, {q} at most each, {n} blocks)")
         if self._copied is not None:
             self._copied.synchronize()
-        h = self._host
-        h[:B] = layout.slot_mapping
-        h[B:size] = self.pad_slot
-        h[size : size + B] = layout.kv_len
-        h[size + B : 2 * size] = 1
-        table = h[2 * size : 2 * size + size * n].view(size, n)
+        h, T = self._host, size * q
+        h[: B * q] = layout.slot_mapping
+        pad = torch.arange(q) % self.block_size + self.pad_block * self.block_size  # a pad request's slots
+        h[B * q : T] = pad.repeat(size - B)
+        h[T : T + B] = layout.kv_len
+        h[T + B : T + size] = q
+        table = h[T + size : T + size + size * n].view(size, n)
         table[:B] = layout.block_table
         table[B:] = self.pad_block
-        used = 2 * size + size * n
+        used = T + size + size * n
         stage = self._stage[:used]
         stage.copy_(h[:used], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        self.slot_mapping[:size].copy_(stage[:size])
-        self.kv_len[:size].copy_(stage[size : 2 * size])
-        self.block_table[:size, :n].copy_(stage[2 * size :].view(size, n))
+        self.slot_mapping[:T].copy_(stage[:T])
+        self.kv_len[:size].copy_(stage[T : T + size])
+        self.block_table[:size, :n].copy_(stage[T + size :].view(size, n))
 
 
 @register_backend
@@ -148,9 +158,12 @@ class TritonPagedBackend(AttentionBackend):
         super().__init__(block_size, device)
         self.uploader = Uploader(self.device)
 
-    def graph_buffers(self, max_batch: int, max_blocks: int, pad_block: int) -> TritonGraphBuffers:
-        """Fixed-address metadata for decode steps replayed from CUDA graphs (executor/cuda_graphs.py)."""
-        return TritonGraphBuffers(max_batch, max_blocks, pad_block, self.block_size, self.device)
+    def graph_buffers(self, max_batch: int, max_blocks: int, pad_block: int,
+                      max_query_len: int = 1) -> TritonGraphBuffers | None:
+        """Fixed-address metadata for steps replayed from CUDA graphs (executor/cuda_graphs.py)."""
+        if max_query_len > BLOCK_M:
+            return None
+        return TritonGraphBuffers(max_batch, max_blocks, pad_block, self.block_size, self.device, max_query_len)
 
     def build_metadata(self, layout: BatchLayout) -> TritonMetadata:
         """The step's metadata in two copies to the device (the int32 tensors packed in one, the int64 slots)."""
