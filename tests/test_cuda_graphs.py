@@ -160,9 +160,9 @@ def test_a_model_with_sliding_window_layers_replays_with_a_table_per_kv_cache_gr
     llm = _llm(path)
     runner = llm.engine.core.executor.worker.runner
     assert len(runner.kv_groups) == 2 and len(runner.graphs.buffers) == 2
-    prompts = prompts_for(llm.engine.vocab_size)[:4]
+    prompts = prompts_for(llm.engine.vocab_size)[2:5]  # 14, 21 and 30 tokens: past the window of 24 as they grow
     oracle = hf_greedy(path, prompts)
-    lengths = [6, 12, 20, len(oracle[0][0])]
+    lengths = [4, 10, 16]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in lengths],
                         use_tqdm=False)
@@ -188,11 +188,10 @@ def test_speculative_decoding_replays_decodes_and_uniform_verifications(tmp_path
     llm = _llm(path, speculative_config=spec)
     runner = llm.engine.core.executor.worker.runner
     assert runner.graphs.query_lens == (1, 4)
-    prompts = [p[:6] * 3 for p in prompts_for(llm.engine.vocab_size)[:3]]  # repeats for the n-gram lookup
-    oracle = hf_greedy(path, prompts)
+    prompts = [p[:6] * 3 for p in prompts_for(llm.engine.vocab_size)[:2]]  # repeats for the n-gram lookup
+    oracle = [(t[:12], lp[:12]) for t, lp in hf_greedy(path, prompts)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=len(oracle[0][0]), ignore_eos=True, logprobs=3),
-                        use_tqdm=False)
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3), use_tqdm=False)
     check_against_oracle(outs, oracle, f"{method} + graphs")
     stats = runner.graphs.stats
     assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0 and stats.replays > 0
