@@ -40,9 +40,10 @@ def copies_per_step(llm, params, prompt_logprobs: list | None = None) -> list[tu
     runner = llm.engine.core.executor.worker.runner
     forward = runner.model.forward
     runner.model.forward = lambda *a, **k: forward(*a, **k).as_subclass(OnDevice)
-    for uploader in (runner.input_batch.uploader, runner.input_batch.sampling.uploader):
-        upload = uploader.upload
-        uploader.upload = lambda a, upload=upload: upload(a).as_subclass(OnDevice)
+    uploader = runner.input_batch.uploader  # (the sampling state's too)
+    assert runner.input_batch.sampling.uploader is uploader
+    upload = uploader.upload
+    uploader.upload = lambda a: upload(a).as_subclass(OnDevice)
     draft = runner.spec.runner if runner.spec is not None else None
     if draft is not None and not draft.head:  # a draft model reads tokens only: its outputs are on the device too
         draft_forward = draft.module.forward

@@ -103,8 +103,6 @@ class EmulatedGraph:
 
 @dataclass
 class GraphStats:
-    sizes: list[int] = field(default_factory=list)  # captured batch sizes (requests)
-    query_lens: list[int] = field(default_factory=list)  # captured tokens per request
     replays: int = 0  # steps replayed
     padded_rows: int = 0  # pad requests computed over those steps
     by_size: dict[int, int] = field(default_factory=dict)  # replays per size
@@ -147,7 +145,6 @@ class DecodeGraphs:
                     return hidden, (self.model.aux_hidden_states if self.aux else None)
 
                 self.graphs[q, size] = CudaGraph(body, pool) if self.mode == "cuda" else EmulatedGraph(body)
-        self.stats.sizes, self.stats.query_lens = list(self.sizes), sorted(self.query_lens)
 
     def key_for(self, inp: Any) -> tuple[int, int] | None:
         """(tokens per request, captured size) of the graph that takes this step, or None (eager): uniform steps

@@ -76,7 +76,7 @@ class InputBatch:
         self.requests: dict[str, CachedRequestState] = {}
         # Sampling parameters as tensors, converted once per request here and then updated in place with
         # the accepted tokens, so a step's sampling costs no more for a large logit_bias, stop list or history.
-        self.sampling = SamplingState(vocab_size, device)
+        self.sampling = SamplingState(vocab_size, device, self.uploader)
         # Per row; grown (doubled) on demand: rows with the number of requests held at once, token columns
         # with the longest sequence, block columns with the longest table. int32 like vLLM's: half the
         # memory of int64 for ids and blocks that fit.

@@ -71,7 +71,9 @@ def row_uniforms(keys: Tensor | None, rows: int, stream: int, device, all_seeded
         return torch.rand(rows, dtype=torch.float64, device=device)
     seeded = keys >= 0
     hashed = counter_uniforms(keys, stream)
-    if all_seeded if all_seeded is not None else bool(seeded.all()):
+    if all_seeded is None:
+        all_seeded = bool(seeded.all())
+    if all_seeded:
         return hashed
     return torch.where(seeded, hashed, torch.rand(rows, dtype=torch.float64, device=device))
 

@@ -81,10 +81,11 @@ class VocabRows:
 class SamplingState:
     """Every admitted request's sampling parameters as tensors, indexed by slot."""
 
-    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str, uploader: Uploader | None = None) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self.uploader = Uploader(self.device)  # pinned, non-blocking copies on CUDA; none on the CPU
+        # pinned, non-blocking copies on CUDA, none on the CPU (the input batch's, shared)
+        self.uploader = uploader if uploader is not None else Uploader(self.device)
         self.scalars = np.zeros((0, _NUM_SCALARS), dtype=np.float32)
         self.vocab_rows = np.zeros((0, 4), dtype=np.int64)  # slot -> its row of each vocabulary table (0: none)
         self.min_tokens = np.zeros(0, dtype=np.int64)
