@@ -150,9 +150,15 @@ class EngineCoreRequest:
     seed: int | None = None
     lora: LoRARequest | None = None
     slo: RequestSLO | None = None
+    # Mixed into every block hash with the adapter's key: requests with different salts (tenants outside one
+    # cache group, vLLM's `cache_salt`) never share prefix-cache blocks, so neither can probe the other's prompts.
+    cache_salt: str | None = None
 
     def to_request(self) -> Request:
         return Request(self.request_id, self.prompt_token_ids, self.params, self.max_tokens, self.eos_token_ids,
                        self.priority, self.arrival_time, index=self.index, seed=self.seed, lora=self.lora,
-                       slo=self.slo,
-                       extra_keys=self.lora.cache_key if self.lora is not None else ())
+                       slo=self.slo, extra_keys=self.cache_keys())
+
+    def cache_keys(self) -> tuple:
+        keys = self.lora.cache_key if self.lora is not None else ()
+        return keys + (("salt", self.cache_salt),) if self.cache_salt else keys

@@ -152,7 +152,7 @@ class AsyncLLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     queue: asyncio.Queue, *, tag: int = 0, priority: int = 0, arrival_time: float | None = None,
                     prompt: str | None = None, lora_request: LoRARequest | None = None,
-                    slo: RequestSLO | None = None) -> None:
+                    slo: RequestSLO | None = None, cache_salt: str | None = None) -> None:
         """Queue a request; its deltas arrive on `queue`, the last one with finished=True."""
         loop = asyncio.get_running_loop()
         refuse = None
@@ -165,7 +165,8 @@ class AsyncLLMEngine:
         if refuse is None:
             try:
                 _, ids, params, reqs = self.processor.process(request_id, prompt_token_ids, params, None,
-                                                              priority, arrival_time, lora_request, slo)
+                                                              priority, arrival_time, lora_request, slo,
+                                                              cache_salt)
             except ValueError as e:
                 refuse = EngineError(str(e), 400)
         if refuse is not None:

@@ -74,6 +74,7 @@ class Processor:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         slo: RequestSLO | None = None,
+        cache_salt: str | None = None,
     ) -> tuple[str | None, list[int], SamplingParams, list[EngineCoreRequest]]:
         """Returns (prompt text, prompt ids, params, core requests); raises ValueError on bad input."""
         params = params or SamplingParams()
@@ -99,7 +100,8 @@ class Processor:
         reqs = [
             EngineCoreRequest(cid, prompt_token_ids, params, max_tokens, self.facts.eos_token_ids, priority, arrival,
                               index=i, seed=None if params.seed is None else (params.seed + i) % SEED_RANGE,
-                              lora=lora_request, slo=slo if slo is not None and not slo.empty else None)
+                              lora=lora_request, slo=slo if slo is not None and not slo.empty else None,
+                              cache_salt=cache_salt)
             for i, cid in enumerate(child_ids(request_id, params.n))
         ]
         return prompt, prompt_token_ids, params, reqs

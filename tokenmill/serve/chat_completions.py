@@ -20,6 +20,7 @@ from tokenmill.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompl
 from tokenmill.serve.sampling import build_sampling_params, check_input_chars, check_lists
 from tokenmill.serve.state import LARGE_INPUT, ServerState
 from tokenmill.serve.tenants.keys import priority_for, request_slo, slo_for, tenant_of
+from tokenmill.serve.tenants.isolation import cache_salt_for
 from tokenmill.serve.tenants.limits import reserve_for, worst_case_tokens
 from tokenmill.serve.tenants.usage import mark
 from tokenmill.serve.structured import check_constraint, request_constraint
@@ -112,7 +113,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = build_sampling_params(req, [len(ids)], state.limits, so)
     state.check_capacity()
     sub = Submission(state.engine, [ids], [text], [params], priority_for(tenant, req.priority), arrival_time, lora,
-                     slo)
+                     slo, cache_salt_for(tenant, req.cache_salt))
     reserve_for(raw.scope, state.limiter, tenant, worst_case_tokens([ids], [params], state.engine.max_model_len),
                 lambda: sub.usage().total_tokens)
     await sub.start()

@@ -18,6 +18,7 @@ from tokenmill.serve.sampling import (build_sampling_params, check_count, check_
                                      check_prompt_ids)
 from tokenmill.serve.state import LARGE_INPUT, ServerState
 from tokenmill.serve.tenants.keys import priority_for, request_slo, slo_for, tenant_of
+from tokenmill.serve.tenants.isolation import cache_salt_for
 from tokenmill.serve.tenants.limits import reserve_for, worst_case_tokens
 from tokenmill.serve.tenants.usage import mark
 from tokenmill.serve.structured import check_constraint, request_constraint
@@ -98,7 +99,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     state.check_capacity()
     sub = Submission(state.engine, ready.ids, ready.texts, [ready.params] * len(ready.ids),
                      priority_for(tenant, req.priority), arrival_time, lora,
-                     slo)
+                     slo, cache_salt_for(tenant, req.cache_salt))
     reserve_for(raw.scope, state.limiter, tenant,
                 worst_case_tokens(ready.ids, [ready.params] * len(ready.ids), state.engine.max_model_len),
                 lambda: sub.usage().total_tokens)

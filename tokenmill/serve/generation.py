@@ -69,8 +69,10 @@ class Submission:
 
     def __init__(self, engine: AsyncLLMEngine, prompts: list[list[int]], texts: list[str | None],
                  params: list[SamplingParams], priority: int = 0, arrival_time: float | None = None,
-                 lora_request: LoRARequest | None = None, slo: RequestSLO | None = None) -> None:
+                 lora_request: LoRARequest | None = None, slo: RequestSLO | None = None,
+                 cache_salt: str | None = None) -> None:
         self.engine = engine
+        self.cache_salt = cache_salt  # the prefix-cache salt of the caller (serve/cache_salt.py)
         self.slo = slo
         self.lora_request = lora_request
         self.n = params[0].n
@@ -93,7 +95,8 @@ class Submission:
             for p, (prompt, params) in enumerate(zip(self.prompts, self.params)):
                 self.engine.add_request(self.request_ids[p], prompt.token_ids, params, self.queue, tag=p,
                                         priority=self.priority, arrival_time=self.arrival_time, prompt=prompt.text,
-                                        lora_request=self.lora_request, slo=self.slo)
+                                        lora_request=self.lora_request, slo=self.slo,
+                                        cache_salt=self.cache_salt)
                 if time.monotonic() - last_yield > ADMIT_SLICE_S:
                     await asyncio.sleep(0)
                     last_yield = time.monotonic()

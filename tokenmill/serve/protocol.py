@@ -89,6 +89,9 @@ class _SamplingFields(_Request):
     ignore_eos: Bool = False
     priority: Int = 0
     slo: SLOField | None = None  # tokenmill extension
+    # vLLM's: mixed into the prefix-cache hashes (with the tenant's cache group), so only requests with the same
+    # salt share cached blocks. 1..256 characters.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: Bool = False
     skip_special_tokens: Bool = True

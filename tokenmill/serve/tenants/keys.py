@@ -8,6 +8,8 @@ tenants:
     limits: {requests_per_minute: 60, tokens_per_minute: 20000, concurrent: 8, tokens_per_day: 2000000}
     priority: 0                       # lower runs first, as vLLM's `priority`
     slo: {ttft_ms: 1000, tpot_ms: 100}
+    cache_group: team-a               # tenants share prefix-cache blocks only within one group (default: its name)
+    adapters: ["team-a-*"]            # LoRA adapters this tenant owns: no other tenant may use them
 ```
 
 The same shape as JSON works. Keys are kept only as SHA-256 digests (a key written as `sha256:<hex>` is one
@@ -25,7 +27,7 @@ import json
 import logging
 import signal
 import threading
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from tokenmill.core.request import RequestSLO
 
@@ -53,9 +55,20 @@ class Tenant:
     limits: TenantLimits = field(default_factory=TenantLimits)
     priority: int = 0
     slo: RequestSLO = field(default_factory=RequestSLO)  # its requests' targets (the slo scheduling policy)
+    # The prefix-cache salt: tenants share cached blocks only within one group (serve/tenants/isolation.py).
+    cache_group: str | None = None
+    adapters: tuple[str, ...] = ()  # globs of the adapter names it owns
+    others_adapters: tuple[str, ...] = ()  # globs other tenants own: never usable by this one
 
     def may_use(self, model: str) -> bool:
-        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+        if any(fnmatch.fnmatchcase(model, p) for p in self.others_adapters) and \
+                not any(fnmatch.fnmatchcase(model, p) for p in self.adapters):
+            return False  # another tenant's adapter, whatever this tenant's `models` globs say
+        return any(fnmatch.fnmatchcase(model, p) for p in self.models + self.adapters)
+
+    @property
+    def salt_group(self) -> str:
+        return self.cache_group or self.name
 
 
 def tenant_of(scope) -> Tenant | None:
@@ -157,7 +170,8 @@ def load_keys(path: str) -> KeyTable:
         where = f"tenants[{i}]"
         if not isinstance(t, dict):
             raise KeysFileError(f"{path}: {where} must be a mapping.")
-        unknown = sorted(set(t) - {"name", "keys", "models", "limits", "priority", "slo"})
+        unknown = sorted(set(t) - {"name", "keys", "models", "limits", "priority", "slo", "cache_group",
+                                   "adapters"})
         if unknown:
             raise KeysFileError(f"{path}: {where} has unknown keys {unknown}.")
         name = t.get("name")
@@ -179,8 +193,15 @@ def load_keys(path: str) -> KeyTable:
             v = getattr(limits, k)
             if v is not None and not isinstance(v, int):
                 raise KeysFileError(f"{path}: tenant {name!r} limits.{k} must be an integer, got {v!r}.")
+        cache_group = t.get("cache_group")
+        if cache_group is not None and (not isinstance(cache_group, str) or not cache_group):
+            raise KeysFileError(f"{path}: tenant {name!r}: cache_group must be a non-empty string.")
+        adapters = t.get("adapters", [])
+        if not isinstance(adapters, list) or not all(isinstance(a, str) and a for a in adapters):
+            raise KeysFileError(f"{path}: tenant {name!r}: adapters must be a list of names or globs.")
         tenant = Tenant(name, tuple(models), limits, priority,
-                        _section(t.get("slo"), RequestSLO, f"tenant {name!r} slo", path))
+                        _section(t.get("slo"), RequestSLO, f"tenant {name!r} slo", path), cache_group,
+                        tuple(adapters))
         tenants[name] = tenant
         for key in keys:
             if key.startswith("sha256:"):
@@ -196,7 +217,16 @@ def load_keys(path: str) -> KeyTable:
                 raise KeysFileError(f"{path}: a key of tenant {name!r} is given twice (keys must be unique).")
             seen.add(d)
             entries.append((d, tenant))
-    return KeyTable(entries, tenants)
+    return _with_ownership(KeyTable(entries, tenants))
+
+
+def _with_ownership(table: KeyTable) -> KeyTable:
+    """Each tenant learns the adapter globs the others own (Tenant.others_adapters), so `may_use` alone keeps
+    another team's adapters from it — in the server and in the router alike."""
+    owned = {name: t.adapters for name, t in table.tenants.items()}
+    tenants = {name: replace(t, others_adapters=tuple(g for other, gs in owned.items() if other != name for g in gs))
+               for name, t in table.tenants.items()}
+    return KeyTable([(d, tenants[t.name]) for d, t in table.entries], tenants)
 
 
 class KeyStore:
