@@ -1,6 +1,7 @@
 """Usage metering (--usage-db): per tenant, model and day in SQLite, written off the event loop; /v1/usage for
-the admin (all tenants) and a tenant (its own); the totals equal the responses' `usage`; records reach the file
-unprompted within the flush interval, and a kill -9 loses nothing written."""
+the admin (all tenants) and a tenant (its own), rate-limited per caller; the totals equal the responses' `usage`;
+records reach the file unprompted within the flush interval, and a kill -9 loses nothing written; a failing
+SQLite keeps a bounded queue. The reader's own thread and the rate limiter: test_usage_reader.py."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import pytest
 
 from server_harness import start_server
 from tiny import make_tiny_model
-from tokenmill.serve.tenants.usage import Price, Pricing, UsageStore, load_pricing, rows_to_csv
+from tokenmill.serve.tenants.usage import READ_BURST, Price, Pricing, UsageStore, load_pricing, rows_to_csv
 
 
 def test_store_groups_prices_and_csv(tmp_path):
@@ -139,6 +140,16 @@ def test_usage_totals_equal_the_responses_and_survive_kill_9(metered):
     lines = csv.text.splitlines()
     assert csv.headers["content-type"].startswith("text/csv") and len(lines) == 5, csv.text
     assert lines[2].startswith("b,-,") and lines[2].endswith(",1,0.0")  # a body refused while parsing: no model known yet
+    # Reads are rate-limited per caller: tenant b past its burst gets 429 in OpenAI's shape; c still reads.
+    codes = []
+    for _ in range(READ_BURST + 2):
+        r = httpx.get(srv.url("/v1/usage"), headers={"Authorization": "Bearer sk-b"}, timeout=30)
+        codes.append(r.status_code)
+        if r.status_code == 429:
+            break
+    assert codes[:READ_BURST] == [200] * READ_BURST and codes[-1] == 429, codes
+    assert r.json()["error"]["code"] == "rate_limit_exceeded" and int(r.headers["retry-after"]) >= 1
+    assert httpx.get(srv.url("/v1/usage"), headers={"Authorization": "Bearer sk-c"}, timeout=30).status_code == 200
     # kill -9: what /v1/usage showed was written; the file opens and holds it.
     srv.proc.send_signal(signal.SIGKILL)
     srv.proc.wait(10)
@@ -149,17 +160,53 @@ def test_usage_totals_equal_the_responses_and_survive_kill_9(metered):
     assert after == sent
 
 
+def _file_rows(path) -> list[tuple]:
+    con = sqlite3.connect(path)
+    try:
+        return con.execute("SELECT tenant, requests, prompt_tokens, completion_tokens FROM usage").fetchall()
+    finally:
+        con.close()
+
+
 def test_a_failed_write_keeps_the_records_for_the_next(tmp_path, monkeypatch):
-    """SQLite refusing a flush (a full disk, a lock) loses nothing: the batch goes back to the queue."""
+    """SQLite refusing a flush (a full disk, a lock) loses nothing: the batch goes back to the queue, and reads
+    count it meanwhile."""
     from tokenmill.serve.tenants import usage
 
     store = UsageStore(str(tmp_path / "u.db"))
     monkeypatch.setattr(usage, "_ADD", "INSERT INTO no_such_table VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
     store.record("a", "m", 5, 0, 2)
     assert store.flush()
-    assert store.query() == []
+    assert _file_rows(tmp_path / "u.db") == []
+    assert [(r["requests"], r["prompt_tokens"]) for r in store.query()] == [(1, 5)]  # from the queue
     monkeypatch.undo()
     store.record("a", "m", 1, 0, 1)
     assert store.flush()
+    assert _file_rows(tmp_path / "u.db") == [("a", 2, 6, 3)]
     assert [(r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in store.query()] == [(2, 6, 3)]
+    assert store.dropped == 0
+    store.close()
+
+
+def test_a_persistent_sqlite_failure_keeps_a_bounded_queue(tmp_path, monkeypatch, caplog):
+    """Fault injection: every write fails. The queue stays at max_pending records, the oldest are dropped,
+    counted and logged; once SQLite works again the newest reach the file."""
+    from tokenmill.serve.tenants import usage
+
+    store = UsageStore(str(tmp_path / "u.db"), max_pending=4)
+    monkeypatch.setattr(usage, "_ADD", "INSERT INTO no_such_table VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
+    for i in range(3):
+        store.record("a", "m", i, 0, 0)
+    assert store.flush()  # fails: the 3 go back to the queue
+    for i in range(3, 10):
+        store.record("a", "m", i, 0, 0)
+        assert len(store._pending) <= 4
+    assert store.flush()  # fails again
+    assert store.dropped == 6 and len(store._pending) == 4
+    assert "6 record(s) dropped so far" in caplog.text
+    assert [(r["requests"], r["prompt_tokens"]) for r in store.query()] == [(4, 6 + 7 + 8 + 9)]  # the newest
+    monkeypatch.undo()
+    assert store.flush()
+    assert _file_rows(tmp_path / "u.db") == [("a", 4, 6 + 7 + 8 + 9, 0)]
+    assert store.dropped == 6 and not store._pending
     store.close()

@@ -27,7 +27,7 @@ from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, 
 from tokenmill.serve.sampling import check_input_chars, check_prompt_ids
 from tokenmill.serve.state import ServerState
 from tokenmill.serve.tenants.keys import reload_keys, reload_on_sighup, tenant_of
-from tokenmill.serve.tenants.usage import read_usage, rows_to_csv
+from tokenmill.serve.tenants.usage import aread_usage, rows_to_csv
 
 log = logging.getLogger(__name__)
 T = TypeVar("T", bound=BaseModel)
@@ -254,7 +254,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         """Metered usage (--usage-db). The admin sees every tenant; a tenant's key sees its own only."""
         if state.usage is None:
             raise APIError(404, "This server keeps no usage (start it with --usage-db).", None, "not_found")
-        rows = await state.run_blocking(read_usage, state.usage, raw.scope, tenant, start, to, group_by)
+        # Its own reader thread and connection (never the tokenizer's thread), rate-limited per caller.
+        rows = await aread_usage(state.usage, raw.scope, tenant, start, to, group_by)
         if format == "csv":
             return Response(rows_to_csv(rows), media_type="text/csv")
         return {"object": "list", "data": rows}
