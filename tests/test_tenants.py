@@ -315,12 +315,15 @@ def test_reloading_keys_under_load_drops_no_request(server):
     assert post(srv, "sk-admin", {}, "/admin/reload").status_code == 200
 
 
+ADMIN = {"Authorization": "Bearer sk-admin"}  # /metrics names the tenants: internal callers and the admin only
+
+
 def test_tenant_counters_in_prometheus(server):
     srv, _ = server
-    before = httpx.get(srv.url("/metrics"), timeout=10).text
+    before = httpx.get(srv.url("/metrics"), headers=ADMIN, timeout=10).text
     r = post(srv, "sk-b", completion(max_tokens=3, ignore_eos=True))
     assert r.status_code == 200
-    text = httpx.get(srv.url("/metrics"), timeout=10).text
+    text = httpx.get(srv.url("/metrics"), headers=ADMIN, timeout=10).text
 
     def value(t: str, name: str, labels: str) -> float:
         for line in t.splitlines():
@@ -334,7 +337,7 @@ def test_tenant_counters_in_prometheus(server):
             - value(before, "tenant_generation_tokens_total", 'tenant="team-b"')) == 3
     codes = [post(srv, "sk-a-1", completion()).status_code for _ in range(4)]  # team-a: 3 a minute
     assert 429 in codes
-    text = httpx.get(srv.url("/metrics"), timeout=10).text
+    text = httpx.get(srv.url("/metrics"), headers=ADMIN, timeout=10).text
     assert value(text, "tenant_requests_total", 'tenant="team-a",outcome="http_429"') >= 1
 
 

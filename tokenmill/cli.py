@@ -279,20 +279,34 @@ def add_serve_parser(subparsers) -> None:
                         "docs/tenants.md); reloaded on SIGHUP or POST /admin/reload. --api-key keeps working as "
                         "an unlimited tenant.")
     g.add_argument("--admin-key", default=os.environ.get("TOKENMILL_ADMIN_KEY"),
-                   help="The key of the /admin routes (default: $TOKENMILL_ADMIN_KEY, else none: /admin is closed).")
+                   help="The key of the /admin routes and of runtime adapter loading; it may call every route "
+                        "(default: $TOKENMILL_ADMIN_KEY, else none: /admin is closed).")
+    g.add_argument("--internal-api-key", default=os.environ.get("TOKENMILL_INTERNAL_API_KEY"),
+                   help="The key of internal callers (tokenmill router, disaggregated-prefill peers): /v1/kv_events, "
+                        "/v1/kv_blocks, /v1/diagnostics, /metrics, and generation without a tenant; tenant keys get "
+                        "403 there (default: $TOKENMILL_INTERNAL_API_KEY; the admin key works too). docs/tenants.md.")
     g.add_argument("--usage-db", metavar="FILE",
                    help="Meter usage per tenant, model and day into this SQLite file (created if missing); read it "
                         "at GET /v1/usage (docs/tenants.md).")
     g.add_argument("--pricing", metavar="FILE",
                    help="Prices for the usage's cost: YAML or JSON, USD per million input / cached_input / output "
                         "tokens, a default and per model.")
+    g.add_argument("--min-slo-ttft-ms", type=float, default=50.0, metavar="MS",
+                   help="The tightest slo.ttft_ms a request may ask for; below it the request gets 400 (a target no "
+                        "step can meet only shortens everyone's batch steps) (default: %(default)s; 0: any).")
     g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                    help="LoRA adapters to serve (needs --enable-lora): NAME=PATH (a PEFT folder or a GGUF LoRA file) or "
                         "vLLM's JSON form '{\"name\": NAME, \"path\": PATH}'; a request's model field picks one.")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
-                   help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key) "
-                        "(default: off, or $VLLM_ALLOW_RUNTIME_LORA_UPDATING).")
+                   help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter: the admin key only (with "
+                        "no keys at all, behind --api-key) (default: off, or $VLLM_ALLOW_RUNTIME_LORA_UPDATING).")
+    g.add_argument("--lora-root", metavar="DIR",
+                   help="Runtime adapter loads read only inside DIR: lora_path is taken relative to it, and a path "
+                        "outside it (or a symlink out of it) is refused like a missing file (default: none, paths "
+                        "as given; the admin key only).")
+    g.add_argument("--max-loaded-loras", type=int, default=64, metavar="N",
+                   help="Most adapters registered at once (--lora-modules and runtime loads) (default: %(default)s).")
     g.add_argument("--chat-template", metavar="FILE_OR_TEXT",
                    help="Jinja chat template (a file or the text) to use instead of the model's.")
     g.add_argument("--max-waiting-requests", type=int, metavar="N",

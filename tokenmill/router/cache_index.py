@@ -18,12 +18,14 @@ log = logging.getLogger(__name__)
 DEFAULT_BLOCK_SIZE = 16
 
 
-def prompt_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """hash_block's chain over the prompt's full blocks, as the backends name them."""
+def prompt_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
+    """hash_block's chain over the prompt's full blocks, as the backends name them (a salted request's blocks
+    with its salt mixed in, as core/request.EngineCoreRequest.cache_keys does for the base model)."""
     hashes: list[bytes] = []
     parent = None
+    extra = (("salt", cache_salt),) if cache_salt else ()
     for i in range(len(token_ids) // block_size):
-        parent = hash_block(parent, list(token_ids[i * block_size:(i + 1) * block_size]))
+        parent = hash_block(parent, list(token_ids[i * block_size:(i + 1) * block_size]), extra)
         hashes.append(parent)
     return hashes
 
@@ -37,8 +39,9 @@ class BackendCache:
 
 
 class CacheIndex:
-    def __init__(self, backends: Iterable[str]) -> None:
+    def __init__(self, backends: Iterable[str], headers: dict[str, str] | None = None) -> None:
         self.caches = {b: BackendCache() for b in backends}
+        self.headers = headers or {}  # the router's backend key: /v1/kv_events is for internal callers
 
     def apply(self, backend: str, payload: dict) -> None:
         """Fold one /v1/kv_events answer in: `reset` replaces the set, events add and remove."""
@@ -78,7 +81,8 @@ class CacheIndex:
         if not c.supported:
             return
         try:
-            r = await client.get(f"{backend}/v1/kv_events", params={"since": c.last_seq}, timeout=2.0)
+            r = await client.get(f"{backend}/v1/kv_events", params={"since": c.last_seq}, headers=self.headers,
+                                 timeout=2.0)
         except httpx.HTTPError:
             return
         if r.status_code in (404, 405):

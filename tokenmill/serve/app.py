@@ -16,6 +16,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill import __version__
+from tokenmill.engine.output import EngineError
+from tokenmill.structured_output.checker import checker_status
 from tokenmill.serve.chat_completions import chat_prompt, create_chat_completion
 from tokenmill.serve.completions import create_completion
 from tokenmill.serve.errors import APIError, BodyTimeout, BodyTooLarge, bad_request
@@ -25,6 +27,8 @@ from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, 
                                       LoadLoRAAdapterRequest, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                                       DetokenizeResponse, UnloadLoRAAdapterRequest)
 from tokenmill.serve.sampling import check_input_chars, check_prompt_ids
+from tokenmill.lora.request import LoRARequest
+from tokenmill.serve.lora import UNLOADABLE, resolve_in_root
 from tokenmill.serve.state import ServerState
 from tokenmill.serve.tenants.keys import reload_keys, reload_on_sighup, tenant_of
 from tokenmill.serve.tenants.usage import aread_usage, rows_to_csv
@@ -159,7 +163,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes,
                        protect_metrics=settings.protect_metrics, body_timeout_s=settings.request_body_timeout_s,
                        keys=state.keys, admin_key=settings.admin_key, limiter=state.limiter, usage=state.usage,
-                       counters=state.metrics.tenants)
+                       counters=state.metrics.tenants, internal_key=settings.internal_api_key)
     return app
 
 
@@ -206,6 +210,11 @@ def _add_error_handlers(app: FastAPI) -> None:
             message = f"Method {request.method} is not allowed for {request.url.path}."
             return APIError(405, message, None, "method_not_allowed").response()
         return APIError(e.status_code, str(e.detail), None, None).response()
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, e: EngineError):  # engine.call: e.g. 503 engine_dead
+        return APIError(e.status, e.message, None, e.code,
+                        headers={"Retry-After": "1"} if e.status == 503 else None).response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
@@ -276,7 +285,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return APIError(503, "The engine is not running.", None, "engine_dead").response()
         if state.engine.draining:
             return APIError(503, "The server is shutting down.", None, "shutting_down").response()
-        return Response(status_code=200)
+        # Still 200 while the grammar checker restarts: only grammar requests are refused (503) meanwhile.
+        return {"status": "ok", "grammar_worker": checker_status().state}
 
     @app.get("/version")
     async def version():
@@ -354,18 +364,30 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
-    """vLLM's runtime adapter routes (--allow-runtime-lora-updating), behind the API key as every /v1 route."""
+    """vLLM's runtime adapter routes (--allow-runtime-lora-updating): the admin key only (serve/roles.py), paths
+    inside --lora-root, at most --max-loaded-loras."""
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(raw: Request):
         req = await parse_body(raw, LoadLoRAAdapterRequest)
         try:
-            lora = state.loras.new(req.lora_name, req.lora_path)
-            await state.run_blocking(state.engine.check_lora, lora)  # reads the files: off the event loop
-            state.loras.add(lora)
+            lora = state.loras.new(req.lora_name, "-")  # the name first: taken, in use, or no room
         except ValueError as e:
-            raise bad_request(str(e), "lora_path") from None
-        log.info("LoRA adapter %s loaded from %s", req.lora_name, req.lora_path)
+            raise bad_request(str(e), "lora_name") from None
+        loop = asyncio.get_running_loop()
+        try:
+            # The files are read on their own thread, never the tokenizer's; whatever goes wrong is one answer.
+            path = resolve_in_root(state.settings.lora_root, req.lora_path)
+            lora = LoRARequest(lora.lora_name, lora.lora_int_id, path)
+            await loop.run_in_executor(state.lora_executor, state.engine.check_lora, lora)
+        except Exception as e:
+            log.warning("LoRA adapter %s not loaded from %r: %s", req.lora_name, req.lora_path, e)
+            raise bad_request(UNLOADABLE, "lora_path") from None
+        try:
+            state.loras.add(lora)
+        except ValueError as e:  # another load took the name or the last place meanwhile
+            raise bad_request(str(e), "lora_name") from None
+        log.info("LoRA adapter %s loaded from %s", req.lora_name, lora.lora_path)
         return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter")

@@ -9,6 +9,7 @@ import hmac
 import time
 
 from tokenmill.serve.errors import APIError, BodyTimeout, BodyTooLarge
+from tokenmill.serve.roles import Role, caller_may, route_role
 from tokenmill.serve.tenants.counters import TenantCounters
 from tokenmill.serve.tenants.keys import KeyStore, Tenant
 from tokenmill.serve.tenants.limits import TenantLimiter
@@ -50,16 +51,21 @@ class GuardMiddleware:
     def __init__(self, app, api_key: str | None, max_body_bytes: int, protect_metrics: bool = False,
                  body_timeout_s: float = 30.0, keys: KeyStore | None = None, admin_key: str | None = None,
                  limiter: TenantLimiter | None = None, usage: UsageStore | None = None,
-                 counters: TenantCounters | None = None) -> None:
+                 counters: TenantCounters | None = None, internal_key: str | None = None) -> None:
         self.app = app
         self.usage = usage
         self.counters = counters
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.keys = keys
         self.admin = f"Bearer {admin_key}".encode() if admin_key else None
+        self.internal = f"Bearer {internal_key}".encode() if internal_key else None
+        # Roles hold once any key beyond the single --api-key exists; without, every route but /admin is as open
+        # as the --api-key (or no key) makes it, as before roles existed.
+        self.roles = keys is not None or self.admin is not None or self.internal is not None
         self.limiter = limiter or TenantLimiter()
         self.max_body_bytes = max_body_bytes
-        self.open_paths = OPEN_PATHS if protect_metrics else OPEN_PATHS | {"/metrics"}
+        # /metrics names the tenants and their usage: open only without a keys file and --protect-metrics.
+        self.open_paths = OPEN_PATHS if protect_metrics or keys is not None else OPEN_PATHS | {"/metrics"}
         self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
@@ -69,14 +75,19 @@ class GuardMiddleware:
         generating = scope["path"] in GENERATING_PATHS
         admitted = False
         if error is None and tenant is not None and generating:
-            error = self.limiter.admit(tenant)
+            error = self.limiter.admit(tenant)  # one sequence; the handler takes the rest (admit_sequences)
             admitted = error is None
+            if admitted:
+                scope.setdefault("state", {})["sequences"] = 1
         if error is not None:
             if generating and tenant is not None:
                 self._meter(scope, tenant, error.status)
             return await error.response()(scope, receive, send)
         if not generating or (tenant is None and self.usage is None):
-            return await self.app(scope, self._limited(receive), send)
+            try:
+                return await self.app(scope, self._limited(receive), send)
+            finally:
+                run_cleanups(scope)
         status = [None]
 
         async def watched(message) -> None:
@@ -87,8 +98,9 @@ class GuardMiddleware:
         try:
             await self.app(scope, self._limited(receive), watched)
         finally:  # the response is complete (a stream's last byte sent) or the client left
+            run_cleanups(scope)
             if admitted:
-                self.limiter.release(tenant)
+                self.limiter.release(tenant, scope["state"]["sequences"])
             reservation = scope.get("state", {}).get("reservation")
             if reservation is not None:
                 self.limiter.settle(reservation)
@@ -108,34 +120,51 @@ class GuardMiddleware:
         if self.counters is not None and tenant is not None:
             self.counters.record(name, prompt, cached, completion, error)
 
+    def _caller(self, given: bytes | None) -> Role | None:
+        """ADMIN or INTERNAL for those keys (compared in constant time: how much of a key matched must not show
+        in the response time), else None."""
+        if given is None:
+            return None
+        if self.admin is not None and hmac.compare_digest(given, self.admin):
+            return Role.ADMIN
+        if self.internal is not None and hmac.compare_digest(given, self.internal):
+            return Role.INTERNAL
+        return None
+
     def _authenticate(self, scope) -> tuple[APIError | None, Tenant | None]:
-        """Who is asking: (None, None) for no one in particular (an open path, no keys configured, the admin or
-        the single --api-key without a keys file), (None, tenant), or (the error to answer with, None)."""
+        """Who is asking, and may they call this route (serve/roles.py): (None, None) for a caller without a
+        tenant (an open route, no keys configured, the admin or internal key, the single --api-key without a
+        keys file), (None, tenant), or (the error to answer with, None)."""
         path = scope["path"]
-        if path in self.open_paths:
+        route = route_role(path)
+        if route is Role.OPEN or path in self.open_paths:
             return None, None
         given = _header(scope, b"authorization")
-        # Constant time: how much of a key matched must not show in the response time.
-        is_admin = given is not None and self.admin is not None and hmac.compare_digest(given, self.admin)
-        if path.startswith(ADMIN_PREFIX):
-            if is_admin:
-                scope.setdefault("state", {})["admin"] = True
-                return None, None
-            return APIError(403, "This route needs the admin key (--admin-key).", None, "permission_denied"), None
+        caller = self._caller(given)
+        if caller is not None:
+            state = scope.setdefault("state", {})
+            state["role"] = caller
+            state["admin"] = caller is Role.ADMIN
+            return (None, None) if caller_may(caller, route) else (_denied(route), None)
+        if route is Role.ADMIN and (self.roles or path.startswith(ADMIN_PREFIX)):
+            return _denied(route), None
         if self.expected is None and self.keys is None:
-            return None, None
+            # No tenant keys: tenant routes are open; so is the rest without any roles at all (as before roles).
+            return (None, None) if route is Role.TENANT or not self.roles else (_denied(route), None)
         if given is None:
             return APIError(401, MISSING_KEY, None, None), None
-        if is_admin:
-            scope.setdefault("state", {})["admin"] = True
-            return None, None
+        tenant, known = None, False
         if self.expected is not None and hmac.compare_digest(given, self.expected):
-            return None, DEFAULT_TENANT if self.keys is not None else None
-        if self.keys is not None and given.startswith(b"Bearer "):
+            tenant, known = (DEFAULT_TENANT if self.keys is not None else None), True
+        elif self.keys is not None and given.startswith(b"Bearer "):
             tenant = self.keys.lookup(given[len(b"Bearer "):].decode("utf-8", "replace"))
-            if tenant is not None:
-                return None, tenant
-        return APIError(401, WRONG_KEY, None, "invalid_api_key"), None
+            known = tenant is not None
+        if not known:
+            return APIError(401, WRONG_KEY, None, "invalid_api_key"), None
+        if route is not Role.TENANT and self.roles:
+            return _denied(route), None
+        scope.setdefault("state", {})["role"] = Role.TENANT
+        return None, tenant
 
     def _check(self, scope) -> tuple[APIError | None, Tenant | None]:
         error, tenant = self._authenticate(scope)
@@ -183,6 +212,23 @@ class GuardMiddleware:
             return message
 
         return wrapped
+
+
+def on_response_done(scope, fn) -> None:
+    """Call fn() once the response is complete or the client left (a handler's resources held for a stream)."""
+    scope.setdefault("state", {}).setdefault("cleanups", []).append(fn)
+
+
+def run_cleanups(scope) -> None:
+    for fn in scope.get("state", {}).pop("cleanups", ()):
+        fn()
+
+
+def _denied(route: Role) -> APIError:
+    if route is Role.ADMIN:
+        return APIError(403, "This route needs the admin key (--admin-key).", None, "permission_denied")
+    return APIError(403, "This route is for internal callers (--internal-api-key or the admin key).", None,
+                    "permission_denied")
 
 
 def too_large(limit: int) -> APIError:

@@ -187,6 +187,8 @@ def serve_main(args, engine_kwargs: dict) -> int:
         raise ValueError(f"--max-waiting-requests must be non-negative, got {args.max_waiting_requests}.")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be non-negative, got {args.drain_timeout}.")
+    if not args.min_slo_ttft_ms >= 0:
+        raise ValueError(f"--min-slo-ttft-ms must be non-negative, got {args.min_slo_ttft_ms}.")
     for flag in ("max_n", "max_stop_strings", "max_stop_string_length", "max_prompts"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}.")
@@ -238,8 +240,12 @@ def serve_main(args, engine_kwargs: dict) -> int:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         api_keys_file=args.api_keys_file,
         admin_key=args.admin_key or None,
+        internal_api_key=args.internal_api_key or None,
+        lora_root=args.lora_root,
+        max_loaded_loras=args.max_loaded_loras,
         usage_db=args.usage_db,
         pricing_file=args.pricing,
+        min_slo_ttft_ms=args.min_slo_ttft_ms,
     )
     if args.pricing:
         from tokenmill.serve.tenants.usage import load_pricing

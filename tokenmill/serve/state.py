@@ -13,6 +13,7 @@ from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.lora.request import LoRARequest
 from tokenmill.serve.errors import APIError
 from tokenmill.serve.lora import LoRARegistry
+from tokenmill.serve.middleware import on_response_done
 from tokenmill.serve.tenants.keys import KeyStore, Tenant
 from tokenmill.serve.tenants.limits import TenantLimiter
 from tokenmill.serve.tenants.usage import UsageStore, load_pricing
@@ -56,11 +57,17 @@ class ServerSettings:
     # LoRA adapters (serve/lora.py): --lora-modules as (name, path), and whether they may change at run time.
     lora_modules: list[tuple[str, str]] = field(default_factory=list)
     allow_runtime_lora_updating: bool = False
+    lora_root: str | None = None  # runtime loads resolve lora_path inside it (serve/lora.resolve_in_root)
+    max_loaded_loras: int = 64
     # Tenants (serve/tenants/): --api-keys-file, the admin key of /admin routes, the usage database and prices.
     api_keys_file: str | None = None
     admin_key: str | None = None
+    internal_api_key: str | None = None  # the router's and PD peers' key (serve/roles.py)
     usage_db: str | None = None
     pricing_file: str | None = None
+    # A request's slo.ttft_ms below this is a 400 (--min-slo-ttft-ms): a target no step can meet only costs batch
+    # work its step size (core/policies/slo.py).
+    min_slo_ttft_ms: float = 50.0
 
 
 # Inputs longer than this (characters, or token ids to decode) are (de)tokenized in the slow lane.
@@ -89,6 +96,10 @@ class ServerState:
     slow_executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-tokenize-large",
                                                    initializer=_lower_priority))
+    # Adapter files are read here, one at a time: a large one never holds up anyone's tokenization.
+    lora_executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-lora-load",
+                                                   initializer=_lower_priority))
     loras: LoRARegistry | None = None
     keys: KeyStore | None = None  # --api-keys-file's tenants, reloadable
     limiter: TenantLimiter = field(default_factory=TenantLimiter)  # the tenants' counts (middleware, handlers)
@@ -97,7 +108,7 @@ class ServerState:
     def __post_init__(self) -> None:
         s = self.settings
         if self.loras is None:
-            self.loras = LoRARegistry(s.served_model_names + s.model_aliases)
+            self.loras = LoRARegistry(s.served_model_names + s.model_aliases, s.max_loaded_loras)
         if self.keys is None and s.api_keys_file:
             self.keys = KeyStore(s.api_keys_file)  # a bad file stops the start here, with the reason
         if self.usage is None and s.usage_db:
@@ -117,10 +128,12 @@ class ServerState:
     def check_model(self, requested: str | None, tenant: Tenant | None = None) -> str:
         return self.resolve_model(requested, tenant)[0]
 
-    def resolve_model(self, requested: str | None, tenant: Tenant | None = None) -> tuple[str, LoRARequest | None]:
+    def resolve_model(self, requested: str | None, tenant: Tenant | None = None,
+                      scope: dict | None = None) -> tuple[str, LoRARequest | None]:
         """The name to answer with, and the adapter a request's `model` names (None: the base model). A tenant
         asking for a model outside its `models` (the base model by its first served name, an adapter by its
-        name) gets the same 404 as for one that does not exist."""
+        name) or another tenant's adapter gets the same 404 as for one that does not exist. With the request's
+        `scope`, the adapter counts as in use until the response is done (its name cannot be re-registered)."""
         lora = None
         if requested is None or requested in self.settings.served_model_names or \
                 requested in self.settings.model_aliases:
@@ -133,6 +146,8 @@ class ServerState:
         if tenant is not None and not tenant.may_use(name):
             raise APIError(404, f"The model `{requested or name}` does not exist or you do not have access to it.",
                            "model", "model_not_found")
+        if lora is not None and scope is not None:
+            on_response_done(scope, self.loras.acquire(lora))
         return name, lora
 
     def visible_models(self, tenant: Tenant | None) -> list[str]:
@@ -171,3 +186,4 @@ class ServerState:
             self.usage.close()  # the last records written
         self.executor.shutdown(wait=False)
         self.slow_executor.shutdown(wait=False)
+        self.lora_executor.shutdown(wait=False)
