@@ -219,3 +219,56 @@ def test_slo_shed_needs_the_slo_policy():
 
     with pytest.raises(ValueError, match="slo_shed needs the slo scheduling policy"):
         EngineArgs(slo_shed=True).create_engine_config()
+
+
+@pytest.mark.parametrize("shed", [True, False])
+def test_a_hopeless_slo_request_leaves_no_trace_in_the_step_size(shed):
+    """One request with a TTFT no step can meet (ttft_ms 0.001: the server's floor refuses it, an engine caller
+    may not) is shed or runs late; either way batch prompts get the whole budget right after, not
+    MIN_DEFERRABLE_TOKENS for RECENT_S as when every waiting request's target was remembered."""
+    clock = FakeClock(0.0)
+    sched, kv = slo_sched(clock, slo_shed=shed, budget=512)
+    batch = make_req([7] * 4000, max_tokens=2, arrival=0.0, rid="batch")
+    sched.add_request(batch)
+    assert timed_step(sched, clock).scheduled == [(batch, 512)]
+    greedy = make_req([5] * 4, max_tokens=2, arrival=clock.now, rid="greedy")
+    greedy.slo = RequestSLO(ttft_ms=0.001)
+    sched.add_request(greedy)
+    clock.now += 0.001  # its target passed before any step could start it
+    for _ in range(5):  # shed at once, or served first (late, still before batch work)
+        timed_step(sched, clock)
+        if greedy.finished:
+            break
+    assert greedy.finished
+    if shed:
+        assert [o.request_id for o in sched.take_ended()] == ["greedy"] and greedy.block_ids == []
+    else:
+        assert greedy.output_token_ids == expected_output(greedy.prompt_token_ids, 2)
+    assert sched.policy.step_limit([], [], clock.now) is None
+    assert batch.num_uncomputed_tokens > 512 and timed_step(sched, clock).scheduled == [(batch, 512)]
+    run_to_completion(sched)
+    assert batch.output_token_ids == expected_output(batch.prompt_token_ids, 2)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_served_slo_request_still_keeps_steps_short_for_the_next():
+    """The memory the floor fix narrows still works: a request admitted within its 200 ms TTFT keeps batch
+    chunks to a quarter of it for RECENT_S after it is gone, then the budget is whole again."""
+    from tokenmill.core.policies.slo import RECENT_S
+
+    clock = FakeClock(0.0)
+    sched, kv = slo_sched(clock)
+    chat = make_req([5] * 4, max_tokens=2, arrival=0.0, rid="chat")
+    chat.slo = RequestSLO(ttft_ms=200)
+    sched.add_request(chat)
+    while not chat.finished:
+        timed_step(sched, clock, 0.02)
+    batch = make_req([7] * 4000, max_tokens=2, arrival=clock.now, rid="batch")
+    sched.add_request(batch)
+    got = timed_step(sched, clock).scheduled
+    fits = round((0.2 / 4 - 0.01) / 0.0001)  # a 50 ms step: 10 ms fixed, 0.1 ms a token
+    assert got[0][0] is batch and got[0][1] == pytest.approx(fits, abs=12)
+    clock.now += RECENT_S
+    assert timed_step(sched, clock).scheduled == [(batch, 2048)]
+    run_to_completion(sched)
+    assert kv.num_free_blocks == kv.num_blocks

@@ -89,7 +89,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     tenant = tenant_of(raw.scope)
     model, lora = state.resolve_model(req.model, tenant)
     try:
-        slo = slo_for(tenant, request_slo(req.slo))
+        slo = slo_for(tenant, request_slo(req.slo, state.settings.min_slo_ttft_ms))
     except ValueError as e:
         raise bad_request(str(e), "slo") from None
     tok = state.engine.tokenizer

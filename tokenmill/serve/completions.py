@@ -77,7 +77,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     tenant = tenant_of(raw.scope)
     model, lora = state.resolve_model(req.model, tenant)
     try:
-        slo = slo_for(tenant, request_slo(req.slo))
+        slo = slo_for(tenant, request_slo(req.slo, state.settings.min_slo_ttft_ms))
     except ValueError as e:
         raise bad_request(str(e), "slo") from None
     if req.suffix:

@@ -7,9 +7,10 @@ work: they get what the SLO requests leave, and never the other way round.
   the predicted time of its prompt, step_time.StepTimeModel); the waiting queue is ordered by it (earliest
   first), then requests that can no longer meet their TTFT (they still run before batch work), then batch work
   in (priority, arrival) order. A preempted SLO request that already streams goes first: its TPOT counts.
-- Protecting TPOT and TTFT: while SLO requests run, wait or lately arrived, each step is sized to what the
-  tightest of them can afford (step_limit: the time a TPOT mean has saved, a TTFT's remaining slack, a quarter
-  of a recent TTFT target): batch prompt chunks get the tokens that fit in that time after the decodes and the
+- Protecting TPOT and TTFT: while SLO requests run, wait or were lately admitted, each step is sized to what
+  the tightest of them can afford (step_limit: the time a TPOT mean has saved, a TTFT's remaining slack, a
+  quarter of a recent TTFT target, counting only requests admitted within their target: a shed or hopeless
+  request leaves no trace): batch prompt chunks get the tokens that fit in that time after the decodes and the
   SLO prompts (step_time.StepTimeModel), and at least MIN_DEFERRABLE_TOKENS so batch work never stops.
 - Making room: an SLO request that has used half its TTFT waiting for a seat (max_num_seqs) or for blocks
   preempts running batch requests (latest first) until it fits; when the pool runs dry mid-step the victim is
@@ -105,9 +106,7 @@ class SLOPolicy(SchedulingPolicy):
                 break
             slo_waiting.append(r)
         slo_running = [r for r in running if not is_batch(r)]
-        for r in slo_waiting:
-            if r.slo.ttft_ms is not None:
-                self._recent_ttft[r.slo.ttft_ms / 1000] = now
+        self._remember_ttft(slo_running)
         shed = self._shed(slo_waiting, now) if self.config.slo_shed and slo_waiting else []
         if shed:
             slo_waiting = [r for r in slo_waiting if r not in shed]
@@ -116,6 +115,19 @@ class SLOPolicy(SchedulingPolicy):
             return StepPlan(shed=tuple(shed))  # no SLO work now or lately: the whole budget, as fcfs
         return StepPlan(self._deferrable_tokens(running, slo_running, slo_waiting, limit),
                         tuple(self._make_room(running, slo_waiting, now, num_free_blocks, block_size)), tuple(shed))
+
+    def _remember_ttft(self, slo_running: list[Request]) -> None:
+        """The TTFT targets of requests admitted while their target could still be met, by when they were
+        admitted (step_limit keeps steps short for RECENT_S after). Only those: a request that waits, is shed or
+        asked for a target no step can meet says nothing about the next one, and must not cost all batch work
+        its step size for RECENT_S (one `ttft_ms: 0.001` request used to hold it at MIN_DEFERRABLE_TOKENS)."""
+        for r in slo_running:
+            ttft, admitted = r.slo.ttft_ms, r.first_scheduled_time
+            if ttft is None or admitted is None or admitted > r.arrival_time + ttft / 1000:
+                continue
+            target = ttft / 1000
+            if self._recent_ttft.get(target, -math.inf) < admitted:
+                self._recent_ttft[target] = admitted
 
     def _shed(self, slo_waiting: list[Request], now: float) -> list[Request]:
         shed = [r for r in slo_waiting if r.slo.ttft_ms is not None and r.first_scheduled_time is None
@@ -131,8 +143,8 @@ class SLOPolicy(SchedulingPolicy):
           longer one now and then (big prompt chunks, which run efficiently), but never more.
         - A running request still in its prompt must see its first token by its TTFT; one waiting must start by
           its latest start time.
-        - While SLO requests arrive (one in the last RECENT_S), a step takes at most a quarter of the tightest
-          recent TTFT, so one arriving now does not wait out a long batch step.
+        - While SLO requests arrive (one admitted within its target in the last RECENT_S), a step takes at most
+          a quarter of the tightest recent TTFT, so one arriving now does not wait out a long batch step.
         Requests that can no longer make a target do not limit the step (nothing can save them).
         """
         limits = []

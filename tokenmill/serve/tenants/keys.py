@@ -82,9 +82,19 @@ def priority_for(tenant: Tenant | None, requested: int) -> int:
     return requested if tenant is None else max(requested, tenant.priority)
 
 
-def request_slo(field) -> RequestSLO | None:
-    """The request's `slo` field (protocol.SLOField) as a RequestSLO; ValueError for a non-positive target."""
-    return None if field is None else RequestSLO(field.ttft_ms, field.tpot_ms)
+def request_slo(field, min_ttft_ms: float = 0.0) -> RequestSLO | None:
+    """The request's `slo` field (protocol.SLOField) as a RequestSLO; ValueError for a non-positive target.
+    A TTFT target below `min_ttft_ms` (--min-slo-ttft-ms) is a 400 naming `slo.ttft_ms`, not clamped: no step can
+    meet it, and the caller should know its target is not what it asked for. (A target that tight would shorten
+    every step of everyone's batch work for nothing.)"""
+    if field is None:
+        return None
+    if field.ttft_ms is not None and field.ttft_ms < min_ttft_ms:
+        from tokenmill.serve.errors import APIError
+
+        raise APIError(400, f"slo.ttft_ms must be at least {min_ttft_ms:g} ms on this server (--min-slo-ttft-ms), "
+                            f"got {field.ttft_ms:g}.", "slo.ttft_ms", "slo_below_floor")
+    return RequestSLO(field.ttft_ms, field.tpot_ms)
 
 
 def slo_for(tenant: Tenant | None, requested: RequestSLO | None) -> RequestSLO | None:
