@@ -21,7 +21,7 @@ from tokenmill.serve.sampling import build_sampling_params, check_input_chars, c
 from tokenmill.serve.state import LARGE_INPUT, ServerState
 from tokenmill.serve.tenants.keys import priority_for, request_slo, slo_for, tenant_of
 from tokenmill.serve.tenants.isolation import cache_salt_for
-from tokenmill.serve.tenants.limits import reserve_for, worst_case_tokens
+from tokenmill.serve.tenants.limits import admit_sequences, reserve_for, worst_case_tokens
 from tokenmill.serve.tenants.usage import mark
 from tokenmill.serve.structured import check_constraint, request_constraint
 
@@ -87,7 +87,7 @@ async def generation_prompt(state: ServerState, req, text: str) -> str:
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request,
                                  arrival_time: float | None = None):
     tenant = tenant_of(raw.scope)
-    model, lora = state.resolve_model(req.model, tenant)
+    model, lora = state.resolve_model(req.model, tenant, raw.scope)
     try:
         slo = slo_for(tenant, request_slo(req.slo, state.settings.min_slo_ttft_ms))
     except ValueError as e:
@@ -101,6 +101,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                               "is the output's format.", so_param)
         so, so_param = StructuredOutputsParams(json=plan.tool_schema()), "tools"
     check_lists(req, state.limits)  # cheap refusals before the template renders
+    admit_sequences(raw.scope, state.limiter, tenant, req.n)  # limits count sequences: n of them
     text, ids = await chat_prompt(state, req, req.add_generation_prompt, req.continue_final_message)
     reasoning = plan.reasoning()
     if reasoning is not None:

@@ -19,7 +19,7 @@ from tokenmill.serve.sampling import (build_sampling_params, check_count, check_
 from tokenmill.serve.state import LARGE_INPUT, ServerState
 from tokenmill.serve.tenants.keys import priority_for, request_slo, slo_for, tenant_of
 from tokenmill.serve.tenants.isolation import cache_salt_for
-from tokenmill.serve.tenants.limits import reserve_for, worst_case_tokens
+from tokenmill.serve.tenants.limits import admit_sequences, reserve_for, worst_case_tokens
 from tokenmill.serve.tenants.usage import mark
 from tokenmill.serve.structured import check_constraint, request_constraint
 
@@ -75,7 +75,7 @@ def _prepare(state: ServerState, req: CompletionRequest, prompts: list, so) -> _
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request,
                             arrival_time: float | None = None):
     tenant = tenant_of(raw.scope)
-    model, lora = state.resolve_model(req.model, tenant)
+    model, lora = state.resolve_model(req.model, tenant, raw.scope)
     try:
         slo = slo_for(tenant, request_slo(req.slo, state.settings.min_slo_ttft_ms))
     except ValueError as e:
@@ -92,6 +92,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     check_count(len(prompts), limits.max_prompts, "prompt", "--max-prompts", "prompts")
     check_input_chars(sum(len(p) for p in prompts if isinstance(p, str)), limits, "prompt")
     check_lists(req, limits)
+    # Limits count sequences, the work asked for: every prompt x n (refused before any prompt is read).
+    admit_sequences(raw.scope, state.limiter, tenant, len(prompts) * req.n)
     so, so_param = request_constraint(req)
     if so is not None:
         await check_constraint(state, so, so_param)
