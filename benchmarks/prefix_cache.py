@@ -12,6 +12,7 @@ off, where caching's work (hashing, lookups) happens, as a share of the wall tim
     python benchmarks/prefix_cache.py --num-requests 16 --distinct-requests 4 --rounds 2   # quick look
     python benchmarks/prefix_cache.py --offload             # also: KV offloading to host and disk
     python benchmarks/prefix_cache.py --offload-only        # only that
+    python benchmarks/prefix_cache.py --salted              # also: the cost of per-tenant salts (docs/tenants.md)
 
 --offload: a device pool too small for the 4 system prompts, requests one at a time cycling through
 them (so an LRU pool always misses); TTFT with recompute vs the host tier vs the disk tier.
@@ -51,12 +52,12 @@ def distinct_prompts(tokenizer, args, n: int, seed: int) -> list[list[int]]:
     return [text_tokens(tokenizer, args.system_len + args.question_len, rng) for _ in range(n)]
 
 
-def measure(llm, prompts, params) -> dict:
+def measure(llm, prompts, params, cache_salt: str | None = None) -> dict:
     """Run all prompts at once; throughput counts prompt and output tokens over the wall time."""
     kv, stats = llm.engine.kv, llm.engine.stats
     q0, h0, s0 = kv.stats.queries, kv.stats.hits, stats.schedule_s
     t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, cache_salt=cache_salt)
     wall = time.perf_counter() - t
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -87,6 +88,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="shared-prefix runs per setting (fresh prompts)")
     ap.add_argument("--offload", action="store_true", help="also measure KV offloading (host and disk tiers)")
     ap.add_argument("--offload-only", action="store_true", help="only the offloading measurement")
+    ap.add_argument("--salted", action="store_true", help="also: the shared-prefix workload salted as one tenant")
     ap.add_argument("--offload-requests", type=int, default=12, help="sequential requests in the offload test")
     args = ap.parse_args()
 
@@ -127,6 +129,9 @@ def main() -> None:
     print(f"  hit rate (tokens):    {spread([100 * m['hit_rate'] for m in res['on']])}%  "
           f"(this shape's ceiling: {100 * bound:.1f}%; the first request of each system prompt computes it)")
 
+    if args.salted:
+        salt_section(llms["on"], tok, args, params)
+
     print(f"\n0% hit rate: {args.rounds} rounds of {args.distinct_requests} distinct prompts of "
           f"{args.system_len + args.question_len} tokens, on and off interleaved")
     walls: dict[str, list[float]] = {"on": [], "off": []}
@@ -152,6 +157,32 @@ def main() -> None:
     gc.collect()
     if args.offload:
         offload_section(args, params)
+
+
+def salt_section(llm, tok, args, params) -> None:
+    """The cost of per-tenant salts (serve/tenants/isolation.py): the shared-prefix workload as one tenant sends it
+    (every request with that tenant's salt) against unsalted, fresh prompts each run, interleaved. Within one
+    tenant the hit rate must not change; a second tenant's identical prompts must hit nothing."""
+    import json
+
+    salt_a, salt_b = json.dumps(["team-a", None]), json.dumps(["team-b", None])
+    print(f"\nsalting: the shared-prefix workload unsalted vs as one tenant (salted), {args.repeats} run(s) each")
+    rows: dict[str, list[dict]] = {"unsalted": [], "salted": []}
+    for r in range(max(args.repeats, 1)):
+        for name in (("unsalted", "salted") if r % 2 == 0 else ("salted", "unsalted")):
+            prompts = shared_prefix_prompts(tok, args, seed=200 + 2 * r + (name == "salted"))
+            rows[name].append(measure(llm, prompts, params, salt_a if name == "salted" else None))
+            m = rows[name][-1]
+            print(f"  {name:>8}: wall {m['wall']:6.1f} s  TTFT P50 {m['ttft_p50']:6.2f} s  {m['tok_s']:7.1f} tok/s  "
+                  f"hit rate {100 * m['hit_rate']:5.1f}%")
+        if r == 0:  # the same prompts again under another tenant's salt: nothing to hit
+            other = measure(llm, shared_prefix_prompts(tok, args, seed=201), params, salt_b)
+            print(f"  another tenant, the same prompts: hit rate {100 * other['hit_rate']:5.1f}% "
+                  f"(the ceiling again: its own system prompts, none of team-a's blocks)")
+    hit = {k: statistics.mean(m["hit_rate"] for m in v) for k, v in rows.items()}
+    tput = statistics.mean(m["tok_s"] for m in rows["salted"]) / statistics.mean(m["tok_s"] for m in rows["unsalted"])
+    print(f"  hit rate salted {100 * hit['salted']:.1f}% vs unsalted {100 * hit['unsalted']:.1f}%; "
+          f"throughput salted/unsalted {tput:.3f}x")
 
 
 def offload_section(args, params) -> None:

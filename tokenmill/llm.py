@@ -86,9 +86,11 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """`lora_request`: one adapter for every prompt, or one per prompt (None: the base model); needs
-        LLM(..., enable_lora=True)."""
+        LLM(..., enable_lora=True). `cache_salt` (vLLM's): prompts share prefix-cache blocks only with requests of
+        the same salt."""
         prompts = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -106,7 +108,8 @@ class LLM:
             for i, ((text, token_ids), params) in enumerate(zip(prompts, sampling_params)):
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, text, params, prompt_token_ids=token_ids,
-                                        priority=priority[i] if priority else 0, lora_request=loras[i])
+                                        priority=priority[i] if priority else 0, lora_request=loras[i],
+                                        cache_salt=cache_salt)
                 ids.append(rid)
         except Exception:
             for rid in ids:

@@ -82,11 +82,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
         slo: RequestSLO | None = None,
+        cache_salt: str | None = None,
     ) -> RequestState:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use.")
         prompt, ids, params, reqs = self.processor.process(request_id, prompt, params, prompt_token_ids, priority,
-                                                           arrival_time, lora_request, slo)
+                                                           arrival_time, lora_request, slo, cache_salt)
         state = self.output_processor.add_request(request_id, prompt, ids, params, reqs[0].arrival_time,
                                                   child_ids(request_id, params.n))
         for r in reqs:
