@@ -414,7 +414,7 @@ def test_tenants_at_the_router_hold_over_every_backend(tmp_path):
         assert got == {"team-a": (3, 12, 9, 0), "team-b": (1, 0, 0, 1), "team-c": (3, 8, 6, 1)}
         assert httpx.get(f"{url}/v1/usage", params={"tenant": "team-a"}, headers={"Authorization": "Bearer sk-c"},
                          timeout=10).status_code == 403
-        metrics = httpx.get(f"{url}/metrics", timeout=5).text
+        metrics = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sk-admin"}, timeout=5).text  # internal
         assert 'tokenmill:router_tenant_requests_total{outcome="ok",tenant="team-a"} 3.0' in metrics
         keys.write_text(ROUTER_KEYS + '  - name: team-d\n    keys: ["sk-d"]\n')
         assert httpx.post(f"{url}/admin/reload", headers={"Authorization": "Bearer sk-admin"}, timeout=10).json()[

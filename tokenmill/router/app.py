@@ -23,13 +23,14 @@ from starlette.routing import Route
 from tokenmill.router.cache_index import CacheIndex, prompt_hashes
 from tokenmill.router.metrics import CONTENT_TYPE, RouterMetrics
 from tokenmill.router.policies import Policy, make_policy
-from tokenmill.router.prompts import PromptTokenizer, estimate_tokens, max_output_tokens
+from tokenmill.router.prompts import (PromptTokenizer, estimate_tokens, prompt_count, requested_max_tokens,
+                                     reserved_prompt, sequences_per_prompt, worst_case)
 from tokenmill.router.tenants import StreamMeter, apply_tenant, ask_for_usage, metered_stream
 from tokenmill.serve.errors import APIError
 from tokenmill.serve.middleware import GuardMiddleware
 from tokenmill.serve.tenants.counters import TenantCounters
-from tokenmill.serve.tenants.keys import KeyStore, reload_keys, reload_on_sighup, tenant_of
-from tokenmill.serve.tenants.limits import TenantLimiter, reserve_for
+from tokenmill.serve.tenants.keys import KeyStore, Tenant, reload_keys, reload_on_sighup, tenant_of
+from tokenmill.serve.tenants.limits import TenantLimiter, admit_sequences, reserve_for
 from tokenmill.serve.tenants.usage import UsageStore, load_pricing, read_usage, rows_to_csv
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ class Router:
         self.usage = UsageStore(self.cfg.usage_db, load_pricing(self.cfg.pricing) if self.cfg.pricing else None) \
             if self.cfg.usage_db else None
         self.limiter = TenantLimiter()
+        # backend -> {model: max_model_len} from its /v1/models: what a request without max_tokens may use.
+        self.model_lens: dict[str, dict[str, int]] = {}
         self.tenant_counters = TenantCounters(self.metrics.registry, "tokenmill:router_", {})
 
     # ---- health --------------------------------------------------------------------------
@@ -125,6 +128,8 @@ class Router:
             self.cache.forget(url)
         elif ok and not b.healthy:
             log.warning("backend %s rejoined the rotation", url)
+        if not ok:
+            self.model_lens.pop(url, None)  # learned again when it is back (a restart may change the model)
         b.healthy = ok
         self.metrics.healthy.labels(backend=url).set(1 if ok else 0)
 
@@ -145,6 +150,28 @@ class Router:
         results = await asyncio.gather(*(self.check(u) for u in urls))
         for u, ok in zip(urls, results):
             self.set_health(u, ok)
+        await asyncio.gather(*(self.learn_models(u) for u, ok in zip(urls, results)
+                               if ok and u not in self.model_lens))
+
+    async def learn_models(self, url: str) -> None:
+        """Each model's max_model_len as the backend lists it in /v1/models (tokenmill and vLLM do); tried again at
+        the next health check if the backend did not answer."""
+        assert self.client is not None
+        headers = {"authorization": f"Bearer {self.cfg.backend_api_key}"} if self.cfg.backend_api_key else {}
+        try:
+            r = await self.client.get(f"{url}/v1/models", headers=headers, timeout=self.cfg.health_timeout_s)
+            listed = r.json().get("data") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return
+        if isinstance(listed, list):
+            self.model_lens[url] = {str(m.get("id")): m["max_model_len"] for m in listed
+                                    if isinstance(m, dict) and isinstance(m.get("max_model_len"), int)}
+
+    def max_model_len(self, model: object) -> int | None:
+        """The longest context any backend serves `model` with (any model's when none lists it: an adapter loaded
+        since), None when no backend said. The longest, since the request may land on any of them."""
+        lens = [v[model] for v in self.model_lens.values() if model in v]
+        return max(lens or [n for v in self.model_lens.values() for n in v.values()], default=None)
 
     async def health_forever(self) -> None:
         while True:
@@ -190,11 +217,14 @@ class Router:
             headers.pop("authorization", None)
             if self.cfg.backend_api_key:
                 headers["authorization"] = f"Bearer {self.cfg.backend_api_key}"
-            meter = StreamMeter(prompt_estimate=max(estimate - max_output_tokens(body), 0))
+            meter = StreamMeter(echo=bool(body.get("echo")))
             try:
                 if tenant is not None:
                     apply_tenant(body, tenant)
-                    reserve_for(request.scope, self.limiter, tenant, estimate, meter.total)
+                    # Limits count sequences, the work asked for: every prompt x n (refused before tokenizing).
+                    admit_sequences(request.scope, self.limiter, tenant,
+                                    prompt_count(body) * sequences_per_prompt(body))
+                await self.reserve(request.scope, body, tenant, meter)
             except APIError as e:
                 return e.response()
             pass_usage = ask_for_usage(body)
@@ -228,6 +258,19 @@ class Router:
         if last is not None:
             return error_response(502, f"the backend failed: {last}", "backend_error")
         return error_response(503, "no healthy backend to serve this request.", "no_healthy_backend")
+
+    async def reserve(self, scope: dict, body: dict, tenant: Tenant | None, meter: StreamMeter) -> None:
+        """Reserve the request's worst case from the tenant's token budgets (raising the 429): every prompt of a
+        batch, n sequences each, max_tokens or else the room max_model_len leaves; the middleware settles it at
+        what the backend's usage says. Tells the meter the prompts' tokens (a stream cut short is charged those)."""
+        if self.prompts.tokenizer is not None:
+            counts = await asyncio.to_thread(self.prompts.counts, body)
+        else:
+            counts = self.prompts.counts(body)  # lengths only: cheap
+        max_len = self.max_model_len(body.get("model"))
+        meter.prompt_reserved = reserved_prompt(counts, max_len)
+        worst = worst_case(counts, sequences_per_prompt(body), requested_max_tokens(body), max_len)
+        reserve_for(scope, self.limiter, tenant, worst, meter.total)
 
     async def prefill_first(self, path: str, body: dict, headers: dict[str, str]) -> None:
         """PD: compute the prompt's KV on a prefill instance (one token, not streamed) so the decode instance
@@ -284,8 +327,11 @@ class Router:
                 content = await resp.aread()
                 release()
                 if meter is not None:
+                    meter.served = resp.status_code < 400  # an error answer used nothing
                     meter.read_json(content)
                 return Response(content, resp.status_code, headers=out_headers)
+            if meter is not None:
+                meter.served = resp.status_code < 400
             chunks = resp.aiter_raw() if meter is None else metered_stream(resp.aiter_raw(), meter, pass_usage)
             first = await anext(chunks, b"")
         except httpx.HTTPError as e:

@@ -6,18 +6,21 @@ What each request passes to a backend: the tenant's priority class and SLO as th
 fields (so the backends' `priority` / `slo` scheduling policies act on them), and the router's own
 `--backend-api-key` instead of the tenant's key. Usage comes from the backends' answers: a non-streamed
 response's `usage`; for a stream the router asks for the final usage chunk (`stream_options.include_usage`) and
-passes it on only when the client asked for it. A stream cut short before its usage chunk is metered with its
-prompt as the router estimated it and one completion token per content chunk received (tokenmill sends at least
-one token per chunk: a lower bound).
+passes it on only when the client asked for it. A stream cut short before its usage chunk (the client left, the
+backend broke) is metered with its prompts as the router reserved them (exact for token ids or with --tokenizer,
+else their upper bound) and the completion tokens its chunks carried: a chunk's logprobs count them exactly, else
+one a chunk with text (tokenmill sends at least one token a chunk: a lower bound). A request no backend answered
+with success (refused, 4xx, 5xx) used nothing.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from tokenmill.serve.errors import APIError
 from tokenmill.core.request import RequestSLO
+from tokenmill.serve.tenants.isolation import cache_salt_for
 from tokenmill.serve.tenants.keys import Tenant, priority_for, slo_for
 
 
@@ -25,17 +28,21 @@ from tokenmill.serve.tenants.keys import Tenant, priority_for, slo_for
 class StreamMeter:
     """What a backend's answer says the request used, filled as it passes through the router."""
 
-    prompt_estimate: int = 0
+    prompt_reserved: int = 0  # the prompts' tokens as reserved: what a stream cut short is charged for them
+    echo: bool = False  # a choice's first chunk then carries the prompt (its tokens are not the completion's)
+    served: bool = False  # a backend answered with success: only then is anything charged
     prompt_tokens: int | None = None  # from the backend's usage, once seen
     cached_tokens: int = 0
     completion_tokens: int = 0
-    chunks: int = 0  # content chunks seen (the fallback count of a stream cut short)
+    seen: dict[int, int] = field(default_factory=dict)  # choice index -> completion tokens its chunks carried
     has_usage: bool = False
 
     def counts(self) -> tuple[int, int, int]:
         if self.has_usage:
             return self.prompt_tokens or 0, self.cached_tokens, self.completion_tokens
-        return self.prompt_estimate, 0, self.chunks
+        if not self.served:
+            return 0, 0, 0
+        return self.prompt_reserved, 0, sum(self.seen.values())
 
     def total(self) -> int:
         prompt, _, completion = self.counts()
@@ -56,6 +63,24 @@ class StreamMeter:
         if isinstance(usage, dict):
             self.take_usage(usage)
 
+    def take_choice(self, choice: dict) -> None:
+        """Count the completion tokens one streamed choice carries."""
+        index = choice.get("index", 0)
+        if not isinstance(index, int):
+            return
+        first = index not in self.seen
+        self.seen.setdefault(index, 0)
+        if first and self.echo:
+            return  # the echoed prompt, with perhaps a token we cannot tell apart: none counted (a lower bound)
+        logprobs = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else {}
+        tokens = logprobs.get("tokens", logprobs.get("content"))  # completions / chat
+        if isinstance(tokens, list):
+            self.seen[index] += len(tokens)
+            return
+        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else choice
+        if any(delta.get(k) for k in ("text", "content", "reasoning_content", "reasoning", "tool_calls")):
+            self.seen[index] += 1
+
 
 def apply_tenant(body: dict, tenant: Tenant) -> None:
     """Check the tenant may use the body's model and write its priority class and SLO into the body (what the
@@ -71,6 +96,11 @@ def apply_tenant(body: dict, tenant: Tenant) -> None:
         slo = slo_for(tenant, RequestSLO(asked.get("ttft_ms"), asked.get("tpot_ms")))
     except ValueError as e:
         raise APIError(400, str(e), "slo") from None
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= 256):
+        raise APIError(400, "cache_salt must be a string of 1 to 256 characters.", "cache_salt")
+    # The backends see the router's key, not the tenant's: the tenant's prefix-cache salt travels in the body.
+    body["cache_salt"] = cache_salt_for(tenant, salt)
     if slo is None:
         body.pop("slo", None)
     else:
@@ -89,7 +119,7 @@ def ask_for_usage(body: dict) -> bool:
 
 async def metered_stream(chunks: AsyncIterator[bytes], meter: StreamMeter, pass_usage: bool) -> AsyncIterator[bytes]:
     """Pass an SSE stream through event by event, reading the usage chunk (dropped unless `pass_usage`) and
-    counting content chunks."""
+    counting the completion tokens of the content chunks."""
     buf = b""
     async for chunk in chunks:
         buf += chunk
@@ -108,10 +138,13 @@ def _keep(event: bytes, meter: StreamMeter, pass_usage: bool) -> bool:
         data = json.loads(event[6:])
     except ValueError:
         return True
-    if isinstance(data.get("usage"), dict):
+    choices = data.get("choices")
+    if isinstance(data.get("usage"), dict) and not choices:  # the final usage-only chunk
         meter.take_usage(data["usage"])
-        if not data.get("choices"):  # the usage-only chunk
-            return pass_usage
-    if data.get("choices"):
-        meter.chunks += 1
+        return pass_usage
+    # A content chunk's usage (vLLM's continuous_usage_stats) is one choice's so far, not the request's: not read.
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict):
+                meter.take_choice(choice)
     return True
