@@ -114,7 +114,7 @@ UNDER = [
 
 @pytest.mark.parametrize("so", UNDER, ids=range(len(UNDER)))
 def test_under_the_limits_compiles(so):
-    assert validate(so)
+    validate(so)  # no ValueError
 
 
 # ---- what slips past the limits costs a worker process ----------------------------------------------------
@@ -142,20 +142,18 @@ def test_a_check_past_its_timeout_kills_the_worker_only():
 def test_a_worker_that_died_idle_is_replaced():
     ok = to_grammar(SO(regex="[a-c]{2}"))
     assert checker.check_isolated(ok, 60) == ""
-    for w in list(checker._idle):
+    for w in list(checker._pool._idle):
         w.proc.kill()
         w.proc.wait(10)
     assert checker.check_isolated(ok, 60) == ""
 
 
-def test_without_a_worker_process_the_check_runs_here(monkeypatch):
-    """Where no worker process can start (here: no interpreter to start), checks fall back to a thread."""
-    monkeypatch.setattr(checker, "_no_worker", False)
-    monkeypatch.setattr(checker, "_idle", [])
-    monkeypatch.setattr(checker.sys, "executable", "/nonexistent/python")
+def test_without_worker_processes_on_this_platform_the_check_runs_here(monkeypatch):
+    """Only a platform with no worker processes at all (os.name != "posix") checks on a thread here."""
+    monkeypatch.setattr(checker, "IN_PROCESS", True)
     assert checker.check_isolated(to_grammar(SO(regex="[a-z]")), 60) == ""
-    assert checker._no_worker
     assert "unclosed group" in checker.check_isolated(llguidance.LLMatcher.grammar_from_regex("(x"), 60)
+    assert checker.checker_status().state == "in_process"
 
 
 CHECK_ON_A_STACK = """

@@ -8,11 +8,13 @@ import threading
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tokenmill.core.outputs import SchedulerStats
 from tokenmill.engine.output import FinishedRequest
 from tokenmill.serve.tenants.counters import TenantCounters
+from tokenmill.structured_output.checker import checker_status
 
 if TYPE_CHECKING:
     from tokenmill.engine.stats import StepStats
@@ -29,6 +31,26 @@ _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384
 # LoRA adapters get a label value each up to this many names; later ones count under "other" (adapters can be
 # loaded at run time without end: the series must stay bounded).
 MAX_ADAPTER_LABELS = 32
+
+
+class GrammarCheckerCollector:
+    """The grammar checker's worker (structured_output/checker.py), read at scrape time: whether it is up, and
+    how often it failed to start (while it restarts, grammar requests get 503)."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self._labels = labels
+
+    def collect(self):
+        status = checker_status()
+        names, values = list(self._labels), list(self._labels.values())
+        up = GaugeMetricFamily("tokenmill:grammar_worker_up", "1 while grammar checks can run (a checker worker "
+                               "is up or can start); 0 while a worker that failed to start is being retried.",
+                               labels=names)
+        up.add_metric(values, 0.0 if status.state == "restarting" else 1.0)
+        failures = CounterMetricFamily("tokenmill:grammar_worker_start_failures", "Grammar checker worker "
+                                       "processes that failed to start.", labels=names)
+        failures.add_metric(values, status.start_failures)
+        return [up, failures]
 
 
 class ServerMetrics:
@@ -108,6 +130,7 @@ class ServerMetrics:
         self._last: dict[str, int] = {}
         self._gauges: dict[int, tuple[int, int, float]] = {}  # replica -> (running, waiting, kv usage)
         self._replica_lock = threading.Lock()
+        r.register(GrammarCheckerCollector(label))
 
     # ---- observer (engine thread) ---------------------------------------------------------
     def on_iteration(self, stats: SchedulerStats, step: StepStats | None, inter_token_s: list[float],

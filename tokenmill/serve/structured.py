@@ -3,10 +3,15 @@ its older `guided_*` extras. At most one source may constrain a request; each ba
 its field, and the grammar is checked (off the event loop) before the request reaches the engine."""
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 from tokenmill.sampling_params import StructuredOutputsParams
-from tokenmill.serve.errors import bad_request
+from tokenmill.serve.errors import APIError, bad_request
+from tokenmill.structured_output.checker import CheckerUnavailable
 
 
 def _from_response_format(rf) -> StructuredOutputsParams | None:
@@ -69,13 +74,51 @@ def request_constraint(req) -> tuple[StructuredOutputsParams | None, str | None]
     return (found[0][1], found[0][0]) if found else (None, None)
 
 
+# Threads: one per checker process, plus one converting while both check. Waiting: a burst of distinct grammars.
+CHECK_THREADS = 3
+MAX_QUEUED_CHECKS = 64
+
+
+class CheckLane:
+    """Threads of their own for grammar checks: a check waits on a worker process (up to its timeout) and its
+    GBNF conversion is Python, so neither holds the event loop nor the tokenizer's lane. At most `max_queued`
+    checks wait or run at once; beyond that a request gets 503 (the queue has a bound)."""
+
+    def __init__(self, threads: int = CHECK_THREADS, max_queued: int = MAX_QUEUED_CHECKS) -> None:
+        self.threads, self.max_queued = threads, max_queued
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.queued = 0
+
+    async def run(self, fn: Callable[..., Any], *args) -> Any:
+        with self._lock:
+            if self.queued >= self.max_queued:
+                raise CheckerUnavailable(f"{self.queued} grammar checks are already waiting.")
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="tokenmill-grammar")
+            self.queued += 1
+            future = self._executor.submit(fn, *args)
+        future.add_done_callback(self._done)  # counted until it ends, even if its caller went away
+        return await asyncio.wrap_future(future)
+
+    def _done(self, _future) -> None:
+        with self._lock:
+            self.queued -= 1
+
+
+_lane = CheckLane()
+
+
 async def check_constraint(state, so: StructuredOutputsParams, param: str) -> None:
-    """Check the grammar off the event loop: its limits, then llguidance's compile check in a worker process
-    (with a timeout). A bad one, or one over a limit, is a 400 naming the problem."""
-    from tokenmill.structured_output.grammar import spec, validate
+    """Check the grammar off the event loop, once per distinct grammar (grammar.validate caches the verdict):
+    its limits, then llguidance's compile check in a worker process (with a timeout). A bad one, or one over a
+    limit, is a 400 naming the problem; no checker available right now is a 503 with Retry-After."""
+    from tokenmill.structured_output.grammar import validate
 
     try:
-        size = len(spec(so)[1])
-        await state.run_blocking(validate, so, size=size)  # a large grammar checks in the slow lane
+        await _lane.run(validate, so)
     except ValueError as e:
         raise bad_request(" ".join(str(e).split()), param) from None
+    except CheckerUnavailable as e:
+        raise APIError(503, f"The grammar cannot be checked right now: {e}", param, "grammar_checker_unavailable",
+                       headers={"Retry-After": str(math.ceil(e.retry_after_s))}) from None

@@ -6,8 +6,13 @@ which gets its grammar text from `to_grammar` too: the limits (checker.py) hold 
 """
 from __future__ import annotations
 
+import hashlib
 import json
-from typing import Any
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable
 
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured_output import checker
@@ -177,21 +182,141 @@ def any_json_object() -> dict:
         "type": "object", "additionalProperties": value}
 
 
-# ---- the check ------------------------------------------------------------------------------------------
-_checked: dict[tuple[str, str], str] = {}  # spec -> error ("" valid): the server checks, then the processor
+# ---- the check: once per distinct constraint ---------------------------------------------------------------
+VERDICT_CACHE_SIZE = 1024  # verdicts kept (a digest and a message each)
 
 
-def validate(so: StructuredOutputsParams) -> str:
-    """Check the constraint compiles (without the tokenizer); returns the grammar text or raises ValueError.
-    The limits are checked here; llguidance's check runs in a worker process (checker.check_isolated)."""
-    grammar = to_grammar(so)
-    key = spec(so)
-    error = _checked.get(key)
-    if error is None:
-        error = checker.check_isolated(grammar, VALIDATE_TIMEOUT_S)
-        if len(_checked) >= 1024:
-            _checked.pop(next(iter(_checked)))
-        _checked[key] = error
-    if error:
-        raise ValueError(f"invalid {so.kind.replace('_', ' ')} constraint: {error.strip()}")
-    return grammar
+def fingerprint(so: StructuredOutputsParams) -> str:
+    """A digest of the constraint as given (its kind, options and raw text), before any conversion: the verdict
+    cache's key. Computed once per params object (a request's prompts share theirs), so the per-prompt lookup
+    costs no hashing of a 256 KB grammar, nor serializing a schema."""
+    memo = _memo.get(so)
+    if memo is not None:
+        return memo[0]
+    kind = so.kind
+    value = getattr(so, kind)
+    if not isinstance(value, str):
+        try:
+            value = json.dumps(value, separators=(",", ":"))
+        except RecursionError:  # a dict schema nested deeper than json.dumps goes
+            raise ValueError(f"the structured output constraint nests more than {checker.MAX_JSON_NESTING} deep; "
+                             f"the limit is {checker.MAX_JSON_NESTING}.") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"the structured output {kind} is not JSON: {e}") from None
+    h = hashlib.sha256(f"{kind}\0{so.disable_any_whitespace}\0".encode())
+    h.update(value.encode("utf-8", "surrogatepass"))
+    key = h.hexdigest()
+    _memo.put(so, key, None)
+    return key
+
+
+class _ObjectMemo:
+    """params object -> (fingerprint, verdict or None), for as long as the object lives (weak: nothing is kept
+    after the request). Objects are matched by identity: StructuredOutputsParams is an unhashable dataclass."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[int, tuple[weakref.ref, str, str | None]] = {}
+
+    def get(self, so) -> tuple[str, str | None] | None:
+        with self._lock:
+            item = self._items.get(id(so))
+        if item is None or item[0]() is not so:
+            return None
+        return item[1], item[2]
+
+    def put(self, so, key: str, verdict: str | None) -> None:
+        oid = id(so)
+
+        def forget(ref: weakref.ref) -> None:
+            with self._lock:
+                if self._items.get(oid, (None,))[0] is ref:
+                    del self._items[oid]
+
+        with self._lock:
+            old = self._items.get(oid)
+            ref = old[0] if old is not None and old[0]() is so else weakref.ref(so, forget)
+            self._items[oid] = (ref, key, verdict)
+
+
+class _Verdicts:
+    """Verdicts by fingerprint ("" valid, else the 400's message), least recently used dropped first. Shared by
+    the server's grammar-check threads and the event loop (the processor's per-prompt lookup), so every access
+    holds one lock; a constraint is checked by one thread while the others asking for it wait for its verdict."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._done: OrderedDict[str, str] = OrderedDict()
+        self._running: dict[str, threading.Event] = {}
+
+    def get(self, key: str) -> str | None:
+        with self._lock:
+            verdict = self._done.get(key)
+            if verdict is not None:
+                self._done.move_to_end(key)
+            return verdict
+
+    def get_or_compute(self, key: str, compute: Callable[[], str], timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                verdict = self._done.get(key)
+                if verdict is not None:
+                    self._done.move_to_end(key)
+                    return verdict
+                running = self._running.get(key)
+                if running is None:
+                    running = self._running[key] = threading.Event()
+                    break
+            # Another thread checks this one: its verdict, or (it failed without one) the turn to try.
+            if not running.wait(max(0.0, deadline - time.monotonic())):
+                raise checker.CheckerUnavailable(f"the same grammar is still being checked after {timeout:g} s.")
+        try:
+            verdict = compute()
+            with self._lock:
+                self._done[key] = verdict
+                while len(self._done) > self.size:
+                    self._done.popitem(last=False)
+        finally:  # with a verdict or not (CheckerUnavailable: none to keep), the waiters go on
+            with self._lock:
+                del self._running[key]
+            running.set()
+        return verdict
+
+    def clear(self) -> None:
+        with self._lock:
+            self._done.clear()
+
+
+_memo = _ObjectMemo()
+_verdicts = _Verdicts(VERDICT_CACHE_SIZE)
+
+
+def _verdict(so: StructuredOutputsParams) -> str:
+    """The conversion (limits included), then llguidance's check in a worker: "" or the 400's message."""
+    try:
+        grammar = to_grammar(so)
+    except ValueError as e:
+        return str(e) or "the structured output constraint is invalid."
+    error = checker.check_isolated(grammar, VALIDATE_TIMEOUT_S)  # CheckerUnavailable: no verdict (503)
+    return f"invalid {so.kind.replace('_', ' ')} constraint: {error.strip()}" if error else ""
+
+
+def validate(so: StructuredOutputsParams) -> None:
+    """Check the constraint compiles (without the tokenizer): its limits and conversion here, llguidance's check
+    in a worker process (checker.check_isolated). ValueError (a 400) when it does not; CheckerUnavailable (a 503)
+    when no worker can check it now.
+
+    Once per distinct constraint: the verdict is cached by `fingerprint` (a digest of the raw text, taken
+    before any conversion) and kept on the params object, so the processor's per-prompt call on the event loop
+    is a lookup. The server calls this off the event loop first (serve/structured.py)."""
+    memo = _memo.get(so)
+    if memo is not None and memo[1] is not None:
+        verdict = memo[1]
+    else:
+        key = fingerprint(so)
+        verdict = _verdicts.get_or_compute(key, lambda: _verdict(so), VALIDATE_TIMEOUT_S * 3)
+        _memo.put(so, key, verdict)
+    if verdict:
+        raise ValueError(verdict)

@@ -70,6 +70,9 @@ class StructuredOutputManager:
         self._compiling: dict[tuple[str, str], concurrent.futures.Future] = {}
         self._pending: list = []  # requests whose grammar is compiling
         self.stats = GrammarStats()
+        self._stats_lock = threading.Lock()
+        # _cache, _compiling and _pending belong to the core loop's thread alone (add, poll, fill_bitmask); the
+        # compile threads only return futures.
 
     # ---- compiling ------------------------------------------------------------------------
     def tokenizer(self):
@@ -97,7 +100,8 @@ class StructuredOutputManager:
         matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
-        self.stats.compile_s = (self.stats.compile_s + [time.perf_counter() - t0])[-1000:]
+        with self._stats_lock:  # two compile threads finish at once
+            self.stats.compile_s = (self.stats.compile_s + [time.perf_counter() - t0])[-1000:]
         return matcher
 
     def add(self, req) -> None:
