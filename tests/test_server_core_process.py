@@ -91,6 +91,9 @@ def test_killing_the_core_process_fails_open_requests_and_health(server):
     assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
     late = client.post("/v1/completions", json={**body, "stream": False, "max_tokens": 4})
     assert late.status_code == 503 and late.json()["error"]["code"] == "engine_dead"
+    for route in ("/v1/diagnostics", "/v1/kv_events"):  # these once waited forever after the core died
+        r = client.get(route, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", (route, r.text)
     client.close()
     assert server.proc.poll() is None  # the HTTP server itself stays up to say so
     assert server.stop(signal.SIGTERM) is not None

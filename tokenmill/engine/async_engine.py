@@ -29,6 +29,7 @@ from tokenmill.engine.output import (EngineError, FinishedRequest, OutputProcess
 from tokenmill.engine.processor import ModelFacts, Processor, child_ids
 from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output.checker import CheckerUnavailable
 
 if TYPE_CHECKING:
     from tokenmill.engine.stats import StepStats
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # the output thread's wait for the core, between checks that it is still alive
+# Utility calls (diagnostics, kv_events, ...) waiting for the core's answer; more are refused with a 503: each
+# holds a future, and a core busy with a long step answers none of them until it ends.
+MAX_PENDING_CALLS = 64
 
 
 class EngineObserver(Protocol):
@@ -68,6 +72,7 @@ class AsyncLLMEngine:
         self._draining = False
         self._stopped = False
         self._dead: str | None = None
+        self._calls_lock = threading.Lock()  # _utility and _dead, between callers and the output thread
         self._thread: threading.Thread | None = None
         self.num_engine_errors = 0
 
@@ -169,6 +174,8 @@ class AsyncLLMEngine:
                                                               cache_salt)
             except ValueError as e:
                 refuse = EngineError(str(e), 400)
+            except CheckerUnavailable as e:  # a grammar nobody checked before (the server always does first)
+                refuse = EngineError(f"the grammar cannot be checked right now: {e}", 503, "overloaded")
         if refuse is not None:
             queue.put_nowait(RequestDelta(request_id, tag, [], True, len(prompt_token_ids), error=refuse))
             return
@@ -223,19 +230,38 @@ class AsyncLLMEngine:
         return stream_deltas(self, request_id, prompt_token_ids, params, **kw)
 
     async def call(self, method: str, *args):
-        """Run an EngineCore method in the core (diagnostics, reset_prefix_cache) and return its result."""
+        """Run an EngineCore method in the core (diagnostics, reset_prefix_cache) and return its result.
+        EngineError 503 engine_dead at once when the core is gone, or as soon as it goes while this waits:
+        nothing else would ever answer the call (the output thread has stopped)."""
         call_id = next(self._call_ids)
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._utility[call_id] = fut
+        with self._calls_lock:  # against _on_dead: a call is either failed by it or refused here
+            if self._dead is not None or self._stopped:
+                raise EngineError(f"the engine is not running: {self._dead or 'the server is shutting down'}",
+                                  503, "engine_dead")
+            if len(self._utility) >= MAX_PENDING_CALLS:
+                raise EngineError(f"{len(self._utility)} calls are already waiting for the engine core; please "
+                                  "retry shortly.", 503, "overloaded")
+            self._utility[call_id] = fut
         try:
             self.client.send(("utility", (call_id, method, args)))
         except CoreDeadError as e:
-            self._utility.pop(call_id, None)
-            raise EngineError(str(e), 503, "engine_dead") from None
+            self._on_dead(str(e))  # fails this call's future too
         return await asyncio.wrap_future(fut)
 
     # ---- the output thread ----------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # a bug here: without this thread nothing would answer anyone again
+            log.exception("the engine's output thread failed")
+            self._on_dead(f"the output thread failed: {type(e).__name__}: {e}")
+        finally:  # a call made after this thread stopped, with the core gone or shut down, fails at once
+            if self._dead is None:
+                self._on_dead("the server is shutting down." if self._stopped or self.client.closed
+                              else "the engine's output thread stopped.")
+
+    def _loop(self) -> None:
         while not self._stopped:
             try:
                 msgs = self.client.get(POLL_S)
@@ -256,7 +282,8 @@ class AsyncLLMEngine:
             self._stats, self._adds_seen = payload
         elif kind == "utility":
             call_id, ok, result = payload
-            fut = self._utility.pop(call_id, None)
+            with self._calls_lock:
+                fut = self._utility.pop(call_id, None)
             if fut is not None:
                 fut.set_result(result) if ok else fut.set_exception(EngineError(result, 500, "engine_error"))
         elif kind == "step_failed":
@@ -344,15 +371,17 @@ class AsyncLLMEngine:
             self.abort(rid, error)
 
     def _on_dead(self, message: str) -> None:
-        if self._dead is not None:
-            return
-        self._dead = message
-        log.error("engine core is gone: %s; failing %d request(s)", message, len(self.output.requests))
+        with self._calls_lock:
+            if self._dead is not None:
+                return
+            self._dead = message
+            calls, self._utility = list(self._utility.values()), {}
+        if not self._stopped:
+            log.error("engine core is gone: %s; failing %d request(s)", message, len(self.output.requests))
         self._fail_all(EngineError(f"the engine is not running: {message}", 500, "engine_dead"))
-        for fut in list(self._utility.values()):
+        for fut in calls:
             if not fut.done():
-                fut.set_exception(EngineError(message, 503, "engine_dead"))
-        self._utility.clear()
+                fut.set_exception(EngineError(f"the engine is not running: {message}", 503, "engine_dead"))
 
     def _notify(self, out: EngineCoreOutputs, itl: list[float]) -> None:
         if self.observer is None:

@@ -22,8 +22,8 @@ import multiprocessing as mp
 import threading
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_proc import (JOIN_TIMEOUT_S, QueueInbox, core_process_main, dump_frame, load_frame,
-                                        message_size, run_core_loop)
+from tokenmill.engine.core_proc import (JOIN_TIMEOUT_S, OUTBOX_BYTES, QueueInbox, core_process_main, dump_frame,
+                                        load_frame, message_size, output_size, run_core_loop)
 
 log = logging.getLogger(__name__)
 
@@ -81,17 +81,22 @@ class CoreClient:
 
 
 class ThreadCoreClient(CoreClient):
-    """The core in a background thread (steps release the GIL in torch, but everything else competes)."""
+    """The core in a background thread (steps release the GIL in torch, but everything else competes).
 
-    def __init__(self, config_or_core) -> None:
-        from tokenmill.engine.core import EngineCore
+    Its outputs wait in a queue bounded as the process core's are (OUTBOX_BYTES): when the output thread falls
+    that far behind, the loop stops stepping (and keeps taking commands) until it catches up."""
 
+    def __init__(self, config_or_core, outbox_bytes: int = OUTBOX_BYTES) -> None:
         core = config_or_core
-        self._owns_core = not isinstance(core, EngineCore)
-        self.core = EngineCore(core) if self._owns_core else core
+        self._owns_core = isinstance(core, EngineConfig)
+        if self._owns_core:
+            from tokenmill.engine.core import EngineCore
+
+            core = EngineCore(core)
+        self.core = core
         self.info = self.core.info
         self.inbox = QueueInbox(SEND_QUEUE_BYTES)
-        self.outbox = QueueInbox()
+        self.outbox = QueueInbox(outbox_bytes)
         self._thread: threading.Thread | None = None
         self._dead: str | None = None
 
@@ -102,11 +107,14 @@ class ThreadCoreClient(CoreClient):
 
     def _run(self) -> None:
         try:
-            run_core_loop(self.core, self.inbox, self.outbox.put)
+            run_core_loop(self.core, self.inbox, self._put_output, lambda: not self.outbox.full)
         except BaseException as e:  # never silently: the server must turn unhealthy
             log.exception("engine core thread died")
             self._dead = f"{type(e).__name__}: {e}"
             self.outbox.put(("dead", (self._dead, "")))
+
+    def _put_output(self, msg: tuple) -> None:
+        self.outbox.put(msg, output_size(msg))  # always taken: the loop holds its next step while it is full
 
     def send(self, msg: tuple) -> None:
         if self._dead is not None:
@@ -225,14 +233,19 @@ class ProcessCoreClient(CoreClient):
             self._incoming.close()
 
     # ---- what callers use ------------------------------------------------------------------
-    def send(self, msg: tuple) -> None:
+    def _check_alive(self) -> None:
+        """CoreDeadError once the process is gone: a message queued for a dead core would never be answered."""
+        if self._dead is None and not self.proc.is_alive():
+            self._dead = f"the engine core process died (exit code {self.proc.exitcode})."
         if self._dead is not None:
             raise CoreDeadError(self._dead)
+
+    def send(self, msg: tuple) -> None:
+        self._check_alive()
         self._outgoing.put(msg, message_size(msg))
 
     def send_requests(self, reqs: list) -> None:
-        if self._dead is not None:
-            raise CoreDeadError(self._dead)
+        self._check_alive()
         if not self._outgoing.put_all([("add", r) for r in reqs], requests_size(reqs)):
             raise CoreBusyError(f"{self._outgoing.nbytes} bytes of requests are waiting to reach the engine core.")
 

@@ -60,6 +60,23 @@ def message_size(msg: tuple) -> int:
     return 256
 
 
+def output_size(msg: tuple) -> int:
+    """Roughly what a message from the core holds, in bytes, without pickling it (the in-process core's outbox
+    is bounded by this, as a pipe's is by its frames): token ids, logprob rows, prompt logprob rows. O(outputs)."""
+    kind, payload = msg
+    if kind != "outputs":
+        return 256
+    size = 256
+    for o in payload.outputs:
+        size += 128 + 8 * len(o.new_token_ids)
+        for lp in o.new_logprobs or ():
+            size += 32 + 16 * len(lp[2])
+        p = o.prompt_logprobs
+        if p is not None:
+            size += 24 * len(p.token_ids) + 16 * sum(len(ids) for ids in p.top_ids)
+    return size
+
+
 class Inbox:
     """Commands for the loop: `get(timeout)` returns all waiting ones (waiting up to timeout for the first;
     None: forever). Raises EOFError when the sender is gone."""
