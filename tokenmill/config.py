@@ -67,6 +67,10 @@ class SchedulerConfig:
     # beyond the budget. With a cap, a long prompt shares each step with other prompts instead of filling it,
     # and the step (so the running requests' inter-token latency) stays short.
     long_prefill_token_threshold: int = 0
+    # Most prompts that stay in progress after a step (longer than their share of it) computed at once (vLLM's
+    # flag); further long prompts wait for the budget the others leave, and shorter ones are admitted past them,
+    # so a small request behind long prompts starts at once.
+    max_long_partial_prefills: int = 1
     # KV slots reserved past each request's scheduled tokens for speculative drafts (set from the
     # speculative config: num_speculative_tokens).
     num_lookahead_tokens: int = 0
@@ -289,6 +293,7 @@ class EngineConfig:
         _at_least(1, max_model_len=m.max_model_len, block_size=c.block_size,
                   kv_cache_memory_bytes=c.kv_cache_memory_bytes, num_gpu_blocks_override=c.num_gpu_blocks_override,
                   max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                  max_long_partial_prefills=s.max_long_partial_prefills,
                   kv_offload_group_blocks=c.kv_offload_group_blocks, tensor_parallel_size=p.tensor_parallel_size,
                   pipeline_parallel_size=p.pipeline_parallel_size,
                   decode_context_parallel_size=p.decode_context_parallel_size,

@@ -143,6 +143,10 @@ class EngineArgs:
         SchedulerConfig.long_prefill_token_threshold,
         "Most prompt tokens one request computes per step, so a long prompt shares steps with other prompts "
         "and running decodes keep short steps; 0: only the step budget chunks (default: %(default)s).")
+    max_long_partial_prefills: int = _arg(
+        SchedulerConfig.max_long_partial_prefills,
+        "Most long prompts (that do not finish within their share of a step) computed at once; shorter prompts "
+        "are admitted past the others, which get the budget left over (default: %(default)s).")
     scheduling_policy: str = _arg(SchedulerConfig.policy, "Who is admitted and preempted first: fcfs by arrival; "
                                   "priority by each request's priority, lower first; slo by each request's TTFT "
                                   "and TPOT targets, batch work (no SLO) in the time left (default: %(default)s).",
@@ -270,6 +274,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold,
+                                      max_long_partial_prefills=self.max_long_partial_prefills,
                                       policy=self.scheduling_policy, slo_shed=self.slo_shed,
                                       disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,

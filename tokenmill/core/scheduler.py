@@ -1,10 +1,18 @@
 """Token-budget scheduler: each step gives each chosen request a number of new tokens to compute.
 
 There are no prefill and decode phases. Running requests that need one token (decodes) go first,
-then running requests in the middle of a prompt, then waiting requests, until the token budget
-(`max_num_batched_tokens`) or the running cap (`max_num_seqs`) is reached. Prompts longer than the
-remaining budget (or than `long_prefill_token_threshold`, when set) are chunked. When the block pool runs dry the lowest-priority running request is
-preempted by recompute: its blocks are freed, its tokens kept, and it waits at the front.
+then running requests in the middle of a prompt, then waiting requests, until the budget
+(`max_num_batched_tokens`) or the running cap (`max_num_seqs`) is reached. The budget counts work: a token
+each, and a prompt-logprob row each (an LM-head row over the vocabulary), so no step carries more.
+
+Prompts share what the decodes leave (issue 44): each running prompt, and the newcomers together, first get an
+equal share; a prompt that does not finish within its share is long, and while `max_long_partial_prefills`
+are in progress further long ones wait, so a short request behind long prompts starts at once; then what the
+shares left goes to the prompts cut short and the long ones that waited (nothing is left unused). A request
+whose prompt a running one is computing (the n sequences of one prompt) waits and reads it from the prefix
+cache. Prompts are chunked by their share (and `long_prefill_token_threshold`, when set). When the block pool
+runs dry the lowest-priority running request is preempted by recompute: its blocks are freed, its tokens kept,
+and it waits at the front.
 No torch here.
 """
 from __future__ import annotations
@@ -30,6 +38,25 @@ MAX_ADMISSION_SKIPS = 64
 # Waiting requests that did not fit, tried per step before admission stops: bounds a step's scheduling work
 # when the queue is long and the pool full.
 MAX_MISFITS_PER_STEP = 16
+# Waiting requests passed over per step without trying the pool (a running prompt computes their prefix, or they
+# are long prompts waiting for max_long_partial_prefills): bounds a step's scheduling work behind a long queue.
+MAX_PASSED_PER_STEP = 512
+
+
+@dataclass
+class _Fill:
+    """How one step's budget is being handed out (Scheduler.schedule)."""
+
+    budget: int  # work left: a token each, and a prompt-logprob row each (Scheduler.cost)
+    deferrable: int | None  # work left for the policy's deferrable prompts (StepPlan.deferrable_tokens); None: no cap
+    share: int | None = None  # the most one prompt takes before the top-up; None: all that is left
+    partial: int = 0  # long prompts in progress: those running at the start, and those admitted in this step
+    passed_long: list[Request] = field(default_factory=list)  # long prompts passed over for max_long_partial_prefills
+    passed: int = 0  # waiting requests passed over without trying the pool
+    misfits: int = 0  # waiting requests the pool could not hold
+    adapters: set = field(default_factory=set)  # LoRA adapters that hold the step's slots
+    lora_blocked: bool = False  # a request waits for an adapter slot: no later adapter request is admitted
+    inflight: set[bytes] | None = None  # hashes of the running prompts' blocks (built when first needed)
 
 
 @dataclass
@@ -272,7 +299,6 @@ class Scheduler:
         out = SchedulerOutput()
         now = self.clock()
         self._observe_last_step(now)
-        budget = self.config.max_num_batched_tokens
         scheduled: dict[int, int] = {}  # id(req) -> tokens
         policy = self.policy
         policy.reorder(self.waiting, now)
@@ -284,22 +310,28 @@ class Scheduler:
         for req in plan.preempt:  # room for urgent waiting requests, before anything is scheduled
             self.preempt(req)
             out.preempted.append(req)
-        deferrable = plan.deferrable_tokens  # prompt tokens left this step for the policy's deferrable requests
+        fill = _Fill(self.config.max_num_batched_tokens, plan.deferrable_tokens)
+        prompts = fill.partial = sum(1 for r in self.running if r.is_prefill)
         pool_ran_dry = False
 
         # Decodes first, then running prompts (the policy's order).
         for req in policy.running_order(self.running, now):
-            if budget <= 0:
+            if fill.budget <= 0:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             self.current = req
             faults.maybe_raise("schedule", [req.request_id])
-            capped = deferrable is not None and req.is_prefill and policy.deferrable(req)
-            n = self._chunk(req, req.num_uncomputed_tokens, min(budget, deferrable) if capped else budget)
+            if req.is_prefill and fill.share is None:
+                # What the decodes left is shared: each running prompt, and the newcomers together, first get an
+                # equal part; what a part leaves unused goes to the others in _top_up.
+                fill.share = max(fill.budget // (prompts + (1 if len(self.waiting) else 0)), 1)
+            capped = fill.deferrable is not None and req.is_prefill and policy.deferrable(req)
+            start = req.num_computed_tokens
+            n = self._chunk(req, start, req.num_uncomputed_tokens, self._allowance(req, fill, req.is_prefill))
             if n <= 0:
                 continue  # its prompt waits for a step with room
-            spec = self._drafts(req, budget - n) if n == 1 else []
+            spec = self._drafts(req, fill.budget - n) if n == 1 else []
             n += len(spec)
             while not self.kv.allocate_slots(req, n, num_lookahead_tokens=self.num_lookahead_tokens):
                 candidates = [r for r in self.running if id(r) not in scheduled]
@@ -314,19 +346,21 @@ class Scheduler:
                 out.scheduled.append((req, n))
                 if spec:
                     out.spec[req.request_id] = spec
-                budget -= n
-                if capped:
-                    deferrable -= n
+                self._spend(req, start, n, fill, capped)
 
         # Admit waiting requests, unless this step already had to preempt for blocks. A request whose grammar is
-        # still compiling, whose handed-over KV is still being read (KV connector), or that does not fit the pool
-        # now stays in the queue without holding up the ones behind it (a large one only for MAX_ADMISSION_SKIPS
-        # steps: then it holds the queue until it fits).
+        # still compiling, whose handed-over KV is still being read (KV connector), whose prompt a running request
+        # is computing (it reads it from the prefix cache later), or that does not fit the pool now stays in the
+        # queue without holding up the ones behind it (a large one only for MAX_ADMISSION_SKIPS steps: then it
+        # holds the queue until it fits); so does a long prompt while max_long_partial_prefills are in progress,
+        # for shorter ones behind it, until the budget they leave is handed out (_top_up).
         passed: list[Request] = []  # popped and put back below, also when an exception ends this loop
         admitted = len(out.scheduled)
         try:
             if not pool_ran_dry:
-                self._admit(out, budget, deferrable, passed, set(map(id, plan.preempt)))
+                made_room = set(map(id, plan.preempt))
+                self._admit(out, fill, passed, made_room)
+                self._top_up(out, fill, passed, made_room)
         except BaseException:
             # Requests admitted by this call may read blocks another one admitted with them was to write in
             # this step; that step will not run. Back to the queue, holding nothing.
@@ -351,79 +385,175 @@ class Scheduler:
             if req.status == RequestStatus.RUNNING:
                 self._take_back(out, req)
 
-    def _admit(self, out: SchedulerOutput, budget: int, deferrable: int | None, passed: list[Request],
-               made_room: set[int]) -> None:
-        """made_room: ids of requests preempted this step to make room for others (they wait at least a step)."""
-        misfits = 0
+    def _admit(self, out: SchedulerOutput, fill: _Fill, passed: list[Request], made_room: set[int]) -> None:
+        """Waiting requests in the queue's order. made_room: ids of requests preempted this step to make room for
+        others (they wait at least a step)."""
         # LoRA: the adapters of the running requests hold the step's slots (at most max_loras). A request for
         # another adapter waits for one to free up; while it waits, no later adapter request is admitted, so the
         # running adapters drain and it cannot be starved by a stream of requests for the hot ones. Base-model
         # requests need no slot and pass.
-        adapters = {r.lora.cache_key for r in self.running if r.lora is not None}
-        lora_blocked = False
-        while budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs:
+        fill.adapters = {r.lora.cache_key for r in self.running if r.lora is not None}
+        while (fill.budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs
+               and fill.passed < MAX_PASSED_PER_STEP):
             req = self.waiting.pop()
             passed.append(req)  # until it runs
-            self.current = req
-            faults.maybe_raise("schedule", [req.request_id])
-            if (req.grammar is not None and req.grammar.matcher is None) or id(req) in made_room:
-                continue
-            if req.lora is not None and (lora_blocked or (req.lora.cache_key not in adapters
-                                                          and len(adapters) >= self.config.max_loras)):
-                lora_blocked = True
-                continue
-            computed, offloaded, remote = [], [], []
-            if req.num_computed_tokens == 0:
-                computed = self.kv.get_computed_blocks(req)
-                offloaded = self.kv.get_offloaded_chain(req, len(computed))
-                remote = self.kv.get_remote_chain(req, len(computed) + len(offloaded))
-                connector = self.kv.connector
-                if remote and not connector.admissible(req.request_id, remote):
-                    continue  # its KV is being read: waits without holding others up
-            # Cached tokens, shared on the device, loaded from a lower tier or from a prefill instance, cost
-            # no budget.
-            num_cached = (len(computed) + len(offloaded) + len(remote)) * self.kv.block_size
-            capped = deferrable is not None and self.policy.deferrable(req)
-            n = self._chunk(req, req.num_tokens - num_cached, min(budget, deferrable) if capped else budget)
-            if n <= 0:
-                break  # no room left this step for deferred prompts (a policy queues them after the others)
-            if not self.kv.allocate_slots(req, n, computed, offloaded, self.num_lookahead_tokens, remote):
-                # A preempted request keeps its place (it ran before, and recomputing it only gets dearer);
-                # one that never ran is passed over for a while.
-                req.admission_skips += 1
-                misfits += 1
-                if (req.num_preemptions or req.admission_skips > MAX_ADMISSION_SKIPS
-                        or misfits >= MAX_MISFITS_PER_STEP):
-                    break  # its turn (admit nobody behind it until it fits), or enough tried for one step
-                continue
-            passed.pop()  # it holds blocks now: running from here, so no exception below can lose it
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            if req.lora is not None:
-                adapters.add(req.lora.cache_key)
-            out.scheduled.append((req, n))
-            budget -= n
-            if capped:
-                deferrable -= n
-            req.admission_skips = 0
-            if self.kv.connector is not None:
-                self.kv.connector.admitted(req.request_id)
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
-                self.kv.record_query(req.num_prompt_tokens, num_cached)
-                out.recorded.append(req)
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = self.clock()
+            if self._try_admit(out, req, fill, passed, made_room, top_up=False):
+                break
 
-    def _chunk(self, req: Request, uncomputed: int, budget: int) -> int:
-        """Tokens to compute for a request this step: all it has, within the budget and, for a prompt, within
-        long_prefill_token_threshold. A preempted request's recompute is not capped: in small chunks,
+    def _try_admit(self, out: SchedulerOutput, req: Request, fill: _Fill, passed: list[Request], made_room: set[int],
+                   top_up: bool) -> bool:
+        """Admit `req` (taken from the queue, in `passed`) if it may run now. Returns True when nobody behind it
+        may be admitted in this step."""
+        self.current = req
+        faults.maybe_raise("schedule", [req.request_id])
+        if (req.grammar is not None and req.grammar.matcher is None) or id(req) in made_room:
+            return False
+        if req.lora is not None and (fill.lora_blocked or (req.lora.cache_key not in fill.adapters
+                                                           and len(fill.adapters) >= self.config.max_loras)):
+            fill.lora_blocked = True
+            return False
+        computed, offloaded, remote = [], [], []
+        if req.num_computed_tokens == 0:
+            computed = self.kv.get_computed_blocks(req)
+            offloaded = self.kv.get_offloaded_chain(req, len(computed))
+            remote = self.kv.get_remote_chain(req, len(computed) + len(offloaded))
+            connector = self.kv.connector
+            if remote and not connector.admissible(req.request_id, remote):
+                return False  # its KV is being read: waits without holding others up
+        # Cached tokens, shared on the device, loaded from a lower tier or from a prefill instance, cost
+        # no budget.
+        hit = len(computed) + len(offloaded) + len(remote)
+        if self._behind_inflight(req, hit, fill):
+            fill.passed += 1
+            return False
+        start = req.num_computed_tokens + hit * self.kv.block_size
+        left = req.num_tokens - start
+        capped = fill.deferrable is not None and self.policy.deferrable(req)
+        n = self._chunk(req, start, left, self._allowance(req, fill, True))
+        if n <= 0 and capped:
+            return True  # no room left this step for deferred prompts (a policy queues them after the others)
+        long = n < left  # its prompt stays in progress after this step
+        if n <= 0 or (long and not top_up and fill.partial >= self.config.max_long_partial_prefills):
+            if not top_up:
+                fill.passed_long.append(req)
+                fill.passed += 1
+            return False
+        if not self.kv.allocate_slots(req, n, computed, offloaded, self.num_lookahead_tokens, remote):
+            # A preempted request keeps its place (it ran before, and recomputing it only gets dearer);
+            # one that never ran is passed over for a while.
+            req.admission_skips += 1
+            fill.misfits += 1
+            # its turn (admit nobody behind it until it fits), or enough tried for one step
+            return bool(req.num_preemptions or req.admission_skips > MAX_ADMISSION_SKIPS
+                        or fill.misfits >= MAX_MISFITS_PER_STEP)
+        passed.remove(req)  # it holds blocks now: running from here, so no exception below can lose it
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        if req.lora is not None:
+            fill.adapters.add(req.lora.cache_key)
+        out.scheduled.append((req, n))
+        self._spend(req, start, n, fill, capped)
+        if long:
+            fill.partial += 1
+        if fill.inflight is not None:
+            self._add_inflight(fill, req)
+        req.admission_skips = 0
+        if self.kv.connector is not None:
+            self.kv.connector.admitted(req.request_id)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = hit * self.kv.block_size
+            self.kv.record_query(req.num_prompt_tokens, req.num_cached_tokens)
+            out.recorded.append(req)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self.clock()
+        return False
+
+    def _top_up(self, out: SchedulerOutput, fill: _Fill, passed: list[Request], made_room: set[int]) -> None:
+        """Hand out the budget the shares left unused: first to the prompts this step cut short (in batch order),
+        then to the long prompts passed over for max_long_partial_prefills. No step leaves budget unused while a
+        prompt could take it, and none carries more than the budget."""
+        fill.share = None
+        for i, (req, n) in enumerate(out.scheduled):
+            if fill.budget <= 0:
+                return
+            left = req.num_uncomputed_tokens - n
+            if left <= 0 or req.request_id in out.spec:
+                continue
+            start = req.num_computed_tokens + n
+            capped = fill.deferrable is not None and self.policy.deferrable(req)
+            more = self._chunk(req, start, left, self._allowance(req, fill, True), taken=n)
+            if more > 0 and self.kv.allocate_slots(req, n + more, num_lookahead_tokens=self.num_lookahead_tokens):
+                out.scheduled[i] = (req, n + more)
+                self._spend(req, start, more, fill, capped)
+        for req in fill.passed_long:
+            if fill.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if self._try_admit(out, req, fill, passed, made_room, top_up=True):
+                return
+
+    def _behind_inflight(self, req: Request, hit: int, fill: _Fill) -> bool:
+        """Whether a running prompt computes the next block of req's prompt after its prefix hit in a later step:
+        then req waits and reads that block from the prefix cache, instead of computing it again beside the
+        other (the n sequences of one prompt; equal prompts). The running one progresses every step, so the wait
+        ends; the last block that is not full is each one's own."""
+        kv = self.kv
+        if not kv.enable_prefix_caching or req.params.prompt_logprobs is not None or req.num_computed_tokens:
+            return False
+        if hit >= (req.num_tokens - 1) // kv.block_size:
+            return False
+        if fill.inflight is None:
+            fill.inflight = set()
+            for r in self.running:
+                if r.is_prefill:
+                    self._add_inflight(fill, r)
+        return req.block_hashes[hit] in fill.inflight
+
+    def _add_inflight(self, fill: _Fill, req: Request) -> None:
+        # (a request with prompt logprobs reads no hits, so its hashes were only made for the blocks it named)
+        self.kv._update_hashes(req, req.num_tokens - 1)
+        fill.inflight.update(req.block_hashes)
+
+    def _allowance(self, req: Request, fill: _Fill, prompt: bool) -> int:
+        """The most work `req` may take now: the budget left and, for a prompt, its share and the policy's cap."""
+        most = fill.budget
+        if prompt and fill.share is not None:
+            most = min(most, fill.share)
+        if prompt and fill.deferrable is not None and self.policy.deferrable(req):
+            most = min(most, fill.deferrable)
+        return most
+
+    def _spend(self, req: Request, start: int, n: int, fill: _Fill, capped: bool) -> None:
+        work = self.cost(req, start, n)
+        fill.budget -= work
+        if capped:
+            fill.deferrable -= work
+
+    @staticmethod
+    def cost(req: Request, start: int, n: int) -> int:
+        """The work of computing tokens start .. start + n - 1 of `req` in a step: one per token, and one more
+        per prompt-logprob row among them (a row of the LM head over the whole vocabulary, its log-softmax and
+        top-k: as dear as a token of a small model). Sampled rows are at most one per token, within it."""
+        if req.params.prompt_logprobs is None:
+            return n
+        return n + max(0, min(start + n, req.num_prompt_tokens - 1) - start)
+
+    def _chunk(self, req: Request, start: int, uncomputed: int, allowance: int, taken: int = 0) -> int:
+        """Tokens to compute for a request this step from token `start` on (`uncomputed` left): all it has,
+        within `allowance` of work (cost) and, for a prompt, within long_prefill_token_threshold (`taken`: tokens
+        it already has in this step). A preempted request's recompute is not capped: in small chunks,
         several recomputing requests on a tight pool can preempt each other before any gets back to
         decoding, for ever (found by the property test)."""
+        n = min(uncomputed, allowance)
+        rows = self.cost(req, start, n) - n  # prompt-logprob rows among them
+        if rows:
+            rows_left = req.num_prompt_tokens - 1 - start
+            n = min(uncomputed, allowance - rows_left if allowance >= 2 * rows_left else allowance // 2)
+            if n == 0 and allowance >= 1 and self.config.max_num_batched_tokens < 2:
+                n = 1  # a budget of one cannot hold a token and its row: that step carries both
         cap = self.config.long_prefill_token_threshold
         if cap > 0 and req.num_preemptions == 0:
-            return min(uncomputed, budget, cap)
-        return min(uncomputed, budget)
+            return max(min(n, cap - taken), 0)
+        return n
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The drafts worth verifying: within the token budget, max_tokens and max_model_len."""

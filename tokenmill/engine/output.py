@@ -347,7 +347,10 @@ class OutputProcessor:
             seqs.append(SequenceDelta(s.index, text, ids, lps, reason, s.stop_reason if finished else None))
             s.sent, s.done = end, finished
         prompt_lps = None
-        if state.prompt_logprobs is not None and not state.prompt_logprobs_sent and any(s.sent for s in state.seqs):
+        # Only the first sequence computes them (processor): with n > 1 another may stream before they are whole.
+        ready = state.prompt_logprobs is not None and (len(state.prompt_logprobs) >= len(state.prompt_token_ids)
+                                                       or all(s.done for s in state.seqs))
+        if ready and not state.prompt_logprobs_sent and any(s.sent for s in state.seqs):
             prompt_lps = list(state.prompt_logprobs)
             state.prompt_logprobs_sent = True
         return RequestDelta(state.request_id, tag, seqs, all(s.done for s in state.seqs), len(state.prompt_token_ids),

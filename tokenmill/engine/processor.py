@@ -97,9 +97,14 @@ class Processor:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         room = self.facts.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        # The prompt's logprobs are the same for all n sequences: only the first computes them (the output
+        # processor reads them from it). The others read its prompt KV from the prefix cache, which a request
+        # with prompt logprobs cannot (it computes every row), instead of computing the prompt n times.
+        rest = replace(params, prompt_logprobs=None) if params.prompt_logprobs is not None and params.n > 1 else params
         reqs = [
-            EngineCoreRequest(cid, prompt_token_ids, params, max_tokens, self.facts.eos_token_ids, priority, arrival,
-                              index=i, seed=None if params.seed is None else (params.seed + i) % SEED_RANGE,
+            EngineCoreRequest(cid, prompt_token_ids, params if i == 0 else rest, max_tokens, self.facts.eos_token_ids,
+                              priority, arrival, index=i,
+                              seed=None if params.seed is None else (params.seed + i) % SEED_RANGE,
                               lora=lora_request, slo=slo if slo is not None and not slo.empty else None,
                               cache_salt=cache_salt)
             for i, cid in enumerate(child_ids(request_id, params.n))
