@@ -39,6 +39,12 @@ tenants:
   - name: team-q
     keys: ["sk-q"]
     limits: {{tokens_per_minute: 100}}
+  - name: team-n
+    keys: ["sk-n"]
+    limits: {{concurrent: 2, requests_per_minute: 5}}
+  - name: team-z
+    keys: ["sk-z"]
+    limits: {{tokens_per_day: 2000}}
 """
 
 
@@ -135,6 +141,97 @@ def test_token_budgets_reserve_the_worst_case_and_give_back_the_rest():
     assert not hasattr(lim.reserve(t, 30, lambda: 30), "status")
 
 
+def test_limits_count_sequences_not_requests():
+    """A request of prompts x n sequences takes that many slots and per-minute requests (the middleware one before
+    the body, the handler the rest); one that alone exceeds a limit is told so; release gives them all back."""
+    from tokenmill.serve.tenants.limits import admit_sequences
+
+    now = [0.0]
+    lim = TenantLimiter(clock=lambda: now[0])
+    t = Tenant("t", limits=TenantLimits(requests_per_minute=6, concurrent=4))
+    scope = {"state": {}}
+    assert lim.admit(t) is None  # the middleware's one
+    scope["state"]["sequences"] = 1
+    admit_sequences(scope, lim, t, 3)  # 3 prompts x n=1
+    assert lim.in_flight == {"t": 3} and scope["state"]["sequences"] == 3
+    assert lim.admit(t) is None  # a fourth slot
+    busy = lim.admit(t, 1, 1)  # a request holding one asks for one more: all 4 in flight
+    assert busy.status == 429 and "4 sequences" in busy.message and busy.headers["Retry-After"] == "1"
+    with pytest.raises(Exception) as e:
+        admit_sequences({"state": {"sequences": 1}}, lim, t, 5)  # 5 sequences alone: above 4 in flight
+    assert e.value.status == 429 and "too large" in e.value.message and "5 sequences" in e.value.message
+    lim.release(t, 3)
+    lim.release(t)
+    assert lim.in_flight == {}
+    assert lim.admit(t, 2) is None and lim.admit(t, 2) is not None  # 4 of the minute's 6 spent: 2 more than left
+    now[0] = 20.0  # a third of a minute: 2 more
+    assert lim.admit(t, 2) is None
+    assert lim.admit(Tenant("other"), 1000) is None  # another tenant's counts are its own (and it has no limits)
+    admit_sequences({"state": {}}, lim, t, 50)  # not admitted by the middleware (no tenant route): nothing taken
+    assert lim.in_flight == {"t": 4, "other": 1000}
+
+
+def test_usage_beyond_the_reservation_is_charged_and_refuses_until_repaid():
+    now, wall = [0.0], [86400.0 * 100 + 3600]
+    lim = TenantLimiter(clock=lambda: now[0], wall=lambda: wall[0])
+    t = Tenant("t", limits=TenantLimits(tokens_per_minute=60, tokens_per_day=500))
+    r = lim.reserve(t, 10, lambda: 100)  # reserved 10, used 100
+    lim.settle(r)
+    assert lim.token_buckets["t"].tokens == -40 and lim.day_used[("t", 100)] == 100  # 40 in debt
+    refused = lim.reserve(t, 1, lambda: 1)
+    assert refused.status == 429 and refused.headers["Retry-After"] == "41"  # 41 tokens at one a second
+    now[0] = 41.0
+    assert not hasattr(lim.reserve(t, 1, lambda: 1), "status")  # repaid
+    assert not hasattr(lim.reserve(Tenant("u", limits=t.limits), 60, lambda: 0), "status")  # others untouched
+    now[0] = 200.0
+    lim.settle(lim.reserve(t, 60, lambda: 450))  # 550 used today: over the day's 500
+    assert lim.day_used[("t", 100)] == 100 + 1 + 450
+    now[0] = 2000.0  # the minute's debt repaid long since; the day's stays
+    day = lim.reserve(t, 1, lambda: 1)
+    assert day.status == 429 and day.code == "insufficient_quota"
+
+
+def test_the_middleware_releases_every_sequence_the_handler_took(tmp_path):
+    import asyncio
+
+    from tokenmill.serve.middleware import GuardMiddleware
+    from tokenmill.serve.tenants.keys import KeyStore, tenant_of
+    from tokenmill.serve.tenants.limits import admit_sequences
+
+    p = tmp_path / "keys.yaml"
+    write_yaml(p)
+    guard = GuardMiddleware(None, None, 1 << 20, keys=KeyStore(str(p)))
+    seen = []
+
+    async def app(scope, receive, send):
+        try:
+            admit_sequences(scope, guard.limiter, tenant_of(scope), 2)  # e.g. 2 prompts
+        except Exception as e:
+            return await e.response()(scope, receive, send)
+        seen.append(dict(guard.limiter.in_flight))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guard.app = app
+
+    async def call(key: str) -> int:
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "path": "/v1/completions", "headers": [(b"authorization", f"Bearer {key}".encode())]}
+        await guard(scope, receive, send)
+        return sent[0]["status"]
+
+    assert asyncio.run(call("sk-b")) == 200 and seen == [{"team-b": 2}]
+    assert asyncio.run(call("sk-a-1")) == 429  # team-a: one in flight, and this request is two
+    assert guard.limiter.in_flight == {}
+
+
 # ---- the server -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -145,7 +242,7 @@ def server(tmp_path_factory):
     srv = start_server(base, root / "server.log", "--served-model-name", "base", "other", "--api-keys-file",
                        str(keys), "--admin-key", "sk-admin", "--api-key", "sk-legacy",
                        "--kv-cache-memory-bytes", "16M", "--max-model-len", "256",
-                       "--scheduling-policy", "slo", "--slo-shed")
+                       "--scheduling-policy", "slo", "--slo-shed", "--usage-db", str(root / "usage.db"))
     yield srv, keys
     assert srv.stop() == 0, srv.log()
 
@@ -255,8 +352,8 @@ def test_admin_routes_and_reload(server):
     assert post(srv, "sk-b", {}, "/admin/reload").status_code == 403
     write_yaml(keys, '  - name: team-c\n    keys: ["sk-c"]\n')
     r = post(srv, "sk-admin", {}, "/admin/reload")
-    assert r.status_code == 200 and r.json()["tenants"] == ["team-a", "team-b", "team-c", "team-q", "team-s",
-                                                            "team-t", "team-x"]
+    assert r.status_code == 200 and r.json()["tenants"] == ["team-a", "team-b", "team-c", "team-n", "team-q", "team-s",
+                                                            "team-t", "team-x", "team-z"]
     assert post(srv, "sk-c", completion()).status_code == 200
     keys.write_text("tenants: [")  # broken: refused, the old keys stay
     r = post(srv, "sk-admin", {}, "/admin/reload")
@@ -281,7 +378,7 @@ def test_slo_of_tenant_and_request_reach_the_scheduler(server):
     assert int(r.headers["Retry-After"]) >= 1
     assert post(srv, "sk-s", completion(slo={"ttft_ms": 60_000})).status_code == 200
     r = post(srv, "sk-b", completion(slo={"ttft_ms": -1}))
-    assert r.status_code == 400 and r.json()["error"]["param"] == "slo"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "slo.ttft_ms"
     assert post(srv, "sk-b", completion(slo={"ttft_ms": 60_000, "tpot_ms": 60_000})).status_code == 200
 
 
@@ -375,3 +472,88 @@ def test_a_token_quota_holds_at_its_boundary_with_concurrent_clients(server):
     worst = ok[0].json()["usage"]["total_tokens"]  # ignore_eos: each used its worst case
     assert sum(r.json()["usage"]["total_tokens"] for r in ok) <= allowed
     assert 100 // worst <= len(ok) <= allowed // worst
+
+
+def _finished(srv, tenant: str) -> float:
+    """Requests of `tenant` the server has finished and metered (its Prometheus counters, every outcome)."""
+    text = httpx.get(srv.url("/metrics"), headers={"Authorization": "Bearer sk-admin"}, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tokenmill:tenant_requests_total{") and f'tenant="{tenant}"' in line)
+
+
+def _used(srv, key: str) -> int:
+    rows = httpx.get(srv.url("/v1/usage"), params={"group_by": "tenant"}, headers={"Authorization": f"Bearer {key}"},
+                     timeout=30).json()["data"]
+    return sum(row["prompt_tokens"] + row["completion_tokens"] for row in rows)
+
+
+def _batch_of(worst: int, max_model_len: int = 256) -> list[list[int]]:
+    """Token-id prompts whose worst case with max_tokens=1 is exactly `worst` (>= 2)."""
+    k = -(-worst // max_model_len)
+    size, extra = divmod(worst - k, k)
+    return [[5] * (size + (i < extra)) for i in range(k)]
+
+
+def test_sequences_limits_on_the_server(server):
+    """team-n: 2 sequences in flight, 5 a minute. A batch or n beyond them is refused saying why."""
+    srv, _ = server
+    r = post(srv, "sk-n", completion(prompt=["a", "b", "c"]))
+    assert r.status_code == 429 and "3 sequences" in r.json()["error"]["message"]
+    r = post(srv, "sk-n", {"model": "base", "messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 1},
+             "/v1/chat/completions")
+    assert r.status_code == 429 and "3 sequences" in r.json()["error"]["message"]
+    assert post(srv, "sk-n", completion(prompt=["a", "b"])).status_code == 200  # 2 of the minute's 5 (+2 above)
+    r = post(srv, "sk-n", completion(n=2))
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_quota_bypass_attempts_on_the_server(server):
+    """team-z has 2000 tokens a day. 50 concurrent requests at the boundary, of the shapes that could slip past a
+    reservation (a batch and n with max_tokens unset, echo with logprobs, streams the client leaves mid-way,
+    chat with n): served tokens never pass the quota, and what the server charged equals what it metered to the
+    token: a request that may use one token more than is left is refused, one that may use exactly what is
+    left runs, and then nothing more does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    srv, _ = server
+    before = _finished(srv, "team-z")
+
+    def aborted_stream():
+        body = completion(max_tokens=None, ignore_eos=True, stream=True)
+        with httpx.stream("POST", srv.url("/v1/completions"), json=body, headers={"Authorization": "Bearer sk-z"},
+                          timeout=60) as s:
+            if s.status_code == 200:
+                events = 0
+                for line in s.iter_lines():
+                    events += line.startswith("data: {")
+                    if events == 2:
+                        break  # the client leaves mid-stream
+            return s.status_code
+
+    shapes = [
+        lambda: post(srv, "sk-z", completion(prompt=["The quick", "brown fox", "jumps"], max_tokens=None,
+                                             ignore_eos=True)).status_code,
+        lambda: post(srv, "sk-z", completion(n=4, max_tokens=None, ignore_eos=True)).status_code,
+        lambda: post(srv, "sk-z", completion(echo=True, logprobs=2, max_tokens=8, ignore_eos=True)).status_code,
+        aborted_stream,
+        lambda: post(srv, "sk-z", {"model": "base", "messages": [{"role": "user", "content": "hi"}], "n": 2,
+                                   "max_tokens": 30, "ignore_eos": True}, "/v1/chat/completions").status_code,
+    ]
+    with ThreadPoolExecutor(50) as pool:
+        codes = list(pool.map(lambda i: shapes[i % len(shapes)](), range(50)))
+    assert set(codes) == {200, 429}, codes
+    deadline = time.monotonic() + 60
+    while _finished(srv, "team-z") < before + 50:  # aborted streams settle when the server sees the client gone
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    used = _used(srv, "sk-z")
+    assert used <= 2000
+    left = 2000 - used
+    r = post(srv, "sk-z", {"model": "base", "prompt": _batch_of(left + 1), "max_tokens": 1, "ignore_eos": True})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
+    if left >= 2:
+        r = post(srv, "sk-z", {"model": "base", "prompt": _batch_of(left), "max_tokens": 1, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == left
+    r = post(srv, "sk-z", {"model": "base", "prompt": [5], "max_tokens": 1})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
+    assert _used(srv, "sk-z") == 2000 if left >= 2 else True
