@@ -203,12 +203,14 @@ def stream(url: str, key: str, body: dict, stop_after: int | None = None, path: 
     return s.status_code, events
 
 
-def settled(router, deadline_s: float = 10.0) -> None:
-    """Wait (with a deadline) until no request of any tenant is in flight at the router: all settled."""
+def settled(url: str, router, deadline_s: float = 10.0) -> None:
+    """Wait (with a deadline) until no request of any tenant is in flight at the router, then until its event
+    loop answers once more: the middleware's release, settle and metering of each have all run."""
     deadline = time.monotonic() + deadline_s
     while router.limiter.in_flight:
         assert time.monotonic() < deadline, router.limiter.in_flight
         time.sleep(0.01)
+    httpx.get(url + "/health", timeout=10)
 
 
 def charged(router, tenant: str) -> int:
@@ -266,7 +268,7 @@ def test_the_router_charges_exactly_what_the_backends_served(tmp_path):
         assert code == 200 and "backend_stream_error" in events[-2]
         r = post(url, "sk-acct", {"prompt": ids(45)})  # longer than max_model_len: the backend's 400
         assert r.status_code == 400
-        settled(router)
+        settled(url, router)
         served = ledger.total()
         assert charged(router, "acct") == served
         rows = httpx.get(url + "/v1/usage", params={"group_by": "tenant"}, timeout=30,
@@ -281,13 +283,13 @@ def test_usage_beyond_a_reservation_is_charged_and_refuses_until_repaid(tmp_path
     with setup(tmp_path, max_model_len=1000, lists_max_model_len=False) as (url, router, ledger):
         r = post(url, "sk-quota", {"prompt": ids(10), "n": 2})  # reserves 10 + 2 x 256, uses 10 + 2 x 990
         assert r.status_code == 200
-        settled(router)
+        settled(url, router)
         assert charged(router, "quota") == ledger.total() == 1990
         r = post(url, "sk-quota", {"prompt": ids(10), "max_tokens": 1000 - 990})  # 20 would fit before the debt
         assert r.status_code == 200
         r = post(url, "sk-quota", {"prompt": ids(10), "n": 2})
         assert r.status_code == 200  # 2010 used, 522 reserved: fits
-        settled(router)
+        settled(url, router)
         assert charged(router, "quota") == ledger.total() == 4000  # 1000 beyond the 3000 a day: debt
         r = post(url, "sk-quota", {"prompt": ids(2), "max_tokens": 1})
         assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
@@ -316,7 +318,7 @@ def test_quota_holds_at_its_boundary_under_50_concurrent_requests(tmp_path):
             results = list(pool.map(lambda i: shapes[i % len(shapes)](), range(50)))
         codes = [status(x) for x in results]
         assert set(codes) == {200, 429}, codes
-        settled(router)
+        settled(url, router)
         served = ledger.total()
         assert served <= 3000
         assert charged(router, "quota") == served
@@ -328,7 +330,7 @@ def test_quota_holds_at_its_boundary_under_50_concurrent_requests(tmp_path):
         assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
         if left >= 2:
             assert post(url, "sk-quota", {"prompt": batch_of(left, 400), "max_tokens": 1}).status_code == 200
-            settled(router)
+            settled(url, router)
             assert charged(router, "quota") == ledger.total() == 3000
 
 
@@ -344,5 +346,5 @@ def test_concurrency_and_request_limits_count_sequences(tmp_path):
         r = post(url, "sk-rpm", {"prompt": [ids(2), ids(3)], "max_tokens": 1})  # 2 more: over the minute's 4
         assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
         assert "Retry-After" in r.headers
-        settled(router)
+        settled(url, router)
         assert router.limiter.in_flight == {}
