@@ -324,8 +324,9 @@ class Scheduler:
             faults.maybe_raise("schedule", [req.request_id])
             if req.is_prefill and fill.share is None:
                 # What the decodes left is shared: each running prompt, and the newcomers together, first get an
-                # equal part; what a part leaves unused goes to the others in _top_up.
-                fill.share = max(fill.budget // (prompts + (1 if len(self.waiting) else 0)), 1)
+                # equal part; what a part leaves unused goes to the others in _top_up. At least a token and its
+                # logprob row, so that every prompt moves while the budget lasts.
+                fill.share = max(fill.budget // (prompts + (1 if len(self.waiting) else 0)), 2)
             capped = fill.deferrable is not None and req.is_prefill and policy.deferrable(req)
             start = req.num_computed_tokens
             n = self._chunk(req, start, req.num_uncomputed_tokens, self._allowance(req, fill, req.is_prefill))
