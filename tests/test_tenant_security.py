@@ -273,3 +273,32 @@ def test_a_key_removed_under_load_is_refused_next(setup):
     r = call(srv, "POST", "/v1/completions", "sk-e", {"model": "base", "prompt": [5], "max_tokens": 1})
     assert r.status_code == 401 and "team-e" not in r.text
     assert cached(srv, "sk-a", [5, 6, 7]) == 0  # the others go on
+
+
+# ---- behind the router ------------------------------------------------------------------------------------
+def test_the_router_salts_per_tenant_and_polls_with_its_internal_key(setup, tmp_path):
+    """The router forwards with its backend key (the server's internal key): the tenant's salt travels in the
+    body, the router's own view of the backend's cache (polled with that key) names the same salted blocks, and a
+    second tenant neither hits them at the backend nor is routed as if it did."""
+    from test_router import router, wait_until
+    from tokenmill.router.cache_index import prompt_hashes
+
+    srv, _, _ = setup
+    keys = tmp_path / "router-keys.yaml"
+    keys.write_text("tenants:\n  - {name: team-a, keys: [rk-a]}\n  - {name: team-b, keys: [rk-b]}\n")
+    secret = prompt(4)
+    body = {"model": "base", "prompt": secret, "max_tokens": 1}
+    with router([srv.base_url], api_keys_file=str(keys), backend_api_key=INTERNAL, policy="prefix-aware",
+                poll_interval_s=0.05) as (url, r):
+        def send(key: str) -> int:
+            got = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                             timeout=60)
+            assert got.status_code == 200, got.text
+            return (got.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+        assert send("rk-a") == 0
+        salted = prompt_hashes(secret, 16, json.dumps(["team-a", None]))
+        assert wait_until(lambda: r.cache.matched(srv.base_url, salted) == len(salted), timeout=20)
+        assert r.cache.matched(srv.base_url, prompt_hashes(secret, 16)) == 0
+        assert send("rk-a") >= 64
+        assert send("rk-b") == 0

@@ -404,8 +404,12 @@ def add_router_parser(subparsers) -> None:
     g.add_argument("--usage-db", metavar="FILE", help="Meter usage per tenant into this SQLite file.")
     g.add_argument("--pricing", metavar="FILE", help="Prices per million tokens for the metered cost.")
     g.add_argument("--backend-api-key", default=os.environ.get("TOKENMILL_BACKEND_API_KEY"),
-                   help="With --api-keys-file: the key the router sends to the backends in place of the tenant's "
+                   help="The key the router sends to the backends in place of the tenant's, and on its "
+                        "/v1/kv_events polls: start the backends with it as --internal-api-key "
                         "(default: $TOKENMILL_BACKEND_API_KEY; none).")
+    g.add_argument("--internal-api-key", default=os.environ.get("TOKENMILL_INTERNAL_API_KEY"),
+                   help="With --api-keys-file: the key of the router's /metrics for scrapers (it names the "
+                        "tenants; tenant keys get 403) (default: $TOKENMILL_INTERNAL_API_KEY; the admin key works too).")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="SECONDS",
                    help="Seconds between health checks of each backend (default: %(default)s).")
     p.add_argument("--uvicorn-log-level", default="info",
@@ -426,7 +430,8 @@ def cmd_router(args: argparse.Namespace) -> int:
     cfg = RouterConfig(backends=args.backend, policy=args.policy, tokenizer=args.tokenizer,
                        block_size=args.block_size, health_interval_s=args.health_interval, prefill=args.prefill,
                        api_keys_file=args.api_keys_file, admin_key=args.admin_key, usage_db=args.usage_db,
-                       pricing=args.pricing, backend_api_key=args.backend_api_key)
+                       pricing=args.pricing, backend_api_key=args.backend_api_key,
+                       internal_api_key=args.internal_api_key)
     uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0
 

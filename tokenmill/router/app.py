@@ -58,6 +58,7 @@ class RouterConfig:
     usage_db: str | None = None
     pricing: str | None = None
     backend_api_key: str | None = None  # sent to the backends in place of a tenant's key
+    internal_api_key: str | None = None  # the router's own internal routes (/metrics) for scrapers (serve/roles.py)
     max_request_body_bytes: int = 64 << 20
 
 
@@ -102,7 +103,9 @@ class Router:
             raise ValueError("give at least one --backend URL.")
         self.policy = make_policy(self.cfg.policy)
         self.backends = {u: Backend(u) for u in urls}
-        self.cache = CacheIndex(urls)
+        # /v1/kv_events is for internal callers: the router polls with its backend key (the backends' internal key).
+        self.cache = CacheIndex(urls, {"authorization": f"Bearer {self.cfg.backend_api_key}"}
+                                if self.cfg.backend_api_key else None)
         self.metrics = RouterMetrics(urls)
         self.prompts = PromptTokenizer(self.cfg.tokenizer)
         for u in urls:
@@ -199,7 +202,9 @@ class Router:
         estimate = estimate_tokens(body, ids)
         if ids is None:
             return estimate, None, 0
-        return estimate, prompt_hashes(ids, self.cfg.block_size or self.cache.block_size), len(ids)
+        # Salted as the backends salt it (the tenant's cache_salt, set by apply_tenant before this is called).
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        return estimate, prompt_hashes(ids, self.cfg.block_size or self.cache.block_size, salt), len(ids)
 
     async def proxy(self, request: Request, path: str) -> Response:
         raw = await request.body()
@@ -209,7 +214,6 @@ class Router:
                 raise ValueError
         except ValueError:
             return error_response(400, "the request body must be a JSON object.")
-        estimate, hashes, n_prompt = await self.prompt_info(body)
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         meter, pass_usage = None, True
         tenant = tenant_of(request.scope)
@@ -232,6 +236,7 @@ class Router:
             state["model"] = str(body.get("model", "-"))
             state["metered"] = meter.counts
             raw = json.dumps(body).encode()
+        estimate, hashes, n_prompt = await self.prompt_info(body)  # after the tenant's salt is in the body
         if self.prefill:
             await self.prefill_first(path, body, headers)
         tried: list[str] = []
@@ -471,5 +476,5 @@ def create_app(cfg: RouterConfig) -> Starlette:
     if router.keys is not None or router.usage is not None or cfg.admin_key:
         app.add_middleware(GuardMiddleware, api_key=None, max_body_bytes=cfg.max_request_body_bytes,
                            keys=router.keys, admin_key=cfg.admin_key, limiter=router.limiter, usage=router.usage,
-                           counters=router.tenant_counters)
+                           counters=router.tenant_counters, internal_key=cfg.internal_api_key)
     return app
