@@ -49,8 +49,9 @@ def check_count(count: int, limit: int, param: str, flag: str, what: str) -> Non
 
 def request_tokens(num_prompt: int, n: int, max_tokens: int, prompt_logprobs: bool) -> int:
     """One prompt's share of a request's work: n x max_tokens generated, plus the prompt once (the n sequences
-    share its KV through the prefix cache), or n times with prompt logprobs (echo + logprobs): then each sequence
-    computes the whole prompt again with logprobs over the vocabulary at every position."""
+    share its KV through the prefix cache), or n times with prompt logprobs (echo + logprobs): the engine computes
+    them once (the first sequence), but the answer carries them in each of the n choices, n x prompt x
+    (logprobs + 1) entries to build and send."""
     return num_prompt * (n if prompt_logprobs else 1) + n * max_tokens
 
 
@@ -60,7 +61,7 @@ def check_request_budget(prompt_lens: list[int], params: SamplingParams, limits:
     total = sum(request_tokens(p, params.n, params.max_tokens or limits.max_model_len - p, with_prompt_lps)
                 for p in prompt_lens)  # max_tokens None: up to the context
     if total > limits.max_request_tokens:
-        what = ("n x prompt tokens (echo with logprobs recomputes the prompt for each sequence)" if with_prompt_lps
+        what = ("n x prompt tokens (echo with logprobs repeats the prompt in each choice)" if with_prompt_lps
                 else "prompt tokens") + " + n x max_tokens" + (" over all prompts" if len(prompt_lens) > 1 else "")
         fix = "Lower n or max_tokens" + (", or leave out echo or logprobs" if with_prompt_lps else "")
         raise bad_request(f"this request asks for {total} tokens ({what}); this server allows at most "
