@@ -51,7 +51,8 @@ class SLOPolicy(SchedulingPolicy):
         # a key changes only when its request turns LATE, which reorder() handles at the queue's head.
         self._fit = self.step_time.coefficients()
         self._fit_time: float | None = None
-        # TTFT target (s) -> when a waiting request last had it: as many entries as distinct targets
+        # TTFT target (s) -> when a request with it was last admitted within it (_remember_ttft): as many entries
+        # as distinct targets
         self._recent_ttft: dict[float, float] = {}
         self.num_shed = 0
         self.num_room_preemptions = 0

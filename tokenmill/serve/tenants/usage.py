@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import sqlite3
 import threading
 import time
@@ -37,9 +38,11 @@ log = logging.getLogger(__name__)
 
 FLUSH_S = 0.25
 MAX_PENDING = 65_536  # records queued for the writer at most (about 15 MB); past it the oldest are dropped
-READS_PER_S = 2.0  # /v1/usage reads per second per caller (the admin key, each tenant), refilled continuously
-READ_BURST = 10  # ... and at most this many at once
+READS_PER_S = 1.0  # /v1/usage reads per second per caller (the admin key, each tenant), refilled continuously:
+READ_BURST = 5  # ... and at most this many at once. A dashboard polls far less; a read of the whole table costs
+# ~25 ms of CPU at 73k rows (benchmarks/usage_load.py), which one key must not repeat at will.
 MAX_QUEUED_READS = 8  # reads waiting for the reader thread, over all callers (a bound on its queue)
+READER_NICE = 10  # the reader thread's CPU priority (as the tokenizer's slow lane)
 GROUPS = ("tenant", "model", "day")
 COLUMNS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "errors", "cost")
 
@@ -210,6 +213,14 @@ async def aread_usage(store: "UsageStore", scope: dict, tenant: str | None, star
         store.read_limiter.release()
 
 
+def _lower_priority() -> None:
+    """The reader thread's nice value (Linux gives each thread its own): the engine and the tokenizer first."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), READER_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
 def mark(scope: dict, model: str, submission) -> None:
     """A route handler's half: which model the request ran and its Submission, for the middleware to meter."""
     state = scope.setdefault("state", {})
@@ -249,8 +260,10 @@ class UsageStore:
         self._generation = 0  # flushes done
         self.read_limiter = ReadLimiter()
         # /v1/usage's reads: one thread with its own connection, so a read never waits for a tokenization
-        # (or the reverse) and SQLite's work stays on one thread whatever the number of callers.
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-usage-read")
+        # (or the reverse) and SQLite's work stays on one thread whatever the number of callers; at a lower CPU
+        # priority, as a report can wait where a stream's next token cannot.
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-usage-read",
+                                          initializer=_lower_priority)
         self._read_db: sqlite3.Connection | None = None  # opened and used on the reader thread only
         self._thread = threading.Thread(target=self._run, name="tokenmill-usage", daemon=True)
         self._thread.start()
