@@ -376,7 +376,7 @@ class AsyncLLMEngine:
                 return
             self._dead = message
             calls, self._utility = list(self._utility.values()), {}
-        if not self._stopped:
+        if not (self._stopped or self.client.closed):  # a shutdown (or the program's exit) is no death
             log.error("engine core is gone: %s; failing %d request(s)", message, len(self.output.requests))
         self._fail_all(EngineError(f"the engine is not running: {message}", 500, "engine_dead"))
         for fut in calls:
