@@ -210,3 +210,23 @@ def test_a_persistent_sqlite_failure_keeps_a_bounded_queue(tmp_path, monkeypatch
     assert _file_rows(tmp_path / "u.db") == [("a", 4, 6 + 7 + 8 + 9, 0)]
     assert store.dropped == 6 and not store._pending
     store.close()
+
+
+def test_a_request_refused_before_its_body_is_metered_under_model_dash(tmp_path):
+    """docs/tenants.md, "Usage metering": the per-request limit refuses before the body names the model, so the
+    429 is a request and an error of model `-`, next to the admitted request's row under its model."""
+    base = make_tiny_model(tmp_path / "base", "llama")
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"tenants": [{"name": "a", "keys": ["sk-a"], "limits": {"requests_per_minute": 1}}]}))
+    srv = start_server(base, tmp_path / "server.log", "--served-model-name", "base", "--api-keys-file", str(keys),
+                       "--admin-key", "sk-admin", "--usage-db", str(tmp_path / "usage.db"),
+                       "--kv-cache-memory-bytes", "16M", "--max-model-len", "256")
+    try:
+        assert call(srv, "sk-a", {"model": "base", "prompt": "The quick", "max_tokens": 2}).status_code == 200
+        assert call(srv, "sk-a", {"model": "base", "prompt": "The quick", "max_tokens": 2}).status_code == 429
+        rows = httpx.get(srv.url("/v1/usage"), params={"group_by": "tenant,model"}, timeout=30,
+                         headers={"Authorization": "Bearer sk-admin"}).json()["data"]
+        got = {r["model"]: (r["requests"], r["errors"], r["prompt_tokens"]) for r in rows}
+        assert got.keys() == {"base", "-"} and got["-"] == (1, 1, 0) and got["base"][:2] == (1, 0), rows
+    finally:
+        srv.stop(signal.SIGKILL)
