@@ -29,6 +29,25 @@ def mib(line: str, pattern: str) -> float:
     return float(m.group(1))
 
 
+def test_start_up_log_counts_streamed_weights_apart(tmp_path, caplog):
+    path = make_tiny_model(tmp_path / "llama", "llama", **SIZE)
+    total = weight_bytes(LLM(str(path), **KW))
+    with caplog.at_level(logging.INFO):
+        llm = LLM(str(path), **KW, weights_resident_gb=total / 3 / 2**30, weights_stream_dir=str(tmp_path))
+    store = llm.engine.model.weight_store
+    assert store.streamed
+    lines = [r.getMessage() for r in caplog.records]
+    worker = [ln for ln in lines if ln.startswith("weights: ") and "resident" in ln and "fit" not in ln]
+    resident = [ln for ln in lines if ln.startswith("resident: weights")]
+    assert len(worker) == 2 and resident  # the store's line, the worker's, and the memory summary
+    for line in worker:  # both say the same: the budget's bytes resident, the rest streamed
+        assert mib(line, r"([\d.]+) MiB resident") == pytest.approx(store.resident_bytes / MiB, abs=0.05)
+        assert "streamed from disk per step" in line
+    assert mib(resident[0], r"weights ([\d.]+) MiB on") == pytest.approx(store.resident_bytes / MiB, abs=0.05)
+    assert mib(resident[0], r"and ([\d.]+) MiB streamed from disk") == pytest.approx(
+        (total - store.resident_bytes) / MiB, abs=0.05)
+
+
 def test_too_small_budget_names_the_least_accepted_value(tmp_path):
     path = make_tiny_model(tmp_path / "llama", "llama", **SIZE)
     with pytest.raises(ValueError, match="outside the decoder layers") as e:

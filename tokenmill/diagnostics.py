@@ -346,8 +346,31 @@ def load_or_measure_peaks(device: str = "cpu", dtype: torch.dtype = torch.float3
 
 
 def resident_weight_bytes(model) -> int:
-    """Every parameter's bytes as stored: packed quantized weights count their packed size."""
+    """Every parameter's bytes as stored: packed quantized weights count their packed size. Streamed ones too
+    (a step reads them all); `streamed_parameters` names those that are not resident."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def streamed_parameters(model) -> list[torch.nn.Parameter]:
+    """The parameters that --weights-resident-gb streams from disk (model/weight_store.py) or --cpu-offload-gb
+    keeps in host memory (model/host_offload.py): the start-up log counts them as streamed, not resident."""
+    store = getattr(model, "weight_store", None)
+    if store is None or not store.streamed:
+        return []
+    from tokenmill.model.weight_store import _streamable
+
+    layers = list(model.own_layers)
+    out = []
+    for s in store.streamed:
+        # An offloaded layer lists what it moved; a disk-streamed layer maps what could stream (the rest of it,
+        # oneDNN-packed or non-contiguous, stayed resident).
+        out += getattr(s, "params", None) or [p for p in layers[s.index].parameters() if _streamable(p)]
+    return out
+
+
+def streamed_where(weights: dict) -> str:
+    """How the start-up log names a store's streamed bytes, from its describe()."""
+    return "streamed from disk per step" if weights["source"] == "disk" else "in host memory, copied per step"
 
 
 @dataclass

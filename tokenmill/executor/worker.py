@@ -25,6 +25,20 @@ GiB = 1 << 30
 DEFAULT_CPU_KV_BYTES = 4 * GiB
 
 
+class _ResidentParameters:
+    """A model as seen through its resident parameters only (those not in `skip`, by id), for the start-up log's
+    GGUF breakdown: the streamed ones are counted on their own."""
+
+    def __init__(self, model: torch.nn.Module, skip: dict[int, int]) -> None:
+        self.model, self.skip = model, skip
+
+    def named_parameters(self):
+        return ((n, p) for n, p in self.model.named_parameters() if id(p) not in self.skip)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+
 @dataclass
 class WorkerInfo:
     """What the core needs to know about the workers (picklable)."""
@@ -163,14 +177,17 @@ class Worker:
 
             HostOffload.attach(model, int(mc.cpu_offload_gb * 2**30), self.device)
         from tokenmill import native
-        from tokenmill.diagnostics import resident_weight_bytes
+        from tokenmill.diagnostics import resident_weight_bytes, streamed_parameters, streamed_where
 
         x8 = bool(getattr(quant, "int8_activations", False))
         how = ""
         if x8:
             per_token = getattr(quant, "per_token_activations", False)
             how = f", int8 activations: {'per token, torch._int_mm' if per_token else native.int8_dot_path()}"
-        log.info("weights: %.1f MiB resident%s", resident_weight_bytes(model) / 2**20,
+        # Streamed weights are not resident: counting them here contradicted the store's own line above.
+        streamed = sum(p.numel() * p.element_size() for p in streamed_parameters(model))
+        log.info("weights: %.1f MiB resident%s%s", (resident_weight_bytes(model) - streamed) / 2**20,
+                 f", {streamed / 2**20:.1f} MiB {streamed_where(model.weight_store.describe())}" if streamed else "",
                  f" ({quant.name}{how})" if quant else "")
         if mc.activation_quantization != "none" and not x8:
             log.warning("--activation-quantization %s acts on gguf, int8 and int4 weights; with %s weights "
@@ -255,9 +272,14 @@ class Worker:
         from tokenmill.model.loader import is_gguf
         from tokenmill.model.mapped_pages import process_memory, resident_bytes
 
+        from tokenmill.diagnostics import streamed_parameters, streamed_where
+
         MiB = 2**20
+        streamed = {id(p): p.numel() * p.element_size() for p in streamed_parameters(model)}
         blocks = packed = floats = onednn = 0
         for p in model.parameters():
+            if id(p) in streamed:  # not resident: named on its own below
+                continue
             n = p.numel() * p.element_size()
             if hasattr(p, "gguf_qtype"):
                 blocks += n
@@ -273,8 +295,8 @@ class Worker:
         if is_gguf(self.config.model.model):
             from tokenmill.model.gguf_loader import dequantized_at_load
 
-            why = dequantized_at_load(self.config.model.model, self.hf_config, model, quant,
-                                      getattr(self.config.model, "quantization", None))
+            why = dequantized_at_load(self.config.model.model, self.hf_config, _ResidentParameters(model, streamed),
+                                      quant, getattr(self.config.model, "quantization", None))
             dequantized = sum(why.values())
             kinds.append(f"float as stored {(floats - dequantized) / MiB:.1f}")
             kinds.append(f"dequantized at load {dequantized / MiB:.1f}" + (
@@ -291,8 +313,10 @@ class Worker:
         mem = process_memory()
         rss = (f"process RSS {mem['rss'] / MiB:.0f} MiB (anonymous {mem['anonymous'] / MiB:.0f}, "
                f"file-backed {mem['file'] / MiB:.0f})" if mem else "process RSS unknown")
-        log.info("resident: weights %.1f MiB on %s (%s), buffers %.1f MiB; %s; %s",
-                 (blocks + packed + floats + onednn) / MiB, self.device, ", ".join(kinds), buffers / MiB, kv, rss)
+        where = (f" (and {sum(streamed.values()) / MiB:.1f} MiB {streamed_where(model.weight_store.describe())})"
+                 if streamed else "")
+        log.info("resident: weights %.1f MiB on %s (%s)%s, buffers %.1f MiB; %s; %s",
+                 (blocks + packed + floats + onednn) / MiB, self.device, ", ".join(kinds), where, buffers / MiB, kv, rss)
 
     def model_cost(self):
         from tokenmill.diagnostics import ModelCost
