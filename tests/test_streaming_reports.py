@@ -62,3 +62,66 @@ def test_too_small_budget_names_the_least_accepted_value(tmp_path):
     with pytest.raises(ValueError, match="least accepted"):
         LLM(str(path), **KW, weights_resident_gb=least - 0.0001)
 
+
+# ---- diagnostics: a step that mostly waits for streamed weights -----------------------------------------------
+PEAKS = d.Peaks(flops=100e9, bandwidth=10e9, dtype="float32", threads=2, device="cpu", measured_at=0.0)
+COST = d.ModelCost(matmul_params=100_000_000, weight_bytes=500_000_000, kv_bytes_per_token=10_000,
+                   attn_flops_per_pair=1000, lm_head_params=10_000_000)
+# Like the issue's report: 310.7 MiB streamed per step, read at 921 MiB/s (0.337 s), 0.21 s of compute and ~3 s of
+# waiting a step.
+WEIGHTS = {"source": "disk", "resident_bytes": 202 * MiB, "streamed_bytes_per_step": 310 * MiB,
+           "streamed_layers": list(range(23)), "total_bytes": 512 * MiB, "read_bytes_per_s": 921 * MiB}
+
+
+def waiting_steps(n: int = 4) -> list[StepStats]:
+    return [StepStats(forward_s=3.17, weight_wait_s=2.96, num_tokens=1, num_sampled=1) for _ in range(n)]
+
+
+@pytest.mark.parametrize("source,verdict", [("disk", "disk-bound"), ("host", "host-link-bound")])
+def test_waiting_on_streamed_weights_is_its_own_verdict(source, verdict):
+    weights = {**WEIGHTS, "source": source}
+    r = d.diagnose(waiting_steps(), COST, PEAKS, weights=weights)
+    assert r["verdict"] == verdict
+    assert r["weight_wait"]["time_s"] == pytest.approx(4 * 2.96)
+    assert r["weight_wait"]["share_of_busy"] == pytest.approx(2.96 / 3.17)
+    # The reason gives the step's read bytes against the measured read speed, not the kernels' speed.
+    assert "310.0 MiB" in r["reason"] and "921 MiB/s" in r["reason"] and "kernels" not in r["reason"]
+    # Rates achieved by the kernels are over the forward's compute, the waits left out.
+    assert r["achieved"]["flops_per_s"] == pytest.approx(COST.step_flops(1, 1, 0) / 0.21)
+    w = d.weight_stream_report(weights, waiting_steps())
+    assert w["wait_share_of_step"] == pytest.approx(2.96 / 3.17)
+    assert w["read_bytes_per_step"] == 310 * MiB
+    # The reads took at most the forward's time: what they achieved at least, against the measured speed.
+    assert w["achieved_read_bytes_per_s"] == pytest.approx(310 * MiB / 3.17)
+    assert "waiting for streamed weights" in d.format_report(r)
+
+
+def test_small_waits_keep_the_roofline_verdict():
+    # Waits under half the busy time: the rest of the step decides, as without streaming (here the bytes).
+    steps = [StepStats(forward_s=0.16, weight_wait_s=0.01, num_tokens=1, num_sampled=1)]
+    r = d.diagnose(steps, COST, PEAKS, weights=WEIGHTS)
+    assert r["verdict"] == "bandwidth-bound"
+    assert d.diagnose(steps, COST, PEAKS)["verdict"] == "bandwidth-bound"  # no weights section: as before
+
+
+def test_engine_diagnostics_blame_the_disk(tmp_path, monkeypatch):
+    """A real streamed engine whose first streamed layer waits 0.2 s a step, as if for a slow read (counted where
+    the store counts its waits): the verdict is disk-bound, with the waits as their own share."""
+    import time
+
+    from tokenmill import SamplingParams
+
+    path = make_tiny_model(tmp_path / "llama", "llama", **SIZE)
+    total = weight_bytes(LLM(str(path), **KW))
+    llm = LLM(str(path), **KW, weights_resident_gb=total / 3 / 2**30, weights_stream_dir=str(tmp_path))
+    store = llm.engine.model.weight_store
+    slow = list(llm.engine.model.own_layers)[store.streamed[0].index]
+    waited = []
+    slow.register_forward_pre_hook(lambda mod, args: (time.sleep(0.2), waited.append(0.2)) and None)
+    take_wait = store.take_wait
+    monkeypatch.setattr(store, "take_wait", lambda: take_wait() + sum(waited.pop() for _ in list(waited)))
+
+    llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    r = d.engine_diagnostics(llm.engine)
+    assert r["verdict"] == "disk-bound" and r["weights"]["bound"] == "disk"
+    assert r["weight_wait"]["share_of_busy"] > 0.5

@@ -7,7 +7,9 @@ the machine's peak FLOP/s and memory bandwidth — measured by a short calibrati
 re-measured when the engine beats them or they were measured on a busy machine (see calibrate) —
 the minimum time is max(FLOPs / peak, bytes / bandwidth). A run whose busy time is far above that
 minimum is overhead-bound (Python, small kernels, inefficient kernels); otherwise it is compute- or
-bandwidth-bound, whichever term is larger.
+bandwidth-bound, whichever term is larger. With streamed weights (--weights-resident-gb, --cpu-offload-gb) the
+forward's waits for their reads are their own share: no kernel ran then, so they are left out of the achieved
+rates, and when they dominate the run is disk-bound (or host-link-bound), not overhead-bound.
 
 Attention is reported on its own too: the wall time spent inside the attention backend (summed over
 layers; timed on CPU, on CUDA only with TOKENMILL_TIME_ATTENTION=1) and the K/V bytes it must read
@@ -31,6 +33,11 @@ import torch
 CALIBRATION_VERSION = 2  # 2: entries record the load they were measured under
 # Below this share of busy time explained by the roofline, the run is called overhead-bound.
 ROOFLINE_SHARE_FOR_BOUND = 0.3
+# Streamed weights (--weights-resident-gb, --cpu-offload-gb): from this share of the busy time spent waiting for
+# their reads, when that wait is also longer than the roofline's minimum, the run is called bound by the stream.
+WEIGHT_WAIT_SHARE_FOR_BOUND = 0.3
+# The verdict of a run bound by its streamed weights, by the store's source.
+STREAM_VERDICTS = {"disk": "disk-bound", "host": "host-link-bound"}
 # A stored calibration is re-measured at most this often: never sooner than this after its own
 # measured_at (which every process sharing the cache file sees) nor after this process's last attempt.
 # Without the limit an engine that keeps beating the calibration would re-measure on every report.
@@ -417,7 +424,7 @@ class ModelCost:
 def observed_rates(steps: list, cost: ModelCost) -> dict[str, float]:
     """What the forward passes achieved, by Peaks field: FLOP/s, and bytes/s (the higher of the whole forward
     pass's and attention's own), the figures a calibrated peak must not fall below."""
-    forward = sum(s.forward_s for s in steps)
+    forward = _compute_s(steps)
     attn_s = sum(s.attn_s for s in steps)
     flops = sum(cost.step_flops(s.num_tokens, s.num_sampled, s.attn_pairs) for s in steps)
     nbytes = sum(cost.step_bytes(s.num_tokens, s.kv_tokens) for s in steps)
@@ -426,8 +433,18 @@ def observed_rates(steps: list, cost: ModelCost) -> dict[str, float]:
             "bandwidth": max(nbytes / forward if forward else 0.0, attn_rate)}
 
 
-def diagnose(steps: Iterable, cost: ModelCost, peaks: Peaks, idle_s: float = 0.0) -> dict:
+def _compute_s(steps: list) -> float:
+    """The forward passes' own time: their time less the waits for streamed weights' reads (part of forward_s),
+    which no kernel ran in."""
+    return sum(s.forward_s - s.weight_wait_s for s in steps)
+
+
+def diagnose(steps: Iterable, cost: ModelCost, peaks: Peaks, idle_s: float = 0.0, weights: dict | None = None) -> dict:
     """Summarise a window of StepStats: the time split, achieved rates, and the verdict.
+
+    `weights`: the engine's streamed-weights description (WeightStore / HostOffload describe()), if any. The
+    forward's waits for their reads are then their own share (`weight_wait`), and when they dominate the verdict
+    is `disk-bound` or `host-link-bound`: the kernels did not run while the forward waited.
 
     The shares of peak are against `peaks` as given; a share above 100 % is flagged in the "calibration"
     section (stale, over_peak), never shown silently. engine_diagnostics passes peaks already re-measured
@@ -440,21 +457,27 @@ def diagnose(steps: Iterable, cost: ModelCost, peaks: Peaks, idle_s: float = 0.0
     flops = sum(cost.step_flops(s.num_tokens, s.num_sampled, s.attn_pairs) for s in steps)
     nbytes = sum(cost.step_bytes(s.num_tokens, s.kv_tokens) for s in steps)
     tokens = sum(s.num_tokens for s in steps)
-    forward = split["forward"]
+    wait = sum(s.weight_wait_s for s in steps)
+    forward = split["forward"] - wait  # what the kernels had: the achieved rates are over this
+    work = busy - wait
     t_compute = flops / peaks.flops if peaks.flops else 0.0
     t_memory = nbytes / peaks.bandwidth if peaks.bandwidth else 0.0
     roofline = max(t_compute, t_memory)
+    streamed = bool(weights and weights.get("streamed_bytes_per_step"))
     if not steps or busy <= 0:
         verdict, reason = "idle", "no steps recorded"
-    elif roofline < ROOFLINE_SHARE_FOR_BOUND * busy:
+    elif streamed and wait >= WEIGHT_WAIT_SHARE_FOR_BOUND * busy and wait >= roofline:
+        verdict = STREAM_VERDICTS.get(weights["source"], f"{weights['source']}-bound")
+        reason = _stream_reason(weights, len(steps), wait, busy, forward)
+    elif roofline < ROOFLINE_SHARE_FOR_BOUND * work:
         verdict = "overhead-bound"
-        outside = (busy - forward) / busy
+        outside = (work - forward) / work
         where = ("mostly outside the forward pass (scheduling, KV transfers, input preparation, sampling, "
                  "detokenizing)" if outside > 0.5 else
                  "mostly inside the forward pass: kernels run far below the machine's peaks "
                  "(small GEMMs, per-op overhead, memory-inefficient kernels)")
-        reason = (f"compute and memory traffic at peak would explain only {100 * roofline / busy:.0f}% of the busy "
-                  f"time; the rest is {where}")
+        reason = (f"compute and memory traffic at peak would explain only {100 * roofline / work:.0f}% of the busy "
+                  f"time{' less the waits for streamed weights' if wait else ''}; the rest is {where}")
     elif t_compute >= t_memory:
         verdict, reason = "compute-bound", f"FLOPs need {t_compute:.3f} s at peak vs {t_memory:.3f} s for the bytes"
     else:
@@ -472,6 +495,10 @@ def diagnose(steps: Iterable, cost: ModelCost, peaks: Peaks, idle_s: float = 0.0
             "bandwidth_share_of_peak": (nbytes / forward) / peaks.bandwidth if forward and peaks.bandwidth else 0.0,
         },
         "roofline": {"compute_s": t_compute, "memory_s": t_memory, "share_of_busy": roofline / busy if busy else 0.0},
+        # Streamed weights: the forward's waits for their reads (part of `forward` above; 0 without streaming).
+        "weight_wait": {"time_s": wait, "s_per_step": wait / len(steps) if steps else 0.0,
+                        "share_of_forward": wait / split["forward"] if split["forward"] else 0.0,
+                        "share_of_busy": wait / busy if busy else 0.0},
         "attention": attention_summary(steps, forward, peaks),
         # Tensor parallelism: time inside all-reduce / all-gather (part of the forward pass; 0 with one rank).
         "collectives": _collectives(steps, forward),
@@ -480,6 +507,26 @@ def diagnose(steps: Iterable, cost: ModelCost, peaks: Peaks, idle_s: float = 0.0
         "verdict": verdict,
         "reason": reason,
     }
+
+
+def _stream_reason(weights: dict, n: int, wait: float, busy: float, compute: float) -> str:
+    """Why a run is bound by its streamed weights: the waits, and the step's read bytes against the measured
+    read (or copy) speed, so a stream slower than its own measurement shows."""
+    MiB = 2**20
+    streamed, rate = weights["streamed_bytes_per_step"], weights["read_bytes_per_s"]
+    where = "from disk" if weights["source"] == "disk" else "over the host link"
+    text = (f"the forward waited for streamed weights {100 * wait / busy:.0f}% of the busy time "
+            f"({1e3 * wait / n:.1f} ms a step, against {1e3 * compute / n:.1f} ms of its own compute); each step "
+            f"reads {streamed / MiB:.1f} MiB {where}")
+    if not rate:
+        return text
+    read_s = streamed / rate
+    text += f", {1e3 * read_s:.1f} ms at the measured {rate / MiB:.0f} MiB/s"
+    step = (compute + wait) / n
+    if step > 1.3 * max(read_s, compute / n):
+        text += (f"; the forward takes {step / max(read_s, compute / n):.1f}x that bound: the reads run at "
+                 f"{streamed / step / MiB:.0f} MiB/s or less, below the measured speed")
+    return text
 
 
 def _calibration_of(peaks: Peaks, observed: dict[str, float]) -> Calibration:
@@ -537,7 +584,8 @@ def engine_diagnostics(core, last_n: int | None = None) -> dict:
     # Idle time between the window's steps only: not the wait before its first step (start-up, an
     # earlier quiet spell) nor the one after its last, which belong to no run in the window.
     idle_s = sum(s.idle_before_s for s in steps[1:])
-    out = diagnose(steps, info.model_cost, cal.peaks, idle_s=idle_s)
+    weights = getattr(info, "weights", None)
+    out = diagnose(steps, info.model_cost, cal.peaks, idle_s=idle_s, weights=weights)
     out["calibration"] = cal.as_dict()
     scheduler = getattr(core, "scheduler", None)  # (the calibration tests pass a core without one)
     if scheduler is not None:
@@ -546,7 +594,6 @@ def engine_diagnostics(core, last_n: int | None = None) -> dict:
         # KV cache groups (docs/long_context.md): each group's window, blocks released out of a window so far
         out["kv_cache"] = {"group_windows": list(kv.group_windows), "num_blocks": kv.num_blocks,
                            "free_blocks": kv.num_free_blocks, "released_blocks": kv.num_released}
-    weights = getattr(info, "weights", None)
     if weights is not None:
         out["weights"] = weight_stream_report(weights, steps)
     if core.config.speculative is not None:  # counters since start; acceptance_rate, mean_acceptance_length
@@ -566,9 +613,15 @@ def weight_stream_report(weights: dict, steps: list) -> dict:
         return out
     n = len(steps)
     read_s = streamed / rate if rate else None
-    compute_s = sum(s.forward_s - s.weight_wait_s for s in steps) / n if n else None
+    compute_s = _compute_s(steps) / n if n else None
+    wait = sum(s.weight_wait_s for s in steps)
+    busy = sum(s.busy_s for s in steps)
+    forward = sum(s.forward_s for s in steps)
     out.update(read_s_per_step=read_s, compute_s_per_step=compute_s,
-               wait_s_per_step=sum(s.weight_wait_s for s in steps) / n if n else None,
+               wait_s_per_step=wait / n if n else None, read_bytes_per_step=streamed,
+               wait_share_of_step=wait / busy if busy else None,
+               # A step's reads overlap its forward, so took at most its time: they ran at least this fast.
+               achieved_read_bytes_per_s=streamed * n / forward if forward else None,
                bound=None if read_s is None or compute_s is None else weights["source"] if read_s > compute_s
                else "compute")
     return out
@@ -596,6 +649,10 @@ def format_report(d: dict) -> str:
     lines = [f"where the time went ({d['steps']} steps, {d['tokens']} tokens, {d['tokens_per_step']:.1f} tokens/step):"]
     for k in ("schedule", "offload", "prepare", "forward", "sample", "detokenize", "idle"):
         lines.append(f"  {k:<11} {t[k]:8.3f} s  {100 * d['time_share'][k]:5.1f}%")
+    w = d.get("weight_wait") or {}
+    if w.get("time_s"):  # part of forward: its own line, so the kernels are not blamed for it
+        lines.append(f"  (of forward, waiting for streamed weights {w['time_s']:.3f} s, "
+                     f"{100 * w['share_of_busy']:.1f}% of busy)")
     a, p = d["achieved"], d["peaks"]
     lines.append(f"  achieved in forward: {a['flops_per_s'] / 1e9:.1f} GFLOP/s ({100 * a['flops_share_of_peak']:.0f}% of "
                  f"{p['flops'] / 1e9:.0f} peak), {a['bytes_per_s'] / 1e9:.1f} GB/s ({100 * a['bandwidth_share_of_peak']:.0f}% "
