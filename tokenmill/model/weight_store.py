@@ -8,10 +8,12 @@ bit. Which layers: as few as keep the rest within N, spread evenly over the stac
 layer follows resident ones whose compute hides its read.
 
 Per step, for each streamed layer in forward order: a background thread reads it from the file ahead of use
-(the next streamed layer once this one has started: `posix_fadvise(WILLNEED)` on exactly its range, then
-`madvise(MADV_POPULATE_READ)` through ctypes, the GIL released, which maps the pages, so the forward takes no
-page faults; `os.preadv` into the page cache on kernels without it; readahead past the range and read-around on
-faults are off, so a dropped neighbour is never read back), the
+(the next streamed layer once this one has started: `os.preadv` of exactly its range in 8 MiB reads, which fills
+the page cache at the disk's speed, then `madvise(MADV_POPULATE_READ)` through ctypes, the GIL released, which maps
+those cached pages, so the forward takes no page faults; readahead past the range and read-around on faults are
+off, so a dropped neighbour is never read back. The large reads come first because with read-around off
+`posix_fadvise(WILLNEED)` reads only the device's readahead window and POPULATE_READ faulted the rest in one 4 KiB
+page at a time, ~10x below the disk's speed (issue 50)), the
 layer's forward waits for that read if it is not done (the time counted as `StepTimings.weight_wait_s`), and
 after its forward its pages are given back: unmapped from the process (`madvise(MADV_DONTNEED)`) and dropped
 from the page cache (`posix_fadvise(POSIX_FADV_DONTNEED)`), so every step reads the streamed bytes from the
@@ -81,6 +83,10 @@ class StreamedLayer:
 
 class WeightStore:
     """The streamed layers of one model, their file and the read-ahead. `WeightStore.attach(model, budget)`."""
+
+    # Every byte of the stream file is read through this (fd, buffers, offset) -> bytes read: the measured read
+    # speed and each step's read-ahead alike. Tests put a slowed reader here to stand in for a slow disk.
+    preadv = staticmethod(os.preadv)
 
     def __init__(self, model: nn.Module, budget_bytes: int, directory: str | None = None) -> None:
         layers = list(model.own_layers)
@@ -177,21 +183,21 @@ class WeightStore:
         view = memoryview(buf)
         end = offset + nbytes
         while offset < end:
-            got = os.preadv(self._fd, [view[: min(len(buf), end - offset)]], offset)
+            got = self.preadv(self._fd, [view[: min(len(buf), end - offset)]], offset)
             if got <= 0:
                 break
             offset += got
 
     def _load(self, offset: int, nbytes: int) -> None:
-        """Read a range in ahead of use (the whole range in large reads: POSIX_FADV_WILLNEED), and map it where the
-        kernel can (MADV_POPULATE_READ: no faults in the forward)."""
-        os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
-        if self._madvise is not None and self._madvise(self._base + offset, nbytes, _MADV_POPULATE_READ) == 0:
-            return
-        if self._madvise is not None and ctypes.get_errno() not in (0, errno.EINVAL):
-            log.debug("MADV_POPULATE_READ failed (errno %d): reading with preadv", ctypes.get_errno())
-        self._madvise = None  # EINVAL: a kernel before 5.14; the page cache is filled, the forward maps it
+        """Read a range in ahead of use, in large reads into the page cache, then map it where the kernel can
+        (MADV_POPULATE_READ: no faults in the forward). Mapping first would read it page by page (read-around is
+        off), an order of magnitude slower."""
         self._read(offset, nbytes)
+        if self._madvise is None or self._madvise(self._base + offset, nbytes, _MADV_POPULATE_READ) == 0:
+            return
+        if ctypes.get_errno() not in (0, errno.EINVAL):
+            log.debug("MADV_POPULATE_READ failed (errno %d): the forward maps the cached pages", ctypes.get_errno())
+        self._madvise = None  # EINVAL: a kernel before 5.14; the page cache is filled, the forward maps it
 
     def _prefetch(self, k: int) -> None:
         s = self.streamed[k]
