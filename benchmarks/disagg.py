@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,17 +29,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+import _servers  # noqa: E402
 from measure import env_str  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: list[str], threads: int, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+    port = _servers.next_port()
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(HERE.parent))
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill", *args, "--port", str(port)], env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -119,7 +113,9 @@ def main() -> None:
     ap.add_argument("--first-long-s", type=float, default=1.0)
     ap.add_argument("--long-gap-s", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=2, help="cores in all (aggregated: all; PD: half each)")
+    _servers.add_port_argument(ap)
     args = ap.parse_args()
+    _servers.install(args.port)
     from tiny import make_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="disagg-"))

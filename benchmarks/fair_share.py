@@ -28,7 +28,6 @@ import argparse
 import os
 import random
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _servers  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 
 WORDS = ("the of and to in is was for on that with as by at from his her it an were are which this be or has had "
@@ -50,12 +52,6 @@ WORDS = ("the of and to in is was for on that with as by at from his her it an w
 
 
 # ---- the server ----------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @dataclass
 class Server:
@@ -90,7 +86,7 @@ class Server:
 
 def start_server(repo: Path, extra: list[str], log_path: Path, timeout: float) -> Server:
     """`python -m tokenmill serve` of the checkout at `repo` (PYTHONPATH and cwd), torch's default threads."""
-    port = free_port()
+    port = _servers.next_port()
     cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--disable-uvicorn-access-log", *extra]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(repo))
     env.pop("TOKENMILL_API_KEY", None)
@@ -278,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repro2-max-tokens", type=int, default=8)
     p.add_argument("--skip", choices=["repro1", "repro2"], action="append", default=[])
     p.add_argument("--log-dir", type=Path, default=None, help="where server logs go (default: a temp dir)")
+    _servers.add_port_argument(p)
     args = p.parse_args(argv)
+    _servers.install(args.port)
 
     repo = args.repo.resolve()
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="fair_share-"))

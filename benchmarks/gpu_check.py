@@ -27,6 +27,9 @@ import time
 import traceback
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _servers  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
@@ -233,16 +236,13 @@ def throughput(args) -> dict:
 def serve(args) -> dict:
     """tokenmill serve on the first model, 32 concurrent streamed chat completions."""
     import asyncio
-    import socket
 
     import httpx
 
     models = _models(args)
     if not models:
         return {"skipped": "no model"}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _servers.next_port()
     cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--device", args.device]
     if models[0]:
         cmd += ["--model", models[0]]
@@ -334,7 +334,9 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="a larger HF model folder to measure too, if present")
     ap.add_argument("--quick", action="store_true", help="small sizes (the CPU smoke test)")
     ap.add_argument("--only", default=None, help="comma-separated sections")
+    _servers.add_port_argument(ap)
     args = ap.parse_args()
+    _servers.install(args.port)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {}

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _servers  # noqa: E402
 from measure import env as load_env, env_str  # noqa: E402
 
 # label -> tokenmill LLM keyword arguments for the batch-1 comparison on a GGUF.
@@ -216,12 +216,6 @@ SERVED_NAME = "peers-model"
 NO_PROXY = {"NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_cmd(engine: str, args, folder: str, dtype: str, port: int) -> list[str]:
     # Same limits as the offline runs (max_model_len 1024, no prefix caching); both servers' own defaults else.
     common = ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--served-model-name", SERVED_NAME,
@@ -328,7 +322,7 @@ def serve_env_str(args) -> str:
 def serve_one(engine: str, args, folder: str, dtype: str, out_dir: str, env: dict) -> dict | None:
     """Start one engine's server, wait for it, run the client, stop the server. The result, or None (after
     printing why and the server's last log lines)."""
-    port = free_port()
+    port = _servers.next_port()
     name = f"{engine.split('-')[0].lower()}-{dtype}"
     log = os.path.join(out_dir, f"{name}-server.log")
     t = time.perf_counter()
@@ -416,7 +410,9 @@ def main() -> None:
     ap.add_argument("--serve-start-timeout", type=float, default=600.0, help="seconds a server may take to start")
     ap.add_argument("--serve-client-timeout", type=float, default=1800.0, help="seconds one client run may take")
     ap.add_argument("--only", default=None, help="comma list of batch1, offline, serve: run only these parts")
+    _servers.add_port_argument(ap)
     args = ap.parse_args()
+    _servers.install(args.port)
     if args.serve_warmups is None:
         args.serve_warmups = args.serve_concurrency
     parts = {p for p, on in (("batch1", args.llama_cpp), ("offline", args.vllm), ("serve", args.serve)) if on}

@@ -29,7 +29,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from server_harness import LiveServer, free_port, start_server  # noqa: E402
+import _servers  # noqa: E402
+from server_harness import LiveServer, start_server  # noqa: E402
 from tiny import make_tiny_model  # noqa: E402
 
 
@@ -68,7 +69,7 @@ async def run_load(url: str, prompts: list[list[int]], concurrency: int, max_tok
 
 
 def start_router(backends: list[str], policy: str, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+    port = _servers.next_port()
     cmd = [sys.executable, "-m", "tokenmill", "router", "--policy", policy, "--port", str(port),
            "--uvicorn-log-level", "warning"]
     for b in backends:
@@ -122,7 +123,9 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--kv-cache", default="10M", help="KV pool per replica (default: about half of the 8 prefixes).")
     p.add_argument("--rounds", type=int, default=1)
+    _servers.add_port_argument(p)
     args = p.parse_args()
+    _servers.install(args.port)
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -132,7 +135,9 @@ def main() -> None:
         flags = ("--kv-cache-memory-bytes", args.kv_cache, "--max-num-seqs", "4", "--block-size", "16",
                  "--max-model-len", "1024")
         with ThreadPoolExecutor(2) as pool:
-            servers = list(pool.map(lambda i: start_server(model, tmp / f"replica{i}.log", *flags), range(2)))
+            ports = [_servers.next_port() for _ in range(2)]
+            servers = list(pool.map(lambda i: start_server(model, tmp / f"replica{i}.log", *flags, port=ports[i]),
+                                    range(2)))
         try:
             results: dict[str, list[dict]] = {"round-robin": [], "prefix-aware": []}
             for r in range(args.rounds):

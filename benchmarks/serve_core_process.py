@@ -36,7 +36,6 @@ import json
 import math
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+import _servers  # noqa: E402
 from tokenmill.bench.client import (ClientConfig, RequestError, _Stream, _stream_request,  # noqa: E402
                                     build_payload, fetch_text, make_client)
 from tokenmill.bench.datasets import BenchRequest, encode, load_tokenizer, make_text  # noqa: E402
@@ -348,12 +349,6 @@ def figures(run: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The server.
 # ---------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def uptime() -> str:
     try:
         return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
@@ -363,7 +358,7 @@ def uptime() -> str:
 
 class Server:
     def __init__(self, mode: str, args, log_dir: Path) -> None:
-        self.port = free_port()
+        self.port = _servers.next_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"serve-{mode}-{self.port}.log"
         cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(self.port), MODES[mode],
@@ -533,7 +528,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--log-dir", default=None, help="server logs (default: a temp folder)")
+    _servers.add_port_argument(ap)
     args = ap.parse_args()
+    _servers.install(args.port)
     if args.quick:
         args.long_len, args.num_long, args.long_period = min(args.long_len, 1000), 2, 6.0
         args.short_len_max, args.short_max_tokens_min, args.short_max_tokens_max = 200, 32, 48

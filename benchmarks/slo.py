@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import _servers  # noqa: E402
 from measure import OtherLoad, env_str  # noqa: E402
 from server_harness import LiveServer, start_server  # noqa: E402
 
@@ -32,7 +33,8 @@ POLICIES = ("fcfs", "priority", "slo")
 def start(policy: str, keys: Path, log: Path, args) -> LiveServer:
     """A fresh server on the embedded model, with torch's default threads (the harness's tests use one)."""
     return start_server(None, log, "--api-keys-file", str(keys), "--scheduling-policy", policy, "--max-model-len",
-                        str(args.max_model_len), *args.server_args.split(), timeout=300, one_thread=False)
+                        str(args.max_model_len), *args.server_args.split(), timeout=300, one_thread=False,
+                        port=_servers.next_port())
 
 
 def write_files(tmp: Path, args) -> tuple[Path, Path]:
@@ -98,7 +100,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-args", default="", help="more `tokenmill serve` flags, one string")
     p.add_argument("--json", help="write the figures here")
+    _servers.add_port_argument(p)
     args = p.parse_args()
+    _servers.install(args.port)
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

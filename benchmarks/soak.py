@@ -39,6 +39,8 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+import _servers  # noqa: E402
 
 HOSTILE = ["top-k-2^63", "10k-stop-strings", "n128-logprobs20", "tokenize-1MB-no-key", "malformed-json",
            "negative-max-tokens", "unknown-model", "prompt-over-context",
@@ -399,7 +401,9 @@ def main() -> None:
     p.add_argument("--faults", default="",
                    help="our own server: inject faults (TOKENMILL_FAULTS, tokenmill/testing/faults.py), e.g. "
                         f"'{DEFAULT_FAULTS}'; 'default' for that. Requests they fail count as 'fault', not lost")
+    _servers.add_port_argument(p)  # our own server's
     args = p.parse_args()
+    _servers.install(args.port)
     if args.url:
         t = asyncio.run(target_info(args.url.rstrip("/"), args.api_key, args.server_pid))
         sys.exit(asyncio.run(Soak(t, args).run()))
@@ -412,7 +416,8 @@ def main() -> None:
         key, log = secrets.token_hex(8), args.server_log or Path(tmp) / "server.log"
         if args.faults:
             os.environ["TOKENMILL_FAULTS"] = DEFAULT_FAULTS if args.faults == "default" else args.faults
-        server = start_server(model, log, *shlex.split(args.serve_args or default), api_key=key, timeout=300)
+        server = start_server(model, log, *shlex.split(args.serve_args or default), api_key=key, timeout=300,
+                              port=_servers.next_port())
         try:
             print(f"server {server.base_url} pid {server.proc.pid}: {model or 'embedded SmolLM2-135M'} "
                   f"{args.serve_args or default}; {args.concurrency} workers for {args.minutes:g} min; "

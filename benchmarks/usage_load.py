@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import _servers  # noqa: E402
 from measure import OtherLoad, env_str  # noqa: E402
 from server_harness import start_server  # noqa: E402
 
@@ -204,7 +205,9 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=20.0, help="/v1/usage reads per second in the loaded phases")
     p.add_argument("--server-args", default="", help="more `tokenmill serve` flags, one string")
     p.add_argument("--json", help="write the figures here")
+    _servers.add_port_argument(p)
     args = p.parse_args()
+    _servers.install(args.port)
 
     keys = {"none": None, f"admin-{args.rate:g}/s": [ADMIN],
             f"tenants-{args.rate:g}/s": [f"sk-{t}" for t in TENANTS]}
@@ -218,7 +221,7 @@ def main() -> None:
         env_before = env_str()
         server = start_server(None, tmp / "server.log", "--api-keys-file", str(keys_file), "--admin-key", ADMIN,
                               "--usage-db", str(db), "--max-model-len", "2048", *args.server_args.split(),
-                              timeout=300, one_thread=False)
+                              timeout=300, one_thread=False, port=_servers.next_port())
         other = OtherLoad()
         spent: dict[str, list[float]] = {name: [0.0, 0] for name in keys}  # phase -> [seconds, tokens]
         try:
