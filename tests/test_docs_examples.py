@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from server_harness import start_server
+from server_harness import LiveServer, start_server
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -53,6 +53,7 @@ QUICK_STARTS = {  # doc → (section, the languages of its blocks that are quick
     "README.md": [("### curl", "bash"), ("### The `openai` client", "python"),
                   ("## Quick start", "python")],  # not its command-line block: an interactive REPL, a router
     "docs/lora.md": [("# LoRA adapters", "bash python")],
+    "docs/server.md": [("## curl", "bash")],
 }
 
 
@@ -135,8 +136,26 @@ def run_python(code: str, where: str) -> str:
     return done.stdout
 
 
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """One live server per distinct serve line (the docs without one share the README's: no key)."""
+    live: dict[tuple[str, ...], LiveServer] = {}
+    root = tmp_path_factory.mktemp("servers")
+
+    def get(model: str, args: list[str]) -> LiveServer:
+        key = (model, *args)
+        if key not in live:
+            live[key] = start_server(model, root / f"server{len(live)}.log", "--served-model-name", SERVED, *args,
+                                     "--max-model-len", "256")
+        return live[key]
+
+    yield get
+    for srv in live.values():
+        srv.stop()
+
+
 @pytest.mark.parametrize("doc", sorted(QUICK_STARTS))
-def test_quick_starts_run_as_written(doc, files, tmp_path):
+def test_quick_starts_run_as_written(doc, files, servers):
     """Each quick start's bash and python blocks against a server started from the doc's own serve line (else
     the README's: no key), rewritten only by the mapping above."""
     blocks = [(h, lang, code) for h, langs in QUICK_STARTS[doc] for lang, code in section_blocks(doc, h)
@@ -145,15 +164,11 @@ def test_quick_starts_run_as_written(doc, files, tmp_path):
     args = shlex.split(rewrite(shlex.join(serve_args), files, None))
     model = args.pop(0) if args and not args[0].startswith("-") else files["BASE"]
     needs_key = "--api-key" in args
-    srv = start_server(model, tmp_path / "server.log", "--served-model-name", SERVED, *args,
-                       "--max-model-len", "256")
-    try:
-        for heading, lang, code in blocks:
-            where = f"{doc} {heading} ({lang})"
-            if lang == "bash":
-                out = run_shell(rewrite(split_serve(code)[1], files, srv.base_url), needs_key, where)
-                assert "choices" in out, f"{where}: no completion in\n{out}"
-            elif lang == "python":
-                run_python(rewrite(code, files, srv.base_url), where)
-    finally:
-        srv.stop()
+    srv = servers(model, args)
+    for heading, lang, code in blocks:
+        where = f"{doc} {heading} ({lang})"
+        if lang == "bash":
+            out = run_shell(rewrite(split_serve(code)[1], files, srv.base_url), needs_key, where)
+            assert "choices" in out, f"{where}: no completion in\n{out}"
+        elif lang == "python":
+            run_python(rewrite(code, files, srv.base_url), where)
