@@ -41,6 +41,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _servers  # noqa: E402
+from tokenmill.diagnostics import cpu_name  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -194,16 +195,6 @@ def wait_started(server: Server, bg: Background, lead: float, cap: float) -> str
 
 # ---- the run -------------------------------------------------------------------------------------------------
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -284,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     rev = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True).stdout.strip()
     load_start = load()
-    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); load average at start: {load_start}")
+    print(f"CPU: {cpu_name()} ({os.cpu_count()} cores); load average at start: {load_start}")
     print(f"checkout: {repo} @ {rev or '?'}; server args: {args.server_arg or '(default)'}; "
           f"small slo: {args.small_slo or 'none'}; deadline {args.deadline:.0f} s; logs in {log_dir}", flush=True)
 
@@ -328,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"== fair share, {repo.name} @ {rev or '?'}, server args {' '.join(args.server_arg) or '(default)'}, "
           f"small slo {args.small_slo or 'none'}")
-    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); load average start {load_start}, end {load()}")
+    print(f"CPU: {cpu_name()} ({os.cpu_count()} cores); load average start {load_start}, end {load()}")
     print(f"small alone (median of 3): {alone:.3f} s at start, {alone_end:.3f} s at end")
     shapes = {"repro1": f"1 x {args.repro1_len} tok, n={args.repro1_n}, echo+logprobs 5, max_tokens 1",
               "repro2": f"{args.repro2_prompts} x {args.repro2_len} tok, n={args.repro2_n}, "

@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import _servers  # noqa: E402
+from tokenmill.diagnostics import cpu_name  # noqa: E402
 from measure import OtherLoad, env_str  # noqa: E402
 from server_harness import start_server  # noqa: E402
 
@@ -49,16 +50,6 @@ TENANTS = [f"t{i}" for i in range(20)]
 ADMIN = "sk-admin"
 STREAMER = "sk-stream"
 GUARD_S = 0.1  # after a phase switch, reads of the last phase may still run: gaps and probes there are not counted
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def prefill_usage(db: Path, tenants: int = 20, models: int = 10, days: int = 365) -> int:
@@ -242,7 +233,7 @@ def main() -> None:
         other_cores = other.cores()
     env_after = env_str()
 
-    print(f"\nCPU: {cpu_model()} ({os.cpu_count()} cores); usage db: {nrows} rows; {args.streams} stream(s) of "
+    print(f"\nCPU: {cpu_name()} ({os.cpu_count()} cores); usage db: {nrows} rows; {args.streams} stream(s) of "
           f"{args.tokens} tokens; phases take turns every {args.window:g} s")
     print(f"load before {env_before}, after {env_after}; other processes: "
           f"{'n/a' if other_cores is None else f'{other_cores:.2f} cores'} during the run")
@@ -262,7 +253,7 @@ def main() -> None:
                          "tokenize_p50_ms": 1000 * statistics.median(tok), "tokenize_p99_ms": 1000 * p99,
                          "read_p50_ms": read, "codes": {str(k): v for k, v in reader.codes[name].items()}}
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "cpu": cpu_model(), "env": [env_before, env_after],
+        Path(args.json).write_text(json.dumps({"args": vars(args), "cpu": cpu_name(), "env": [env_before, env_after],
                                                "other_cores": other_cores, "phases": figures}, indent=2))
 
 

@@ -16,8 +16,7 @@ and tests/test_tenants.py."""
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
+import time
 
 import httpx
 import pytest
@@ -182,8 +181,6 @@ def test_owned_adapter_cap_and_names_in_use(setup):
         again = load(srv, ADMIN, "a-private", "spare")
         assert again.status_code == 400 and "still running" in again.json()["error"]["message"]
     # The client left: the stream's response is done and the name frees up (within a deadline).
-    import time
-
     deadline = time.monotonic() + 30
     while (r := load(srv, ADMIN, "a-private", "a-private")).status_code != 200 and time.monotonic() < deadline:
         assert "still running" in r.json()["error"]["message"]

@@ -90,7 +90,8 @@ def _load_average() -> float | None:
         return None
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (quoted with every speed figure: benchmarks print it too)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -107,7 +108,7 @@ def _cache_file() -> Path:
 
 
 def _key(device: str, dtype: torch.dtype) -> str:
-    return f"v{CALIBRATION_VERSION}|{device}|{_cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{dtype}"
+    return f"v{CALIBRATION_VERSION}|{device}|{cpu_name()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{dtype}"
 
 
 def measure_peaks(device: str = "cpu", dtype: torch.dtype = torch.float32, seconds: float = 0.5) -> Peaks:

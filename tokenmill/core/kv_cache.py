@@ -156,7 +156,7 @@ class KVCacheManager:
         return lo * bs
 
     # ---- hashing -------------------------------------------------------------------------
-    def _update_hashes(self, req: Request, num_tokens: int) -> None:
+    def update_hashes(self, req: Request, num_tokens: int) -> None:
         """Extend req.block_hashes over the full blocks within its first `num_tokens` tokens."""
         bs = self.block_size
         while (len(req.block_hashes) + 1) * bs <= num_tokens:
@@ -169,7 +169,7 @@ class KVCacheManager:
         compute (its logits are needed), so a full hit never covers the final token."""
         if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return []
-        self._update_hashes(req, req.num_tokens - 1)
+        self.update_hashes(req, req.num_tokens - 1)
         # block_hashes may already name a block holding the last token (named when it was allocated).
         hashes = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
         if self.has_windows:
@@ -213,7 +213,7 @@ class KVCacheManager:
         to the prefix whose load beats recomputing it. Like a device hit, never covers the last token."""
         if self.offload is None or not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return []
-        self._update_hashes(req, req.num_tokens - 1)
+        self.update_hashes(req, req.num_tokens - 1)
         if self.num_groups > 1:
             return self._group_offloaded_chain(req.block_hashes[: (req.num_tokens - 1) // self.block_size],
                                                num_device_blocks)
@@ -254,7 +254,7 @@ class KVCacheManager:
         connector's store (a prefill instance's blocks). Like a device hit, never covers the last token."""
         if self.connector is None or req.params.prompt_logprobs is not None:
             return []
-        self._update_hashes(req, req.num_tokens - 1)
+        self.update_hashes(req, req.num_tokens - 1)
         found = []
         for h in self.connector.lookup(req.block_hashes[num_local_blocks : (req.num_tokens - 1) // self.block_size]):
             if h in self.cached:
@@ -363,7 +363,7 @@ class KVCacheManager:
         forward pass, before any attention reads it, so a request admitted in this step may share them.
         Until the engine confirms the write (`names_written`) they are listed in `unwritten`."""
         num_tokens = min(num_tokens, req.num_tokens)
-        self._update_hashes(req, num_tokens)
+        self.update_hashes(req, num_tokens)
         for g, table in enumerate(req.tables):
             for i in range(req.num_released[g], num_tokens // self.block_size):
                 block = self.blocks[table[i]]  # (entries before num_released slid out of the window)

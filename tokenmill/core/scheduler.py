@@ -511,7 +511,7 @@ class Scheduler:
 
     def _add_inflight(self, fill: _Fill, req: Request) -> None:
         # (a request with prompt logprobs reads no hits, so its hashes were only made for the blocks it named)
-        self.kv._update_hashes(req, req.num_tokens - 1)
+        self.kv.update_hashes(req, req.num_tokens - 1)
         fill.inflight.update(req.block_hashes)
 
     def _allowance(self, req: Request, fill: _Fill, prompt: bool) -> int:
