@@ -52,6 +52,21 @@ def write_yaml(path, extra: str = "") -> None:
     path.write_text(YAML.format(digest=hashlib.sha256(b"sk-a-2").hexdigest()) + extra)
 
 
+async def completion_status(guard, key: str) -> int:
+    """The status a GuardMiddleware answers a POST /v1/completions with `key` (an empty body)."""
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/v1/completions", "headers": [(b"authorization", f"Bearer {key}".encode())]}
+    await guard(scope, receive, send)
+    return sent[0]["status"]
+
+
 # ---- the file -------------------------------------------------------------------------------------------------
 def test_yaml_and_json_files_and_hashed_keys(tmp_path):
     p = tmp_path / "keys.yaml"
@@ -214,18 +229,8 @@ def test_the_middleware_releases_every_sequence_the_handler_took(tmp_path):
 
     guard.app = app
 
-    async def call(key: str) -> int:
-        sent = []
-
-        async def receive():
-            return {"type": "http.request", "body": b"", "more_body": False}
-
-        async def send(message):
-            sent.append(message)
-
-        scope = {"type": "http", "path": "/v1/completions", "headers": [(b"authorization", f"Bearer {key}".encode())]}
-        await guard(scope, receive, send)
-        return sent[0]["status"]
+    def call(key: str):
+        return completion_status(guard, key)
 
     assert asyncio.run(call("sk-b")) == 200 and seen == [{"team-b": 2}]
     assert asyncio.run(call("sk-a-1")) == 429  # team-a: one in flight, and this request is two
@@ -301,18 +306,8 @@ def test_concurrent_limit_holds_until_the_response_is_done(tmp_path):
 
     guard = GuardMiddleware(app, None, 1 << 20, keys=KeyStore(str(p)))
 
-    async def call(key: str) -> int:
-        sent = []
-
-        async def receive():
-            return {"type": "http.request", "body": b"", "more_body": False}
-
-        async def send(message):
-            sent.append(message)
-
-        scope = {"type": "http", "path": "/v1/completions", "headers": [(b"authorization", f"Bearer {key}".encode())]}
-        await guard(scope, receive, send)
-        return sent[0]["status"]
+    def call(key: str):
+        return completion_status(guard, key)
 
     async def main():
         first = asyncio.ensure_future(call("sk-a-1"))
