@@ -3,7 +3,6 @@ streams, health), and one end-to-end run over two real tiny `tokenmill serve` pr
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,9 +10,9 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-import uvicorn
 
 from fake_openai_server import FakeConfig, FakeServer
+from server_harness import free_port, serve_in_thread
 from tokenmill.core.kv_cache import hash_block
 from tokenmill.router.app import RouterConfig, create_app
 from tokenmill.router.cache_index import CacheIndex, prompt_hashes
@@ -68,30 +67,13 @@ def test_cache_index_follows_events_and_reset():
 
 
 # ---- the app over fake backends --------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def router(backends: list[str], **kw):
     """The router app served by uvicorn in a thread; yields its base URL."""
     cfg = RouterConfig(backends=backends, **{"health_interval_s": 0.1, "connect_timeout_s": 1.0, **kw})
     app = create_app(cfg)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "router did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}", app.state.router
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serve_in_thread(app) as url:
+        yield url, app.state.router
 
 
 def fake(**kw) -> FakeServer:
@@ -146,7 +128,7 @@ def test_retries_once_on_another_backend_before_any_byte():
 
 
 def test_retries_when_a_backend_refuses_connections():
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     with fake() as good, router([dead, good.url], health_interval_s=60) as (url, r):
         r.backends[dead].healthy = True  # as if it died just after a health check
         got = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
