@@ -39,8 +39,10 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _servers  # noqa: E402
+from server_harness import LiveServer, start_server as start_live  # noqa: E402
 from tokenmill.diagnostics import cpu_name  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,64 +56,29 @@ WORDS = ("the of and to in is was for on that with as by at from his her it an w
 
 # ---- the server ----------------------------------------------------------------------------------------------
 
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    base: str
-    log_path: Path
-
-    def url(self, path: str) -> str:
-        return self.base + path
-
-    def log_tail(self, n: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:]
-
-    def gauge(self, name: str) -> float | None:
-        """The sum of a metric's samples in /metrics (e.g. tokenmill:num_requests_running), None if absent."""
-        try:
-            text = httpx.get(self.url("/metrics"), timeout=5).text
-        except httpx.HTTPError:
-            return None
-        vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
-        return sum(vals) if vals else None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+def start_server(repo: Path, extra: list[str], log_path: Path, timeout: float) -> LiveServer:
+    """`python -m tokenmill serve` of the checkout at `repo`, torch's default threads."""
+    return start_live(None, log_path, *extra, timeout=timeout, port=_servers.next_port(), one_thread=False,
+                      repo=repo)
 
 
-def start_server(repo: Path, extra: list[str], log_path: Path, timeout: float) -> Server:
-    """`python -m tokenmill serve` of the checkout at `repo` (PYTHONPATH and cwd), torch's default threads."""
-    port = _servers.next_port()
-    cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--disable-uvicorn-access-log", *extra]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(repo))
-    env.pop("TOKENMILL_API_KEY", None)
-    env.pop("OMP_NUM_THREADS", None)
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=repo)
-    server = Server(proc, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_tail()}")
-        try:
-            if httpx.get(server.url("/health"), timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    server.stop()
-    raise TimeoutError(f"server not healthy in {timeout} s:\n{server.log_tail()}")
+def log_tail(server: LiveServer, n: int = 3000) -> str:
+    return server.log()[-n:]
+
+
+def gauge(server: LiveServer, name: str) -> float | None:
+    """The sum of a metric's samples in /metrics (e.g. tokenmill:num_requests_running), None if absent."""
+    try:
+        text = httpx.get(server.url("/metrics"), timeout=5).text
+    except httpx.HTTPError:
+        return None
+    vals = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    return sum(vals) if vals else None
 
 
 # ---- prompts -------------------------------------------------------------------------------------------------
 
-def make_prompt(server: Server, tokens: int, seed: int) -> str:
+def make_prompt(server: LiveServer, tokens: int, seed: int) -> str:
     """Random common words, cut to `tokens` tokens by the server's tokenizer."""
     rng = random.Random(seed)
     text = " ".join(rng.choice(WORDS) for _ in range(tokens + 16))  # a common word is >= 1 token
@@ -136,7 +103,7 @@ class Result:
         return f">= {self.seconds:.1f} s ({self.detail})"
 
 
-def post(server: Server, body: dict, deadline_s: float) -> Result:
+def post(server: LiveServer, body: dict, deadline_s: float) -> Result:
     t = time.perf_counter()
     try:
         with httpx.Client(timeout=httpx.Timeout(deadline_s, connect=10)) as c:
@@ -159,7 +126,7 @@ class Background:
     results: list[Result | None] = field(default_factory=list)
     sent_at: float = 0.0
 
-    def start(self, server: Server, bodies: list[dict], deadline_s: float) -> None:
+    def start(self, server: LiveServer, bodies: list[dict], deadline_s: float) -> None:
         self.results = [None] * len(bodies)
 
         def one(i: int, body: dict) -> None:
@@ -176,7 +143,7 @@ class Background:
         return self.results  # type: ignore[return-value]
 
 
-def wait_started(server: Server, bg: Background, lead: float, cap: float) -> str:
+def wait_started(server: LiveServer, bg: Background, lead: float, cap: float) -> str:
     """Until the server runs the heavy work (tokenmill:num_requests_running > 0) and at least `lead` s passed
     since it was sent, or `cap` s passed, or the heavy work is done; says which."""
     seen = None
@@ -184,7 +151,7 @@ def wait_started(server: Server, bg: Background, lead: float, cap: float) -> str
         now = time.perf_counter() - bg.sent_at
         if all(r is not None for r in bg.results):
             return f"heavy work done before the small request was sent ({now:.2f} s)"
-        if seen is None and (server.gauge("tokenmill:num_requests_running") or 0) > 0:
+        if seen is None and (gauge(server, "tokenmill:num_requests_running") or 0) > 0:
             seen = now
         if seen is not None and now >= lead:
             return f"running seen {seen:.2f} s after sending; small request sent at {now:.2f} s"
@@ -207,7 +174,7 @@ def small_body(prompt: str, args) -> dict:
     return body
 
 
-def under_load(name: str, server: Server, heavy: list[dict], args, alone: float, seed: int) -> tuple[dict, bool]:
+def under_load(name: str, server: LiveServer, heavy: list[dict], args, alone: float, seed: int) -> tuple[dict, bool]:
     """Send `heavy` at once, then the small request once the server runs them; both timed. Returns the figures and
     whether every request finished (else the server should be restarted)."""
     small = small_body(make_prompt(server, args.small_len, seed), args)
@@ -235,12 +202,12 @@ def under_load(name: str, server: Server, heavy: list[dict], args, alone: float,
     return out, all_ok
 
 
-def measure_alone(server: Server, args, name: str, seed: int) -> float:
+def measure_alone(server: LiveServer, args, name: str, seed: int) -> float:
     runs = []
     for i in range(3):
         r = post(server, small_body(make_prompt(server, args.small_len, seed + i), args), args.deadline)
         if not r.ok:
-            raise RuntimeError(f"small request alone failed: {r.detail}\n{server.log_tail()}")
+            raise RuntimeError(f"small request alone failed: {r.detail}\n{log_tail(server)}")
         runs.append(r.seconds)
     med = statistics.median(runs)
     print(f"[{name}] small request: {' / '.join(f'{x:.3f}' for x in runs)} s; median {med:.3f} s (load {load()})",
@@ -281,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 
     servers = 0
 
-    def fresh() -> Server:
+    def fresh() -> LiveServer:
         nonlocal servers
         servers += 1
         return start_server(repo, args.server_arg, log_dir / f"server-{servers}.log", timeout=300)

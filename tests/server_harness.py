@@ -94,20 +94,21 @@ class LiveServer:
 
 
 def start_server(model: str | None, log_path: Path, *args: str, api_key: str | None = None,
-                 timeout: float = 120.0, port: int | None = None, one_thread: bool = True) -> LiveServer:
-    """`tokenmill serve` in a subprocess, healthy; `one_thread`: OMP_NUM_THREADS=1 (tests), else torch's default
-    (benchmarks)."""
+                 timeout: float = 120.0, port: int | None = None, one_thread: bool = True,
+                 repo: Path = REPO) -> LiveServer:
+    """`tokenmill serve` of the checkout at `repo` (its PYTHONPATH and cwd) in a subprocess, healthy;
+    `one_thread`: OMP_NUM_THREADS=1 (tests), else torch's default (benchmarks)."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "tokenmill", "serve"] + ([str(model)] if model else [])
     cmd += ["--port", str(port), "--disable-uvicorn-access-log", *args]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(repo))
     if one_thread:
         env["OMP_NUM_THREADS"] = "1"
     env.pop("TOKENMILL_API_KEY", None)
     if api_key:
         env["TOKENMILL_API_KEY"] = api_key
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=repo)
     server = LiveServer(proc, f"http://127.0.0.1:{port}", log_path, api_key)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
