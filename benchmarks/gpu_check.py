@@ -220,16 +220,15 @@ def throughput(args) -> dict:
         t0 = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": prompt}] * n64, params, use_tqdm=False)
         dt = time.perf_counter() - t0
-        graphs = llm.engine.core.executor.worker.runner.graphs
-        row = {"cuda_graphs": graphs is not None, "batch1_decode_tok_s": round(b1, 1),
+        graphs = llm.engine.core.executor.worker.runner.graphs is not None
+        row = {"cuda_graphs": graphs, "batch1_decode_tok_s": round(b1, 1),
                f"batch{n64}_tok_s": round(sum(len(r.outputs[0].token_ids) for r in res) / dt, 1)}
-        del llm
-        if graphs is not None:  # the same batch-1 decode without graphs: what they save
-            eager = LLM(model, device=args.device, max_num_seqs=64, enforce_eager=True)
-            row["batch1_decode_tok_s_eager"] = round(_batch1_decode(eager, prompt, n1), 1)
-            row["graphs_vs_eager"] = round(b1 / row["batch1_decode_tok_s_eager"], 2)
-            del eager
         out[model or "embedded SmolLM2-135M"] = row
+        llm.close()  # its KV pool took gpu_memory_utilization of the card: the next engine needs it back
+        if graphs:  # the same batch-1 decode without graphs: what they save
+            with LLM(model, device=args.device, max_num_seqs=64, enforce_eager=True) as eager:
+                row["batch1_decode_tok_s_eager"] = round(_batch1_decode(eager, prompt, n1), 1)
+            row["graphs_vs_eager"] = round(b1 / row["batch1_decode_tok_s_eager"], 2)
     return out
 
 
@@ -246,18 +245,29 @@ def serve(args) -> dict:
     cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port), "--device", args.device]
     if models[0]:
         cmd += ["--model", models[0]]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=ROOT)
+    log = open(Path(args.out) / "serve.log", "w+b") if args.out else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def tail() -> str:
+        if log is subprocess.DEVNULL:
+            return ""
+        log.flush()
+        log.seek(0)
+        return log.read().decode(errors="replace")[-1500:]
+
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
+            if proc.poll() is not None:  # it died starting: say why at once instead of waiting out the deadline
+                return {"error": f"the server exited with {proc.returncode} while starting", "log_tail": tail()}
             try:
                 if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
         else:
-            return {"error": "the server did not come up within 180 s"}
+            return {"error": "the server did not come up within 180 s", "log_tail": tail()}
         model_id = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
 
         async def one(client, i):

@@ -105,6 +105,7 @@ class Worker:
         self.cpu_group = None  # torch.distributed group for control messages (None: the default group, gloo)
         self.device = torch.device(config.device)
         self.runner: ModelRunner | None = None
+        self._cuda_used_by_others = 0  # bytes of the device held outside this engine, as the KV sizing saw them
         self.kv_group_windows: tuple[int | None, ...] = (None,)  # executor/kv_groups.py, set by init()
         self.cp_size = 1  # decode context parallelism's ranks, set by init()
         self.transfer = None
@@ -351,10 +352,14 @@ class Worker:
             held = (f"{num_blocks * cache.block_size} tokens" if groups == 1 else
                     f"blocks shared by {groups} KV cache groups: a request holds its context in the full-attention "
                     "ones and a window and a prompt chunk in the others")
+            others = ""
+            if source == "gpu_memory_utilization" and self._cuda_used_by_others > 2**30:
+                others = (f" {self._cuda_used_by_others / GiB:.1f} GiB of the device is held outside this engine (other "
+                          "processes, or an earlier engine in this one that was not closed: LLM.close()).")
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens ({held}), fewer than one request "
                 f"of max_model_len={self.max_model_len} tokens{spec} needs ({need} blocks, {need * per_block} bytes). "
-                f"Raise {source} or lower max_model_len."
+                f"Raise {source} or lower max_model_len.{others}"
             )
         return num_blocks
 
@@ -382,6 +387,7 @@ class Worker:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        self._cuda_used_by_others = used_by_others
         budget = int(total * self.config.cache.gpu_memory_utilization) - peak - graphs - used_by_others
         if graphs:
             budget -= per_block  # the graphs' pad block, allocated past the pool
@@ -449,9 +455,24 @@ class Worker:
     def ping(self) -> str:
         return "pong"
 
+    def release_memory(self) -> None:
+        """Hand the KV pools (a draft's too) and the decode graphs back now, on LLM.close() or an engine's
+        shutdown, even while something still references the model (a caller's handle on the runner kept a
+        90 % pool alive and the next engine in the process found 0 blocks, docs/gpu.md): each pool's storage
+        shrinks to nothing, so the runner cannot step afterwards."""
+        if self.runner is None or any(a.k_cache is None for a in self.runner.attn_layers):
+            return  # (init failed before the pool was allocated)
+        for t in self.runner.kv_caches():
+            if t.untyped_storage().resizable():  # (not a pool mapped from a file or shared memory)
+                t.untyped_storage().resize_(0)
+        self.runner.graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def shutdown(self) -> None:
         if self.transfer is not None:
             self.transfer.close()
+        self.release_memory()
         if self.distributed_init_method is not None:
             import torch.distributed as dist
 

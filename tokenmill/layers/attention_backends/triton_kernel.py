@@ -8,11 +8,15 @@ optional soft cap squashes the scores (Gemma 2), and the cache may hold float32 
 int8 with a float32 scale per slot and KV head, or fp8 e4m3 bytes with one scale per layer (decoded here from
 their bits, so the same code runs under TRITON_INTERPRET=1 on the CPU, where numpy has no fp8).
 
+Float32 queries multiply exactly (`input_precision="ieee"`, unless torch itself allows tf32): tl.dot's tf32
+default is ~1e-3 off, enough to flip a greedy token of a float32 model (seen on an H200: docs/gpu.md).
+
 Keys past a request's kv_len are never loaded (masked loads read 0), so unwritten slots of a fresh pool (NaN
 garbage) cannot reach the output and the pool needs no zeroing.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -54,7 +58,7 @@ def paged_attention_kernel(
     sm_scale, soft_cap, k_scale, v_scale, window,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, KV_FORMAT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, KV_FORMAT: tl.constexpr, IEEE_F32: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -88,7 +92,10 @@ def paged_attention_kernel(
         page = tl.load(block_table + req * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
         slot = page.to(tl.int64) * PAGE + offs_n % PAGE
         k = _load_kv(K, K_SCALES, slot, kvh, offs_d, n_ok, d_ok, k_scale, NUM_KV_HEADS, HEAD_DIM, KV_FORMAT)
-        s = tl.dot(q, tl.trans(k)) * sm_scale
+        if IEEE_F32:  # float32 queries: exact products, as torch computes them (tl.dot's default is tf32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * sm_scale
         if HAS_CAP:  # cap * tanh(s / cap), tanh from exp (portable to the interpreter)
             s = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * s / soft_cap)) - 1.0)
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
@@ -101,7 +108,10 @@ def paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         v = _load_kv(V, V_SCALES, slot, kvh, offs_d, n_ok, d_ok, v_scale, NUM_KV_HEADS, HEAD_DIM, KV_FORMAT)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        if IEEE_F32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(OUT + (q0 + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -115,6 +125,7 @@ def launch(q, k_cache, v_cache, k_scales, v_scales, out, block_table, tile_req, 
     T, H, D = q.shape
     Hk, page = k_cache.shape[2], k_cache.shape[1]
     grid = (tile_req.numel(), H)
+    exact_f32 = q.dtype == torch.float32 and not (q.is_cuda and torch.backends.cuda.matmul.allow_tf32)
     paged_attention_kernel[grid](
         q, k_cache, v_cache, k_scales if k_scales is not None else k_cache,
         v_scales if v_scales is not None else v_cache, out,
@@ -123,5 +134,5 @@ def launch(q, k_cache, v_cache, k_scales, v_scales, out, block_table, tile_req, 
         scale, soft_cap or 1.0, k_scale, v_scale, window or 0,
         NUM_KV_HEADS=Hk, GROUP=H // Hk, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None,
-        KV_FORMAT=kv_format,
+        KV_FORMAT=kv_format, IEEE_F32=exact_f32,
     )
