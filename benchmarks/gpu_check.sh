@@ -5,12 +5,13 @@
 #   here, once:        bash benchmarks/gpu_check.sh --prepare   # the missing wheels into .whl (git-ignored)
 #   on the GPU:        bash benchmarks/gpu_check.sh "$OUT"      # with .whl carried along
 #
+# (fastapi 0.16x imports opentelemetry-api, which the GPU image lacks: its absence killed serve there once.)
 # The embedded model's package (94 MB) is larger than what may travel, so where it is missing the throughput
 # and serving sections use a random-weight model of its exact shapes (speed does not depend on the values).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="gguf llguidance fastapi starlette uvicorn pydantic==2.14.4
-        pydantic-core==2.50.5 annotated-types typing-inspection"
+        pydantic-core==2.50.5 annotated-types typing-inspection opentelemetry-api"
 if [ "${1:-}" = "--prepare" ]; then
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
     # shellcheck disable=SC2086

@@ -234,14 +234,10 @@ def attend_group(layer: Attention, q: torch.Tensor, g: SDPAGroup, out: torch.Ten
     if g.key_valid is not None:  # a cache that is never zeroed: unwritten slots may hold anything
         seen = g.key_valid.view(B, 1, -1, 1)
         kg, vg = torch.where(seen, kg, 0.0), torch.where(seen, vg, 0.0)
-    gqa = num_heads != num_kv_heads
-    if gqa and q.device.type != "cpu":
-        # CUDA's SDPA with enable_gqa, a boolean mask and bfloat16 returned garbage on an H200 (max error 3.7e19
-        # against float64; docs/gpu.md): each query head gets its KV head's rows materialised instead.
-        group = num_heads // num_kv_heads
-        kg, vg, gqa = kg.repeat_interleave(group, dim=1), vg.repeat_interleave(group, dim=1), False
     if layer.logits_soft_cap is None:
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=mask, scale=layer.scale, enable_gqa=num_heads != num_kv_heads
+        )
     else:
         o = _soft_capped_attention(qg, kg, vg, mask, layer.scale, layer.logits_soft_cap)
     o = o.transpose(1, 2)  # [B, Q, H, D]
