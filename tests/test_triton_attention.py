@@ -83,6 +83,26 @@ def test_quantized_caches_equal_torch_sdpa_over_the_same_bytes(kv_dtype):
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
 
+def test_float32_queries_ask_for_exact_dots(monkeypatch):
+    """tl.dot's default on a GPU is tf32 (~1e-3 off): on an H200 that flipped a float32 model's greedy tokens.
+    The launch asks for IEEE products for float32 queries (unless torch allows tf32 on CUDA), never for 16-bit."""
+    from tokenmill.layers.attention_backends import triton_kernel as tk
+
+    seen = []
+
+    class Kernel:  # stands in for the JIT function: records the launch's constexprs
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(kw["IEEE_F32"])
+
+    monkeypatch.setattr(tk, "paged_attention_kernel", Kernel())
+    i32 = torch.zeros(1, dtype=torch.int32)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, cache = torch.zeros(1, 2, 16, dtype=dtype), torch.zeros(1, 16, 1, 16, dtype=dtype)
+        tk.launch(q, cache, cache, None, None, q, i32.view(1, 1), i32, i32, i32, i32 + 1, i32 + 1, 0.25, None, 1.0,
+                  1.0, None, tk.FLOAT, 16, 32)
+    assert seen == [True, False]
+
+
 def test_tree_rows_see_their_ancestors_only():
     from test_tree_attention import test_tree_rows_see_their_ancestors_only as check
     from tokenmill.layers.attention_backends.triton_paged import TritonPagedBackend
