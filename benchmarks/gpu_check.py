@@ -338,8 +338,49 @@ def roofline(args) -> dict:
     return out
 
 
+def step_profile(args) -> dict:
+    """Where an eager batch-1 decode step's time goes (graphs off, as every prompt step runs): the engine's
+    Python functions by own time (cProfile) and the torch ops by host time (torch.profiler), over 32 steps."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    from tokenmill import LLM, SamplingParams
+
+    model = _models(args)[0]
+    n = 8 if args.quick else 32
+    with LLM(model, device=args.device, max_num_seqs=8, max_model_len=2048, enforce_eager=True) as llm:
+        e = llm.engine
+        e.add_request("p", None, SamplingParams(temperature=0, max_tokens=2 * n + 8, ignore_eos=True),
+                      prompt_token_ids=list(range(100, 228)))
+        for _ in range(n):  # prefill and warm-up
+            e.step()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(n // 2):
+            e.step()
+        prof.disable()
+        python_s = (time.perf_counter() - t0) / (n // 2)
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if args.device == "cuda" else [])
+        with torch.profiler.profile(activities=activities) as tp:
+            for _ in range(n // 2):
+                e.step()
+        ops = tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    if args.out:
+        (Path(args.out) / "step_profile.txt").write_text(text.getvalue() + "\n\n" + ops)
+    lines = [ln for ln in text.getvalue().splitlines() if ln.strip()][:40]
+    return {"step_ms_under_cprofile": round(python_s * 1e3, 2), "cprofile_top": lines[-26:]}
+
+
 SECTIONS = {"env": env, "attention": attention, "parity": parity, "throughput": throughput, "serve": serve,
-            "roofline": roofline}
+            "roofline": roofline, "step_profile": step_profile}
 
 
 def main() -> int:
