@@ -5,7 +5,7 @@
   drift on a shared machine hits all alike; the best round of each counts.
 - offline throughput (vLLM's): R requests with prompts of 32-512 random tokens, 128 out, EOS ignored, in
   float32 and bfloat16, each engine in its own fresh process; vLLM reads a Hugging Face folder converted once
-  from the GGUF (cached under --work).
+  from the GGUF (cached under --work), or --model-shape's own.
 - serving (--serve): `tokenmill serve` and vLLM's OpenAI server on that same Hugging Face folder, in float32 and
   bfloat16 (skipped where the CPU has no native bf16), one server at a time, each driven by the same client,
   `vllm bench serve` (random 256-token prompts, 128 out, EOS ignored, greedy, N prompts at concurrency C).
@@ -13,6 +13,13 @@
     python benchmarks/peers.py --llama-cpp /work/peers/llama                       # batch 1 only
     python benchmarks/peers.py --llama-cpp DIR --vllm VENV --offline-requests 64   # and offline vs vLLM
     python benchmarks/peers.py --vllm VENV --serve --only serve --serve-prompts 64 --serve-concurrency 16
+
+Model: the embedded SmolLM2-135M (Q4_1 GGUF; HF folder converted from it), or --model X.gguf, or
+--model-shape NAME (benchmarks/model_shapes.py: random weights of a real configuration, e.g. smollm2-1.7b):
+batch 1 then runs both engines on that shape's pure --quant GGUF (default Q4_0), offline and serving on its
+bfloat16 Hugging Face folder (both made once under --shapes-work; the 1.7B folder is 3.4 GB).
+
+    python benchmarks/peers.py --llama-cpp DIR --model-shape smollm2-1.7b --quant Q8_0 --shapes-work /work/models
 
 --only batch1,offline,serve picks parts (default: every part the given flags allow). Every figure line carries
 the load average; ratios are tokenmill / peer: for throughput above 1, for latency (TPOT) below 1, means
@@ -33,6 +40,7 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _servers  # noqa: E402
+import model_shapes  # noqa: E402
 from measure import env as load_env, env_str  # noqa: E402
 
 # label -> tokenmill LLM keyword arguments for the batch-1 comparison on a GGUF.
@@ -81,12 +89,21 @@ def tokenmill_prefill(llms: dict, label: str, prompt: int) -> float:
     return best
 
 
-def build_batch1(gguf: str, labels: list[str]) -> dict:
+def batch1_kv_bytes(shape: str | None) -> int:
+    """KV cache of the batch-1 engines: 64 MiB (the embedded model: ~1400 tokens), or 1536 tokens of float32
+    K and V for a model shape (the 1.7B needs 384 KiB a token: 64 MiB would not hold one 1024-token request)."""
+    if shape is None:
+        return 64 << 20
+    s = model_shapes.SHAPES[shape]
+    return max(64 << 20, 1536 * s.layers * 2 * s.kv_heads * s.head_dim * 4)
+
+
+def build_batch1(gguf: str, labels: list[str], kv_bytes: int = 64 << 20) -> dict:
     from tokenmill import LLM, SamplingParams
 
     llms = {}
     for label in labels:
-        llm = LLM(gguf, max_model_len=1024, kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False,
+        llm = LLM(gguf, max_model_len=1024, kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=False,
                   **BATCH1[label])
         llm.generate(["warm up"], SamplingParams(max_tokens=8), use_tqdm=False)
         llms[label] = llm
@@ -106,7 +123,7 @@ def best_of_rounds(rounds: int, names: list[str], measure, what: str = "") -> di
 
 def main_batch1(args, gguf: str) -> None:
     labels = args.batch1_configs.split(",")
-    llms = build_batch1(gguf, labels)
+    llms = build_batch1(gguf, labels, batch1_kv_bytes(args.model_shape))
     best = best_of_rounds(args.rounds, ["llama.cpp", *labels], lambda name: (
         llama_bench(args.llama_cpp, gguf, args.tokens, args.threads, 3) if name == "llama.cpp"
         else tokenmill_batch1(llms, name, args.tokens)))
@@ -174,6 +191,22 @@ def hf_folder(gguf: str, work: str) -> str:
     return out
 
 
+def model_gguf(args) -> str:
+    """The GGUF of the batch-1 comparison: --model-shape's random --quant file, --model, or the embedded one."""
+    if args.model_shape:
+        return str(model_shapes.ensure_gguf(args.model_shape, args.quant, args.shapes_work))
+    return args.model or embedded_gguf()
+
+
+def model_hf(args) -> str:
+    """The Hugging Face folder of the offline and serving parts: --model-shape's random bfloat16 folder (each
+    part picks its --dtypes when loading; values do not matter, so half the disk of float32), else the GGUF
+    converted."""
+    if args.model_shape:
+        return str(model_shapes.ensure_hf(args.model_shape, "bfloat16", args.shapes_work))
+    return hf_folder(model_gguf(args), args.work)
+
+
 def run_json(python: str, code: str, argv: list[str], env: dict) -> dict:
     out = subprocess.run([python, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode != 0:
@@ -183,12 +216,11 @@ def run_json(python: str, code: str, argv: list[str], env: dict) -> dict:
     return json.loads(line.split(" ", 1)[1])
 
 
-def main_offline(args, gguf: str) -> None:
+def main_offline(args, folder: str) -> None:
     import random
 
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(32, 512))] for _ in range(args.offline_requests)]
-    folder = hf_folder(gguf, args.work)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(args.threads))
     vllm_python = os.path.join(args.vllm, "bin", "python")
     print(f"\noffline: {len(prompts)} requests, prompts 32-512, {args.output_len} out, EOS ignored:")
@@ -354,12 +386,11 @@ def serve_one(engine: str, args, folder: str, dtype: str, out_dir: str, env: dic
     return res
 
 
-def main_serve(args, gguf: str) -> None:
+def main_serve(args, folder: str) -> None:
     from tokenmill.platform import cpu_supports
 
     import torch
 
-    folder = hf_folder(gguf, args.work)
     # OMP_NUM_THREADS for both servers: vLLM-CPU's automatic binding (VLLM_CPU_OMP_THREADS_BIND=auto) puts its
     # worker on one core of a 2-core machine and keeps the other for its API server and the client; two
     # tokenmill threads sharing the cores with the client stall on every parallel op (docs/benchmarks.md, "Why
@@ -389,6 +420,12 @@ def main_serve(args, gguf: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a .gguf (default: the embedded SmolLM2 Q4_1)")
+    ap.add_argument("--model-shape", default=None, choices=list(model_shapes.SHAPES),
+                    help="random weights of this configuration instead (benchmarks/model_shapes.py)")
+    ap.add_argument("--quant", default=None, choices=model_shapes.QTYPES,
+                    help="--model-shape's GGUF type for batch 1 (default Q4_0)")
+    ap.add_argument("--shapes-work", default=str(model_shapes.DEFAULT_WORK),
+                    help="where --model-shape's files are made once and reused")
     ap.add_argument("--llama-cpp", default=None, help="folder built by ../shared/peers/build_llama_cpp.sh")
     ap.add_argument("--vllm", default=None, help="virtualenv made by ../shared/peers/install_vllm_cpu.sh")
     ap.add_argument("--threads", type=int, default=2)
@@ -427,17 +464,27 @@ def main() -> None:
         ap.error("offline and --serve need --vllm")
     if not parts:
         ap.error("give --llama-cpp and/or --vllm (see ../shared/peers/README.md)")
+    if args.model and args.model_shape:
+        ap.error("--model and --model-shape pick the model two ways: give one")
+    if args.quant and not args.model_shape:
+        ap.error("--quant picks --model-shape's GGUF type (a --model file has its own)")
+    args.quant = args.quant or "Q4_0"
     import torch
 
     torch.set_num_threads(args.threads)
-    gguf = args.model or embedded_gguf()
-    print(f"model {gguf}, {args.threads} threads, parts {','.join(sorted(parts))} {env_str()}")
+    # Only the files the chosen parts read (a model shape's are made here, once).
+    gguf = model_gguf(args) if "batch1" in parts else None
+    folder = model_hf(args) if parts & {"offline", "serve"} else None
+    models = ", ".join(f"{what} {path}" for what, path in (("GGUF", gguf), ("HF folder", folder)) if path)
+    label = args.model_shape or ("--model" if args.model else "embedded SmolLM2")
+    print(f"model {label}: {models}; {args.threads} threads, "
+          f"parts {','.join(sorted(parts))} {env_str()}")
     if "batch1" in parts:
         main_batch1(args, gguf)
     if "offline" in parts:
-        main_offline(args, gguf)
+        main_offline(args, folder)
     if "serve" in parts:
-        main_serve(args, gguf)
+        main_serve(args, folder)
 
 
 if __name__ == "__main__":
