@@ -121,6 +121,43 @@ def test_fused_few_rows_path_behind_its_switch():
 
 
 @needs_native
+def test_prefetch_distance_never_changes_a_result(tmp_path):
+    """The decode kernels prefetch the weight stream TOKENMILL_GGUF_PREFETCH_BYTES ahead (read once per process:
+    children). Off, the default, a line's worth and far past the weights give the same bits, for every kernel
+    type, file-order and split rows, one and three rows of x, float and int8 activations, on two threads."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; sys.path.insert(0, 'tests'); import test_gguf_blocks as t\n"
+        "from tokenmill.layers.quantization import gguf as gq\n"
+        "torch.set_num_threads(2); torch.manual_seed(0); out = []\n"
+        "for q in t.KERNEL_TYPES:\n"
+        "    K = t._k_for(q); b = torch.from_numpy(t.random_blocks(q, 301, K))\n"
+        "    forms = [(b, int(q))] + ([(gq.split_rows(b, int(q)), int(q) + gq.SPLIT)] if int(q) in gq.SPLIT_BASES else [])\n"
+        "    for w, qt in forms:\n"
+        "        for M in (1, 3):\n"
+        "            x = torch.randn(M, K)\n"
+        "            for x8 in (False, True):\n"
+        "                out.append(torch.ops.tokenmill.gguf_linear(x, w, qt, K, None, x8))\n"
+        "torch.save(out, sys.argv[1])\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    results = []
+    for dist in ("0", None, "64", "100000000"):
+        env = dict(os.environ)
+        env.pop("TOKENMILL_GGUF_PREFETCH_BYTES", None)
+        if dist is not None:
+            env["TOKENMILL_GGUF_PREFETCH_BYTES"] = dist
+        path = tmp_path / f"out_{dist}.pt"
+        proc = subprocess.run([sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True,
+                              timeout=300, cwd=root)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        results.append(torch.load(path))
+    for other in results[1:]:
+        assert len(other) == len(results[0]) and all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+@needs_native
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
 def test_few_rows_over_split_blocks_equal_batch_one_bit_for_bit(qtype):
     """2-7 rows of x over split blocks (a request verifying drafts, a few decodes) share each block's widening

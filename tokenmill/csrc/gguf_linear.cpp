@@ -223,6 +223,33 @@ void row_dot_generic(int64_t qt, const Format& f, const uint8_t* row, int64_t K,
 }
 
 #ifdef TOKENMILL_GGUF_AVX2
+// Software prefetch of the weight stream. A decode GEMV reads each weight byte once; on the 2-vCPU VMs measured
+// (Intel Xeon with AVX-512, 2026-12) the hardware prefetchers kept such a loop at 2-4 GB/s where plain streaming
+// reads reach 14-21 GB/s, so a thread keeps a cursor PREFETCH_BYTES ahead of the byte it reads and prefetches
+// each 64-byte line of its range once (docs/performance.md has the figures).
+// TOKENMILL_GGUF_PREFETCH_BYTES overrides the distance; 0 turns it off.
+const int64_t PREFETCH_BYTES = [] {
+  const char* v = std::getenv("TOKENMILL_GGUF_PREFETCH_BYTES");
+  return v != nullptr ? std::max<int64_t>(0, std::atoll(v)) : int64_t{2048};
+}();
+
+struct Ahead {
+  const char* next;  // the next line to prefetch
+  const char* stop;  // the end of the thread's rows: nothing past it
+  int64_t dist;
+  Ahead(const uint8_t* begin, const uint8_t* end)
+      : next(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(begin) & ~uintptr_t{63})),
+        stop(reinterpret_cast<const char*>(end)),
+        dist(PREFETCH_BYTES) {
+    if (dist == 0) stop = next;
+  }
+  // Everything up to p + dist prefetched (p: the byte about to be read).
+  TOKENMILL_INLINE void upto(const void* p) {
+    const char* up = std::min(stop, static_cast<const char*>(p) + dist);
+    for (; next < up; next += 64) _mm_prefetch(next, _MM_HINT_T0);
+  }
+};
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -303,7 +330,11 @@ inline __m256 dot2(const __m256* w, const float* x) {
 // accumulators (even / odd blocks or sub-blocks) so consecutive blocks do not wait on one FMA chain.
 template <int MR>
 void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, const float* x, int64_t ldx,
-                  const float* xs, int64_t ldxs, float* out) {
+                  const float* xs, int64_t ldxs, float* out, Ahead& pf) {
+  const bool split = is_split(qt);
+  if (split) pf.upto(row + (K / f.block) * f.bytes);  // read once, into a buffer, by file_order
+  Ahead none(row, row);
+  Ahead& ahead = split ? none : pf;  // (the loops below read that buffer: nothing of it to prefetch)
   row = file_order(qt, f, row, K / f.block);
   __m256 acc[2][MR];
   float off[2][MR];
@@ -331,6 +362,7 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
       };
       int64_t b = 0;
       for (; b + 2 <= nb; b += 2) {
+        ahead.upto(row + b * f.bytes);
         step(b, acc[0], off[0]);
         step(b + 1, acc[1], off[1]);
       }
@@ -347,6 +379,7 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
       };
       int64_t b = 0;
       for (; b + 2 <= nb; b += 2) {
+        ahead.upto(row + b * f.bytes);
         step(b, acc[0]);
         step(b + 1, acc[1]);
       }
@@ -358,6 +391,7 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
       const bool five = qt == Q5_K;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + b * f.bytes;
+        ahead.upto(blk);
         float sc[8], mn[8];
         k_scales(blk + 4, f16(blk), f16(blk + 2), sc, mn);
         __m256i hi4[4];
@@ -381,6 +415,7 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
     case Q6_K: {
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = row + b * f.bytes;
+        ahead.upto(blk);
         const int8_t* scl = reinterpret_cast<const int8_t*>(blk + 192);
         const float d = f16(blk + 208);
         for (int h = 0; h < 2; ++h) {
@@ -413,11 +448,12 @@ void row_dot_avx2(int64_t qt, const Format& f, const uint8_t* row, int64_t K, co
 // Batch 1, Q4_0 / Q4_1: two weight rows per pass share each load of x (held in registers) and keep two
 // independent accumulator chains.
 void q4_rows2(const Format& f, bool has_min, const uint8_t* r0, const uint8_t* r1, int64_t nb, const float* x,
-              const float* xs, float* out) {
+              const float* xs, float* out, Ahead& pf) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   float o0 = 0.f, o1 = 0.f;
   const int64_t qoff = has_min ? 4 : 2;
   for (int64_t b = 0; b < nb; ++b) {
+    pf.upto(r1 + b * f.bytes);
     const float* xb = x + b * 32;
     const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
                  x3 = _mm256_loadu_ps(xb + 24);
@@ -475,7 +511,8 @@ float split_offset(int64_t base, const uint8_t* row, int64_t nb, const float* xs
 }
 
 // Batch 1, float x, one split row (Q4_0 / Q4_1 / Q8_0). sc: nb floats of scratch.
-float split_row_f32(int64_t qt, const uint8_t* row, int64_t nb, const float* x, const float* xs, float* sc) {
+float split_row_f32(int64_t qt, const uint8_t* row, int64_t nb, const float* x, const float* xs, float* sc,
+                    Ahead& pf) {
   const int64_t base = base_type(qt);
   f16_row(row, nb, nullptr, sc);
   const float off = split_offset(base, row, nb, xs);
@@ -487,8 +524,10 @@ float split_row_f32(int64_t qt, const uint8_t* row, int64_t nb, const float* x, 
     else q4_block(qs + 16 * b, w);
     acc[p] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + b), dot4(w, x + 32 * b), acc[p]);
   };
+  const int64_t qbytes = base == Q8_0 ? 32 : 16;
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
+    pf.upto(qs + qbytes * b);
     step(b, 0);
     step(b + 1, 1);
   }
@@ -501,7 +540,7 @@ float split_row_f32(int64_t qt, const uint8_t* row, int64_t nb, const float* x, 
 // accumulators over alternate blocks, then the offset), so every row's result is bit for bit its M == 1 one.
 template <int MR>
 void split_rows_f32(int64_t qt, const uint8_t* row, int64_t nb, const float* x, int64_t ldx, const float* xs,
-                    int64_t G, float* sc, float* out) {
+                    int64_t G, float* sc, float* out, Ahead& pf) {
   const int64_t base = base_type(qt);
   f16_row(row, nb, nullptr, sc);
   const uint8_t* qs = row + split_header(qt, nb);
@@ -514,8 +553,10 @@ void split_rows_f32(int64_t qt, const uint8_t* row, int64_t nb, const float* x, 
     const __m256 d = _mm256_broadcast_ss(sc + b);
     for (int m = 0; m < MR; ++m) acc[m][p] = _mm256_fmadd_ps(d, dot4(w, x + m * ldx + 32 * b), acc[m][p]);
   };
+  const int64_t qbytes = base == Q8_0 ? 32 : 16;
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
+    pf.upto(qs + qbytes * b);
     step(b, 0);
     step(b + 1, 1);
   }
@@ -671,7 +712,7 @@ struct XQ {
 // One weight row of Q4_0, Q4_1 or Q8_0 blocks (file order) against MR rows of quantized x. Per row, even and
 // odd blocks accumulate separately; the offset term per row is a scalar fma chain.
 template <int MR>
-void row_dot_x8(int64_t qt, const Format& f, const uint8_t* row, const XQ& x, int64_t m0, float* out) {
+void row_dot_x8(int64_t qt, const Format& f, const uint8_t* row, const XQ& x, int64_t m0, float* out, Ahead& pf) {
   __m256 acc[MR][2];
   float off[MR][2];
   for (int m = 0; m < MR; ++m) {
@@ -704,6 +745,7 @@ void row_dot_x8(int64_t qt, const Format& f, const uint8_t* row, const XQ& x, in
   const int64_t nb = x.G;
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
+    pf.upto(row + b * f.bytes);
     step(b, 0);
     step(b + 1, 1);
   }
@@ -735,7 +777,7 @@ inline void split_scales(int64_t qt, const uint8_t* row, int64_t nb, float* ws, 
 // the same products and sums, so both forms give the same bits.
 template <int64_t base, int MR>
 void split_row_x8(const uint8_t* row, const uint8_t* qs, const float* ws, const float* wm, const XQ& x, int64_t m0,
-                  float* sc, float* out) {
+                  float* sc, float* out, Ahead& pf) {
   const int64_t nb = x.G;
   float off[MR];
   __m256 acc[MR][2];
@@ -770,8 +812,10 @@ void split_row_x8(const uint8_t* row, const uint8_t* qs, const float* ws, const 
       }
     }
   };
+  const int64_t qbytes = base == Q8_0 ? 32 : 16;
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
+    pf.upto(qs + qbytes * b);
     step(b, 0);
     step(b + 1, 1);
   }
@@ -782,20 +826,20 @@ void split_row_x8(const uint8_t* row, const uint8_t* qs, const float* ws, const 
 // split_row_x8 for the row's base type and mr rows of x (compile-time constants: no branch in the block loop).
 template <int64_t base>
 void split_x8_rows(int64_t mr, const uint8_t* row, const uint8_t* qs, const float* ws, const float* wm, const XQ& x,
-                   int64_t m0, float* sc, float* out) {
+                   int64_t m0, float* sc, float* out, Ahead& pf) {
   switch (mr) {
-    case 1: return split_row_x8<base, 1>(row, qs, ws, wm, x, m0, sc, out);
-    case 2: return split_row_x8<base, 2>(row, qs, ws, wm, x, m0, sc, out);
-    case 3: return split_row_x8<base, 3>(row, qs, ws, wm, x, m0, sc, out);
-    default: return split_row_x8<base, 4>(row, qs, ws, wm, x, m0, sc, out);
+    case 1: return split_row_x8<base, 1>(row, qs, ws, wm, x, m0, sc, out, pf);
+    case 2: return split_row_x8<base, 2>(row, qs, ws, wm, x, m0, sc, out, pf);
+    case 3: return split_row_x8<base, 3>(row, qs, ws, wm, x, m0, sc, out, pf);
+    default: return split_row_x8<base, 4>(row, qs, ws, wm, x, m0, sc, out, pf);
   }
 }
 
 void split_x8(int64_t base, int64_t mr, const uint8_t* row, const uint8_t* qs, const float* ws, const float* wm,
-              const XQ& x, int64_t m0, float* sc, float* out) {
-  if (base == Q4_0) split_x8_rows<Q4_0>(mr, row, qs, ws, wm, x, m0, sc, out);
-  else if (base == Q4_1) split_x8_rows<Q4_1>(mr, row, qs, ws, wm, x, m0, sc, out);
-  else split_x8_rows<Q8_0>(mr, row, qs, ws, wm, x, m0, sc, out);
+              const XQ& x, int64_t m0, float* sc, float* out, Ahead& pf) {
+  if (base == Q4_0) split_x8_rows<Q4_0>(mr, row, qs, ws, wm, x, m0, sc, out, pf);
+  else if (base == Q4_1) split_x8_rows<Q4_1>(mr, row, qs, ws, wm, x, m0, sc, out, pf);
+  else split_x8_rows<Q8_0>(mr, row, qs, ws, wm, x, m0, sc, out, pf);
 }
 #endif
 
@@ -828,6 +872,7 @@ void gemm_x8(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t 
   const bool split = is_split(qt), shared = split && M > 1;  // M == 1: scales straight from the row
   const int64_t base = base_type(qt);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    Ahead pf(wp + n0 * row_bytes, wp + n1 * row_bytes);
     std::vector<float> sc(X8_ROWS * G);
     std::vector<float> ws(shared ? std::min(tile, n1 - n0) * G : 0), wm(shared && base == Q4_1 ? ws.size() : 0);
     float out[X8_ROWS];
@@ -844,13 +889,13 @@ void gemm_x8(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t 
             const uint8_t* qs = row + split_header(qt, G);
             const float* s = shared ? ws.data() + (n - t0) * G : nullptr;
             const float* mn = wm.empty() ? nullptr : wm.data() + (n - t0) * G;
-            split_x8(base, mr, row, qs, s, mn, x, m0, sc.data(), out);
+            split_x8(base, mr, row, qs, s, mn, x, m0, sc.data(), out, pf);
           } else {
             switch (mr) {
-              case 1: row_dot_x8<1>(qt, f, row, x, m0, out); break;
-              case 2: row_dot_x8<2>(qt, f, row, x, m0, out); break;
-              case 3: row_dot_x8<3>(qt, f, row, x, m0, out); break;
-              default: row_dot_x8<4>(qt, f, row, x, m0, out); break;
+              case 1: row_dot_x8<1>(qt, f, row, x, m0, out, pf); break;
+              case 2: row_dot_x8<2>(qt, f, row, x, m0, out, pf); break;
+              case 3: row_dot_x8<3>(qt, f, row, x, m0, out, pf); break;
+              default: row_dot_x8<4>(qt, f, row, x, m0, out, pf); break;
             }
           }
           for (int64_t m = 0; m < mr; ++m) yp[(m0 + m) * N + n] = out[m];
@@ -893,6 +938,9 @@ void decode(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K
   const int64_t grain = std::max<int64_t>(16, PARALLEL_MIN_BYTES / row_bytes);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     float out[MAX_FUSED_ROWS];
+#ifdef TOKENMILL_GGUF_AVX2
+    Ahead pf(wp + n0 * row_bytes, wp + n1 * row_bytes);
+#endif
 #ifndef TOKENMILL_GGUF_AVX2
     std::vector<float> buf(K);
 #endif
@@ -900,7 +948,7 @@ void decode(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K
 #ifdef TOKENMILL_GGUF_AVX2
     if (M == 1 && is_split(qt)) {
       std::vector<float> sc(G);
-      for (; n < n1; ++n) yp[n] = split_row_f32(qt, wp + n * row_bytes, G, xp, xs.data(), sc.data());
+      for (; n < n1; ++n) yp[n] = split_row_f32(qt, wp + n * row_bytes, G, xp, xs.data(), sc.data(), pf);
     }
     if (M > 1 && is_split(qt)) {  // up to 4 rows of x per pass over each weight row, as M == 1 per row
       std::vector<float> sc(G);
@@ -911,10 +959,10 @@ void decode(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K
           const float* x = xp + m0 * K;
           const float* s = xs.data() + m0 * G;
           switch (mr) {
-            case 1: split_rows_f32<1>(qt, row, G, x, K, s, G, sc.data(), out); break;
-            case 2: split_rows_f32<2>(qt, row, G, x, K, s, G, sc.data(), out); break;
-            case 3: split_rows_f32<3>(qt, row, G, x, K, s, G, sc.data(), out); break;
-            default: split_rows_f32<4>(qt, row, G, x, K, s, G, sc.data(), out); break;
+            case 1: split_rows_f32<1>(qt, row, G, x, K, s, G, sc.data(), out, pf); break;
+            case 2: split_rows_f32<2>(qt, row, G, x, K, s, G, sc.data(), out, pf); break;
+            case 3: split_rows_f32<3>(qt, row, G, x, K, s, G, sc.data(), out, pf); break;
+            default: split_rows_f32<4>(qt, row, G, x, K, s, G, sc.data(), out, pf); break;
           }
           for (int64_t m = 0; m < mr; ++m) yp[(m0 + m) * N + n] = out[m];
         }
@@ -922,7 +970,7 @@ void decode(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K
     }
     if (M == 1 && (qt == Q4_0 || qt == Q4_1)) {
       for (; n + 2 <= n1; n += 2) {
-        q4_rows2(f, qt == Q4_1, wp + n * row_bytes, wp + (n + 1) * row_bytes, K / f.block, xp, xs.data(), out);
+        q4_rows2(f, qt == Q4_1, wp + n * row_bytes, wp + (n + 1) * row_bytes, K / f.block, xp, xs.data(), out, pf);
         yp[n] = out[0];
         yp[n + 1] = out[1];
       }
@@ -936,10 +984,10 @@ void decode(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K
 #ifdef TOKENMILL_GGUF_AVX2
         const float* s = xs.data() + m0 * G;
         switch (mr) {
-          case 1: row_dot_avx2<1>(qt, f, row, K, x, K, s, G, out); break;
-          case 2: row_dot_avx2<2>(qt, f, row, K, x, K, s, G, out); break;
-          case 3: row_dot_avx2<3>(qt, f, row, K, x, K, s, G, out); break;
-          default: row_dot_avx2<4>(qt, f, row, K, x, K, s, G, out); break;
+          case 1: row_dot_avx2<1>(qt, f, row, K, x, K, s, G, out, pf); break;
+          case 2: row_dot_avx2<2>(qt, f, row, K, x, K, s, G, out, pf); break;
+          case 3: row_dot_avx2<3>(qt, f, row, K, x, K, s, G, out, pf); break;
+          default: row_dot_avx2<4>(qt, f, row, K, x, K, s, G, out, pf); break;
         }
 #else
         (void)G;
