@@ -111,14 +111,28 @@ def build_batch1(gguf: str, labels: list[str], kv_bytes: int = 64 << 20) -> dict
 
 
 def best_of_rounds(rounds: int, names: list[str], measure, what: str = "") -> dict[str, float]:
-    """Rounds interleaving `names` (measure(name) -> tok/s), each name's best; every reading printed."""
+    """Rounds interleaving `names` (measure(name) -> tok/s), each name's best; every reading printed. A peer
+    that dies (llama-bench's prompt path ends in SIGILL on some AMX machines) is reported and left out."""
     best: dict[str, float] = {}
+    dead: set[str] = set()
     for r in range(rounds):
         for name in names:
-            v = measure(name)
+            if name in dead:
+                continue
+            try:
+                v = measure(name)
+            except subprocess.CalledProcessError as e:
+                why = f"signal {signal.Signals(-e.returncode).name}" if e.returncode < 0 else f"exit {e.returncode}"
+                print(f"round {r}: {name:>10} {what}died ({why}): left out", flush=True)
+                dead.add(name)
+                continue
             best[name] = max(best.get(name, 0.0), v)
             print(f"round {r}: {name:>10} {what}{v:7.1f} tok/s {env_str()}", flush=True)
     return best
+
+
+def ratio(best: dict[str, float], name: str, peer: str = "llama.cpp") -> str:
+    return f"= {best[name] / best[peer]:.2f}x {peer} ({best[peer]:.1f})" if peer in best else f"({peer} died)"
 
 
 def main_batch1(args, gguf: str) -> None:
@@ -129,8 +143,7 @@ def main_batch1(args, gguf: str) -> None:
         else tokenmill_batch1(llms, name, args.tokens)))
     print(f"\nbatch-1 decode, {args.tokens} tokens, {args.threads} threads, best of {args.rounds} rounds:")
     for name in labels:
-        print(f"  tokenmill {name:<8} {best[name]:7.1f} tok/s  = {best[name] / best['llama.cpp']:.2f}x "
-              f"llama.cpp ({best['llama.cpp']:.1f}) {env_str()}")
+        print(f"  tokenmill {name:<8} {best[name]:7.1f} tok/s  {ratio(best, name)} {env_str()}")
     if not args.prefill:
         return
     pp = best_of_rounds(args.rounds, ["llama.cpp", *labels], lambda name: (
@@ -138,8 +151,7 @@ def main_batch1(args, gguf: str) -> None:
         else tokenmill_prefill(llms, name, args.prefill)), "prefill ")
     print(f"\nprompt processing, {args.prefill} tokens, batch 1, {args.threads} threads, best of {args.rounds} rounds:")
     for name in labels:
-        print(f"  tokenmill {name:<8} {pp[name]:7.1f} tok/s  = {pp[name] / pp['llama.cpp']:.2f}x "
-              f"llama.cpp pp{args.prefill} ({pp['llama.cpp']:.1f}) {env_str()}")
+        print(f"  tokenmill {name:<8} {pp[name]:7.1f} tok/s  {ratio(pp, name)} {env_str()}")
 
 
 # ---- offline throughput, one fresh process per engine and dtype -----------------------------------

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.huge_pages import to_huge_pages
 from tokenmill.layers.quantization.base import NativeLinear, QuantizationConfig, QuantizeMethodBase, set_weight_attrs
 from tokenmill.layers.quantization.registry import QuantOptions, quantize_at_load
 
@@ -196,6 +197,8 @@ class GGUFLinearMethod(QuantizeMethodBase):
         if self.qtype in SPLIT_BASES and splits_rows() and _native_ok(layer.weight):
             layer.weight.data = split_rows(layer.weight.data, self.qtype)
             self.qtype += SPLIT
+        if _native_ok(layer.weight):  # streamed once per decode step: in huge pages (tokenmill/huge_pages.py)
+            layer.weight.data = to_huge_pages(layer.weight.data)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return gguf_matmul(x, layer.weight, self.qtype, layer.input_size_per_partition, bias, self.int8_activations)
@@ -316,7 +319,7 @@ class GGUFConfig(QuantizationConfig):
                     or not _native_ok(module.weight):
                 continue
             if id(module.weight) not in done:
-                module.weight.data = split_rows(module.weight.data, method.qtype)
+                module.weight.data = to_huge_pages(split_rows(module.weight.data, method.qtype))
                 done.add(id(module.weight))
             module.table_method = dataclasses.replace(method, qtype=method.qtype + SPLIT)
 
