@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tokenmill import diagnostics as d
+from tokenmill.diagnostics import calibration as cal  # where calibrate looks its names up
 from tokenmill.engine.engine import StepStats
 
 PEAKS = d.Peaks(flops=100e9, bandwidth=10e9, dtype="float32", threads=2, device="cpu", measured_at=0.0)
@@ -67,7 +68,7 @@ def test_calibration_is_cached(tmp_path, monkeypatch):
         calls.append(1)
         return PEAKS
 
-    monkeypatch.setattr(d, "measure_peaks", fake)
+    monkeypatch.setattr(cal, "measure_peaks", fake)
     import torch
 
     assert d.load_or_measure_peaks("cpu", torch.float32).flops == PEAKS.flops
@@ -80,7 +81,7 @@ def test_engine_report_on_tiny_model(tmp_path, monkeypatch):
     from tokenmill import LLM, SamplingParams
 
     monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(d, "measure_peaks", lambda device, dtype: PEAKS)
+    monkeypatch.setattr(cal, "measure_peaks", lambda device, dtype: PEAKS)
     llm = LLM(str(make_tiny_model(tmp_path / "m", "llama")), max_model_len=128, num_gpu_blocks_override=32)
     llm.generate([[5, 6, 7, 8]] * 3, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     cost = d.ModelCost.from_engine(llm.engine)
@@ -212,7 +213,7 @@ def test_diagnostics_route_reports_attention(tiny_llama, tmp_path, monkeypatch):
     from tokenmill.serve.state import ServerSettings, ServerState
 
     monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(d, "measure_peaks", lambda device, dtype: PEAKS)
+    monkeypatch.setattr(cal, "measure_peaks", lambda device, dtype: PEAKS)
     llm = LLM(str(tiny_llama), max_model_len=128, num_gpu_blocks_override=32)
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     state = ServerState(AsyncLLMEngine(llm.engine), ServerSettings(["tiny"]), ServerMetrics("tiny"))
@@ -232,7 +233,7 @@ def test_bench_throughput_reports_attention(tiny_llama, tmp_path, monkeypatch, c
     from tokenmill.cli import main
 
     monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(d, "measure_peaks", lambda device, dtype: PEAKS)
+    monkeypatch.setattr(cal, "measure_peaks", lambda device, dtype: PEAKS)
     out = tmp_path / "out.json"
     rc = main(["bench", "throughput", str(tiny_llama), "--max-model-len", "128", "--num-gpu-blocks-override", "32",
                "--num-prompts", "2", "--input-len", "8", "--output-len", "3", "-q", "--output-json", str(out)])
@@ -282,12 +283,12 @@ def write_cache(tmp_path, monkeypatch, **entry):
     full = {"dtype": "torch.float32", "threads": torch.get_num_threads(), "device": "cpu", "measured_at": DAY_AGO,
             **entry}
     f = tmp_path / "calibration.json"
-    f.write_text(json.dumps({d._key("cpu", torch.float32): full}))
+    f.write_text(json.dumps({cal._key("cpu", torch.float32): full}))
     return f
 
 
 def cached_entry(f) -> dict:
-    return json.loads(f.read_text())[d._key("cpu", torch.float32)]
+    return json.loads(f.read_text())[cal._key("cpu", torch.float32)]
 
 
 def counting_measure(monkeypatch, peaks=PEAKS) -> list:
@@ -297,12 +298,12 @@ def counting_measure(monkeypatch, peaks=PEAKS) -> list:
         calls.append((device, dtype))
         return peaks
 
-    monkeypatch.setattr(d, "measure_peaks", fake)
+    monkeypatch.setattr(cal, "measure_peaks", fake)
     return calls
 
 
 def quiet(monkeypatch, load: float = 0.0) -> None:
-    monkeypatch.setattr(d, "_load_average", lambda: load, raising=False)
+    monkeypatch.setattr(cal, "_load_average", lambda: load, raising=False)
 
 
 def assert_within_peak(r):
@@ -374,7 +375,7 @@ def test_recalibration_is_rate_limited(tmp_path, monkeypatch):
     assert c["stale"] and c["over_peak"] == ["flops"] and not c["recalibrated"] and "at most every" in c["note"]
     assert_within_peak(r)
     assert "calibration (STALE)" in d.format_report(r)
-    monkeypatch.setattr(d, "RECALIBRATE_INTERVAL_S", 0.0)  # the interval has passed
+    monkeypatch.setattr(cal, "RECALIBRATE_INTERVAL_S", 0.0)  # the interval has passed
     r = d.engine_diagnostics(fake_core(faster))
     assert len(calls) == 2 and r["calibration"]["recalibrated"]
     assert cached_entry(f)["flops"] == pytest.approx(COST.step_flops(1000, 1, 0) / 1.0)
@@ -404,7 +405,7 @@ def test_calibration_under_load_is_flagged_and_remeasured_when_quiet(tmp_path, m
     assert len(calls) == 1 and cached_entry(f)["load_average"] == 4.0 * cpus
     c = r["calibration"]
     assert c["stale"] and c["under_load"] and "may read low" in c["note"] and "(STALE)" in d.format_report(r)
-    monkeypatch.setattr(d, "RECALIBRATE_INTERVAL_S", 0.0)
+    monkeypatch.setattr(cal, "RECALIBRATE_INTERVAL_S", 0.0)
     assert d.engine_diagnostics(fake_core(slow))["calibration"]["stale"]  # still loaded: measuring now would
     assert len(calls) == 1  # read low again
     quiet(monkeypatch, 0.0)
@@ -429,9 +430,9 @@ def test_own_engine_load_is_not_blamed_on_others(monkeypatch):
     # The last minute spent in forward passes (2 threads) ending just now, plus one step from an hour ago.
     steps = [StepStats(forward_s=60.0, num_tokens=1, end_time=now - 3600)]
     steps += [StepStats(forward_s=1.0, num_tokens=1, end_time=now - 60 + i + 1) for i in range(60)]
-    load = d._own_load(fake_core(steps))
+    load = cal._own_load(fake_core(steps))
     assert 2 * (1 - 2.72 ** -1) * 0.95 < load < 2.0  # like the kernel's average after a minute at 2 threads
-    assert d._own_load(fake_core([])) == 0.0
+    assert cal._own_load(fake_core([])) == 0.0
 
 
 def test_cpu_load_does_not_make_a_gpu_calibration_suspect():
