@@ -9,7 +9,7 @@
   lookup (before: the GBNF text was rebuilt for every prompt, 0.13 s each for 164 KB, on the event loop).
 - The verdict cache is shared by threads and the event loop under one lock.
 
-Worker faults are injected with a stand-in worker program (the same line protocol as checker.py's worker).
+Worker faults are injected with a stand-in worker program (the same line protocol as checker_worker.py).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pytest
 
 from tokenmill import StructuredOutputsParams
 from tokenmill.serve.errors import APIError
-from tokenmill.structured_output import checker, grammar
+from tokenmill.structured_output import checker, grammar, isolation
 from tokenmill.structured_output.checker import CheckerPool, CheckerUnavailable
 
 SO = StructuredOutputsParams
@@ -45,8 +45,8 @@ MISSING = ["/nonexistent/python-for-the-grammar-checker"]
 def pool(monkeypatch):
     """The module's pool replaced by one that retries fast; no check may ever run in this process."""
     p = CheckerPool(command=list(FAKE), backoff=(0.05, 0.2))
-    monkeypatch.setattr(checker, "_pool", p)
-    monkeypatch.setattr(checker, "_check_here", lambda *a: pytest.fail("a grammar was checked in process"))
+    monkeypatch.setattr(isolation, "_pool", p)
+    monkeypatch.setattr(isolation, "_check_here", lambda *a: pytest.fail("a grammar was checked in process"))
     yield p
     p.close()
 

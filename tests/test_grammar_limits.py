@@ -1,6 +1,6 @@
 """Grammars cannot take the process down, and constrained JSON cannot run away (issue 24, items 0, 4 and 6).
 
-- Limits (structured_output/checker.py) refuse, with a ValueError naming the limit, the grammars whose
+- Limits (structured_output/limits.py) refuse, with a ValueError naming the limit, the grammars whose
   compile overflows llguidance's stack (the issue's 3,000 chained Lark rules killed the API process),
   on both paths that make grammar text: the caller's `validate` and the core's `to_grammar`.
 - What slips past the limits costs a worker process, not this one (`check_isolated`); the core compiles
@@ -22,7 +22,7 @@ import pytest
 from tiny import build_tokenizer
 from tokenmill import SamplingParams, StructuredOutputsParams
 from tokenmill.serve.tools import ConstrainedToolStream, tool_choice_schema
-from tokenmill.structured_output import checker
+from tokenmill.structured_output import checker, isolation
 from tokenmill.structured_output.grammar import (JSON_INT_BOUND, JSON_NUMBER_BOUND, bound_numbers, to_grammar,
                                                  validate)
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -142,7 +142,7 @@ def test_a_check_past_its_timeout_kills_the_worker_only():
 def test_a_worker_that_died_idle_is_replaced():
     ok = to_grammar(SO(regex="[a-c]{2}"))
     assert checker.check_isolated(ok, 60) == ""
-    for w in list(checker._pool._idle):
+    for w in list(isolation._pool._idle):
         w.proc.kill()
         w.proc.wait(10)
     assert checker.check_isolated(ok, 60) == ""
@@ -150,7 +150,7 @@ def test_a_worker_that_died_idle_is_replaced():
 
 def test_without_worker_processes_on_this_platform_the_check_runs_here(monkeypatch):
     """Only a platform with no worker processes at all (os.name != "posix") checks on a thread here."""
-    monkeypatch.setattr(checker, "IN_PROCESS", True)
+    monkeypatch.setattr(isolation, "IN_PROCESS", True)
     assert checker.check_isolated(to_grammar(SO(regex="[a-z]")), 60) == ""
     assert "unclosed group" in checker.check_isolated(llguidance.LLMatcher.grammar_from_regex("(x"), 60)
     assert checker.checker_status().state == "in_process"

@@ -34,7 +34,7 @@ MAX_ADAPTER_LABELS = 32
 
 
 class GrammarCheckerCollector:
-    """The grammar checker's worker (structured_output/checker.py), read at scrape time: whether it is up, and
+    """The grammar checker's worker (structured_output/isolation.py), read at scrape time: whether it is up, and
     how often it failed to start (while it restarts, grammar requests get 503)."""
 
     def __init__(self, labels: dict[str, str]) -> None:

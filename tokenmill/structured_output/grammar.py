@@ -2,7 +2,7 @@
 
 Both run on the caller's side (the processor): a bad schema, regex or grammar is a 400 naming the problem,
 never a request that dies in the engine. Compiling against the tokenizer (the matcher) happens in the core,
-which gets its grammar text from `to_grammar` too: the limits (checker.py) hold on both paths.
+which gets its grammar text from `to_grammar` too: the limits (limits.py) hold on both paths.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from tokenmill.sampling_params import StructuredOutputsParams
-from tokenmill.structured_output import checker
+from tokenmill.structured_output import isolation, limits
 
 # A grammar's source text beyond this is refused (400): a schema that large is an attack or a mistake,
 # and llguidance's own limits (LLParserLimits) bound what compiles within it.
@@ -54,13 +54,13 @@ def spec(so: StructuredOutputsParams) -> tuple[str, str]:
     try:
         return so.spec()
     except RecursionError:  # a dict schema nested deeper than json.dumps goes
-        raise ValueError(f"the structured output constraint nests more than {checker.MAX_JSON_NESTING} deep; "
-                         f"the limit is {checker.MAX_JSON_NESTING}.") from None
+        raise ValueError(f"the structured output constraint nests more than {limits.MAX_JSON_NESTING} deep; "
+                         f"the limit is {limits.MAX_JSON_NESTING}.") from None
 
 
 def to_grammar(so: StructuredOutputsParams) -> str:
     """llguidance's grammar text for the constraint. ValueError when the input is not even well formed or is
-    over a limit (checker.py): llguidance never sees a grammar that could crash its compile."""
+    over a limit (limits.py): llguidance never sees a grammar that could crash its compile."""
     llg = _llg()
     M = llg.LLMatcher
     kind, text = spec(so)
@@ -74,16 +74,16 @@ def to_grammar(so: StructuredOutputsParams) -> str:
         schema = _load_json(text, "the JSON schema")
         if not isinstance(schema, (dict, bool)):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}.")
-        checker.check_json_schema(schema)
+        limits.check_json_schema(schema)
         return M.grammar_from_json_schema(bound_numbers(schema), overrides=options)
     if kind == "regex":
-        checker.check_regex(text)
+        limits.check_regex(text)
         return M.grammar_from_regex(text)
     if kind == "choice":
         # Each choice is a literal: quote it for Lark.
         return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
     if kind == "grammar":
-        checker.check_grammar_text(text)
+        limits.check_grammar_text(text)
         try:
             return llg.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
         except ValueError as e:
@@ -99,8 +99,8 @@ def _load_json(text: str, what: str) -> Any:
     except json.JSONDecodeError as e:
         raise ValueError(f"{what} is not valid JSON: {e}") from None
     except RecursionError:
-        raise ValueError(f"{what} nests more than {checker.MAX_JSON_NESTING} deep; "
-                         f"the limit is {checker.MAX_JSON_NESTING}.") from None
+        raise ValueError(f"{what} nests more than {limits.MAX_JSON_NESTING} deep; "
+                         f"the limit is {limits.MAX_JSON_NESTING}.") from None
 
 
 def _structural_tag(llg, spec: dict) -> str:
@@ -117,7 +117,7 @@ def _structural_tag(llg, spec: dict) -> str:
         if trigger is None:
             raise ValueError(f"structural_tag.structures[{i}].begin {s['begin']!r} starts with none of the triggers.")
         schema = s.get("schema") or {"type": "object"}
-        checker.check_json_schema(schema, f"the schema of structural_tag.structures[{i}]")
+        limits.check_json_schema(schema, f"the schema of structural_tag.structures[{i}]")
         tags.append(llg.StructTag(trigger=trigger, begin=s["begin"], grammar=bound_numbers(schema),
                                   end=s.get("end", "")))
     return llg.StructTag.to_grammar(tags)
@@ -199,8 +199,8 @@ def fingerprint(so: StructuredOutputsParams) -> str:
         try:
             value = json.dumps(value, separators=(",", ":"))
         except RecursionError:  # a dict schema nested deeper than json.dumps goes
-            raise ValueError(f"the structured output constraint nests more than {checker.MAX_JSON_NESTING} deep; "
-                             f"the limit is {checker.MAX_JSON_NESTING}.") from None
+            raise ValueError(f"the structured output constraint nests more than {limits.MAX_JSON_NESTING} deep; "
+                             f"the limit is {limits.MAX_JSON_NESTING}.") from None
         except (TypeError, ValueError) as e:
             raise ValueError(f"the structured output {kind} is not JSON: {e}") from None
     h = hashlib.sha256(f"{kind}\0{so.disable_any_whitespace}\0".encode())
@@ -271,7 +271,7 @@ class _Verdicts:
                     break
             # Another thread checks this one: its verdict, or (it failed without one) the turn to try.
             if not running.wait(max(0.0, deadline - time.monotonic())):
-                raise checker.CheckerUnavailable(f"the same grammar is still being checked after {timeout:g} s.")
+                raise isolation.CheckerUnavailable(f"the same grammar is still being checked after {timeout:g} s.")
         try:
             verdict = compute()
             with self._lock:
@@ -299,13 +299,13 @@ def _verdict(so: StructuredOutputsParams) -> str:
         grammar = to_grammar(so)
     except ValueError as e:
         return str(e) or "the structured output constraint is invalid."
-    error = checker.check_isolated(grammar, VALIDATE_TIMEOUT_S)  # CheckerUnavailable: no verdict (503)
+    error = isolation.check_isolated(grammar, VALIDATE_TIMEOUT_S)  # CheckerUnavailable: no verdict (503)
     return f"invalid {so.kind.replace('_', ' ')} constraint: {error.strip()}" if error else ""
 
 
 def validate(so: StructuredOutputsParams) -> None:
     """Check the constraint compiles (without the tokenizer): its limits and conversion here, llguidance's check
-    in a worker process (checker.check_isolated). ValueError (a 400) when it does not; CheckerUnavailable (a 503)
+    in a worker process (isolation.check_isolated). ValueError (a 400) when it does not; CheckerUnavailable (a 503)
     when no worker can check it now.
 
     Once per distinct constraint: the verdict is cached by `fingerprint` (a digest of the raw text, taken

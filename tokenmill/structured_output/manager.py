@@ -4,9 +4,9 @@ the step accepted. Runs next to the scheduler; matchers never leave the core pro
 
 - Compiling runs in a thread pool (llguidance drops the GIL while it builds a matcher); a request waits in
   the queue until its grammar is ready (`ready`), so a slow grammar never stalls anyone else's step. The
-  grammar text is made there too (`to_grammar`: GBNF is converted in Python, and the limits of checker.py
+  grammar text is made there too (`to_grammar`: GBNF is converted in Python, and the limits of limits.py
   are checked, so nothing that could overflow the compile's stack reaches llguidance), and the threads have
-  a 64 MiB stack (checker.COMPILE_STACK_BYTES), 8x that of the caller's check.
+  a 64 MiB stack (threads.COMPILE_STACK_BYTES), 8x that of the caller's check.
 - Compiled grammars are cached by (kind, canonical text): a repeat costs one `deep_copy`. A compile whose
   requests were all aborted still lands in the cache.
 - A matcher holds exactly the request's accepted output: preemption by recompute keeps the tokens, so it
@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from tokenmill.structured_output.checker import COMPILE_STACK_BYTES, StackPool
 from tokenmill.structured_output.grammar import to_grammar
+from tokenmill.structured_output.threads import COMPILE_STACK_BYTES, StackPool
 
 log = logging.getLogger(__name__)
 
