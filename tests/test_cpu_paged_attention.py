@@ -161,6 +161,30 @@ def test_threads_do_not_change_the_answer():
     assert (one - many).abs().max().item() <= 1e-6
 
 
+@pytest.mark.parametrize("ctx", [[170], [1300], [90, 40]], ids=["one-short", "one-split", "two-short"])
+def test_few_decodes_split_by_heads_on_two_threads(ctx):
+    """One or two decodes are fewer items than threads: they split by KV heads (32 of them, as a 1.7B MHA model
+    has) and, for a long context, by partition too. Each head's arithmetic is unchanged: bit for bit the one
+    thread answer where the partitions are the same (short contexts; a long one is cut by the thread count, as
+    before), and the float64 reference's."""
+    H, Hk, D = 32, 32, 64
+    ql = [1] * len(ctx)
+    q, k, v, kc, vc, layout, fk, fv = make_case(5, ctx, ql, H, Hk, D)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, scale = run_backend(q, k, v, kc.clone(), vc.clone(), layout, H, Hk, D)
+        torch.set_num_threads(2)
+        two, _ = run_backend(q, k, v, kc.clone(), vc.clone(), layout, H, Hk, D)
+    finally:
+        torch.set_num_threads(before)
+    if max(ctx) < 256:  # one partition per request whatever the threads
+        assert torch.equal(one, two)
+    assert (one - two).abs().max().item() <= 1e-6
+    want = reference(q, fk, fv, ql, scale, None, None)
+    assert (two.double() - want).abs().max().item() < 1e-4
+
+
 def test_rejects_unsupported_cache_dtype():
     backend = get_attention_backend("cpu_paged", "cpu")(16, torch.device("cpu"))
     layer = Attention(2, 1, 64, 0.125)
