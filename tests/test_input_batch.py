@@ -21,7 +21,7 @@ VOCAB = 100
 
 
 class Core:
-    """Plays the scheduler's part (core/scheduler.py build_batch and update_from_output): each request's
+    """Plays the scheduler's part (core/worker_diffs.py build_batch, scheduler.py update_from_output): each request's
     tokens, computed count and block table, sent in full once (again after a preemption), then as diffs."""
 
     def __init__(self, groups: int = 1) -> None:

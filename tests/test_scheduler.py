@@ -22,7 +22,8 @@ from tokenmill.core.kv_cache import RELEASED, KVCacheManager, blocks_for_tokens,
 from tokenmill.core.kv_offload import OffloadTiers
 from tokenmill.core.policies.fcfs import PriorityPolicy
 from tokenmill.core.request import Request, RequestSLO, RequestStatus
-from tokenmill.core.scheduler import Scheduler, WaitingQueue
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.waiting_queue import WaitingQueue
 from tokenmill.sampling_params import SamplingParams
 
 _ids = itertools.count()

@@ -47,7 +47,7 @@ class SchedulerStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     offload: dict[str, int] | None = None  # saves, spills, host_loads, disk_loads, load_failures
-    spec: dict | None = None  # speculative decoding: scheduler.SpecDecodingStats.as_dict()
+    spec: dict | None = None  # speculative decoding: spec_stats.SpecDecodingStats.as_dict()
     kv_transfer: dict | None = None  # prefill/decode hand-over: bytes, seconds, blocks exported/imported/failed
 
 

@@ -13,22 +13,25 @@ whose prompt a running one is computing (the n sequences of one prompt) waits an
 cache. Prompts are chunked by their share (and `long_prefill_token_threshold`, when set). When the block pool
 runs dry the lowest-priority running request is preempted by recompute: its blocks are freed, its tokens kept,
 and it waits at the front.
+The waiting queue (waiting_queue.py), the speculative-decoding counters (spec_stats.py) and the worker-diff
+protocol (worker_diffs.py: what the workers hold, the batches that update them) are their own modules.
 No torch here.
 """
 from __future__ import annotations
 
-import bisect
-import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.core.batch import CachedRequestData, ModelRunnerOutput, NewRequestData, ScheduledBatch
+from tokenmill.core.batch import ModelRunnerOutput
 from tokenmill.core.kv_cache import RELEASED, KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.core.policies import make_policy
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.spec_stats import SpecDecodingStats
+from tokenmill.core.waiting_queue import WaitingQueue
+from tokenmill.core.worker_diffs import WorkerDiffs
 from tokenmill.testing import faults
 
 # A waiting request that does not fit the pool now is passed over so smaller ones behind it can run, for
@@ -75,88 +78,10 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
-@dataclass
-class SpecDecodingStats:
-    """Verification counters, vLLM's spec_decode_* metrics: drafts (verifications with at least one draft),
-    draft tokens, accepted tokens, and accepted tokens by draft position."""
-
-    max_k: int
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.accepted_per_pos = [0] * self.max_k
-
-    def record(self, drafted: int, accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += drafted
-        self.num_accepted_tokens += accepted
-        for i in range(min(accepted, self.max_k)):
-            self.accepted_per_pos[i] += 1
-
-    def as_dict(self) -> dict:
-        drafted, accepted = self.num_draft_tokens, self.num_accepted_tokens
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
-                "accepted_per_pos": list(self.accepted_per_pos),
-                "acceptance_rate": accepted / drafted if drafted else None,
-                "mean_acceptance_length": 1 + accepted / self.num_drafts if self.num_drafts else None}
-
-
-class WaitingQueue:
-    """Requests ordered by their policy's queue key (smallest first), ties in insertion order."""
-
-    def __init__(self, key: Callable[[Request, float], tuple], clock: Callable[[], float] = time.monotonic) -> None:
-        self._key = key
-        self._clock = clock
-        self._keys: list[tuple] = []
-        self._reqs: list[Request] = []
-        self._counter = itertools.count()
-
-    def key(self, req: Request) -> tuple:
-        return self._key(req, self._clock())
-
-    def add(self, req: Request) -> None:
-        k = (*self.key(req), next(self._counter))
-        i = bisect.bisect(self._keys, k)
-        self._keys.insert(i, k)
-        self._reqs.insert(i, req)
-
-    def resort(self, now: float) -> None:
-        """Recompute every key (for policies whose order changes with time), keeping ties in their order."""
-        keyed = sorted(((*self._key(r, now), k[-1]), r) for k, r in zip(self._keys, self._reqs))
-        self._keys = [k for k, _ in keyed]
-        self._reqs = [r for _, r in keyed]
-
-    def items(self):
-        """(key, request) pairs in order (the key without its tie-breaking counter)."""
-        return ((k[:-1], r) for k, r in zip(self._keys, self._reqs))
-
-    def peek(self) -> Request:
-        return self._reqs[0]
-
-    def pop(self) -> Request:
-        self._keys.pop(0)
-        return self._reqs.pop(0)
-
-    def remove(self, req: Request) -> bool:
-        for i, r in enumerate(self._reqs):
-            if r is req:
-                del self._keys[i], self._reqs[i]
-                return True
-        return False
-
-    def __len__(self) -> int:
-        return len(self._reqs)
-
-    def __iter__(self):
-        return iter(self._reqs)
-
-
-class Scheduler:
+class Scheduler(WorkerDiffs):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, structured=None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()  # the worker-diff state
         # Monotonic seconds, system-wide (request timestamps are compared across processes); tests step a fake one.
         self.clock = clock
         self.config = config
@@ -172,9 +97,7 @@ class Scheduler:
         self.generation_tokens = 0
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.spec_stats = SpecDecodingStats(config.num_lookahead_tokens)
-        self._forget: list[str] = []  # requests the worker holds and must drop at the next batch
         self.current: Request | None = None  # the request schedule()/update_from_output() is handling (blame)
-        self._built: tuple = (None, [])  # the last batch built, and what the workers held of its requests before
         # The last step's (tokens, start time), for the policy's step-time model; _continuing: work was left when
         # it ended, so the next schedule() follows it at once and the gap between the two is its time.
         self._last_step: tuple[int, float] | None = None
@@ -240,11 +163,6 @@ class Scheduler:
         return len(self.waiting)
 
     # ---- one step ------------------------------------------------------------------------
-    def unsend(self, req: Request) -> None:
-        if req.sent is not None:
-            self._forget.append(req.request_id)
-            req.sent = None
-
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
@@ -564,58 +482,7 @@ class Scheduler:
         return req.spec_token_ids[: max(room, 0)]
 
     # ---- the step contract ---------------------------------------------------------------
-    def build_batch(self, out: SchedulerOutput) -> ScheduledBatch:
-        """The picklable step for the workers: new requests in full, the others as diffs."""
-        b = ScheduledBatch(finished_req_ids=list(self._forget))
-        self._built = (b, [(req, req.sent) for req, _ in out.scheduled])
-        for req, n in out.scheduled:
-            rid = req.request_id
-            start = req.num_computed_tokens
-            spec = out.spec.get(rid)
-            b.req_ids.append(rid)
-            b.num_scheduled_tokens.append(n)
-            if spec:
-                b.spec_token_ids[rid] = spec
-                if req.spec_parents is not None:  # a tree: its first len(spec) nodes are still one
-                    b.spec_parents[rid] = req.spec_parents[: len(spec)]
-                b.num_sample_rows.append(len(spec) + 1)
-            else:
-                b.num_sample_rows.append(1 if start + n >= req.num_tokens else 0)
-            if req.sent is None:
-                tables = [self._table(req, g) for g in range(len(req.tables))]
-                b.new_requests.append(NewRequestData(
-                    rid, list(req.token_ids), req.num_prompt_tokens, tables[0], start, req.params,
-                    req.seed, tuple(sorted(req.eos_token_ids)), req.lora, tables[1:]))
-            else:
-                ntok, nblk = req.sent
-                b.cached_requests.append(CachedRequestData(
-                    rid, req.token_ids[ntok:], req.block_ids[nblk:], start, len(req.block_ids),
-                    [t[nblk:] for t in req.tables[1:]]))
-            req.sent = (len(req.token_ids), len(req.block_ids))
-            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
-                b.prompt_logprob_ranges[rid] = (start, min(n, req.num_prompt_tokens - 1 - start))
-        self._forget = []  # only once the batch is whole (a failed build keeps them for the next one)
-        return b
-
-    @staticmethod
-    def _table(req: Request, group: int) -> list[int]:
-        """A group's block table for a worker that has none: released entries (never read) name a block the
-        request holds in that group, so every id is a real block with finite KV."""
-        table, released = req.tables[group], req.num_released[group]
-        if not released:
-            return list(table)
-        return [table[released]] * released + table[released:]
-
-    def unbuild(self, batch: ScheduledBatch) -> None:
-        """The last batch built did not reach the workers: what they hold of its requests is what it was
-        before, and they may not have dropped its finished requests (tell them again: dropping one twice is
-        harmless)."""
-        built, sent = self._built
-        if built is batch:
-            for req, before in sent:
-                req.sent = before
-        self._forget = batch.finished_req_ids + self._forget
-
+    # (build_batch, unbuild: worker_diffs.WorkerDiffs)
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance every scheduled request by what the step computed and accepted: any number of new
         tokens per request. KV slots of rejected drafts are rolled back (their blocks freed); stop

@@ -35,7 +35,7 @@ class SchedulingPolicy:
 
     def reorder(self, queue, now: float) -> None:
         """Called at the start of every step: a policy whose queue keys change with time brings the waiting
-        queue (scheduler.WaitingQueue) back in order here."""
+        queue (waiting_queue.WaitingQueue) back in order here."""
 
     def victim_key(self, req: Request) -> tuple:
         """When the pool runs dry, the running request with the largest key is preempted first."""
