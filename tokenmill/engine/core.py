@@ -48,7 +48,7 @@ class EngineCore:
         # The workers' KV cache groups, each with its attention window (worker.kv_group_windows): blocks out of a
         # group's window are released as requests advance (vLLM's hybrid KV cache manager).
         self.kv = KVCacheManager(info.num_blocks, info.block_size, config.cache.enable_prefix_caching, offload,
-                                 make_connector(getattr(config, "kv_transfer", None)), info.kv_group_windows)
+                                 make_connector(config.kv_transfer), info.kv_group_windows)
         self._tokenizer = tokenizer
         self.structured = StructuredOutputManager(self._load_tokenizer, info.vocab_size, self._eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, self.kv, info.max_model_len, self.structured)

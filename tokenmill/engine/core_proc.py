@@ -282,7 +282,7 @@ def _apply(core, kind: str, payload: Any, send) -> None:
     elif kind == "utility":
         call_id, method, args = payload
         try:
-            send(("utility", (call_id, True, getattr(core, method)(*args))))
+            send(("utility", (call_id, True, getattr(core, method)(*args))))  # RPC: an EngineCore method
         except Exception as e:
             send(("utility", (call_id, False, f"{type(e).__name__}: {e}")))
 

@@ -88,6 +88,7 @@ def _rust_backend(tokenizer: Any) -> Any | None:
         return None
     if isinstance(tokenizer, Tokenizer):
         return tokenizer
+    # getattr: transformers tokenizers, slow or fast; the backend's name varies by version
     if getattr(tokenizer, "is_fast", False):
         backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
         if isinstance(backend, Tokenizer):

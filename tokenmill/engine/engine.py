@@ -27,7 +27,7 @@ def model_facts(config: EngineConfig, core_info, tokenizer, load_time_s: float =
 
     eos = eos_token_ids(config.model.model, tokenizer)
     return ModelFacts(core_info.max_model_len, core_info.vocab_size, frozenset(eos), core_info.num_blocks,
-                      core_info.block_size, load_time_s, int(getattr(core_info.model_cost, "weight_bytes", 0)),
+                      core_info.block_size, load_time_s, int(core_info.model_cost.weight_bytes),
                       core_info.bytes_per_block, core_info.lora_shapes, core_info.num_layers,
                       config.lora.max_lora_rank if config.lora is not None else 0)
 
@@ -58,7 +58,7 @@ class LLMEngine:
 
     @property
     def _worker(self):
-        worker = getattr(self.core.executor, "worker", None)
+        worker = getattr(self.core.executor, "worker", None)  # UniProcExecutor has one; mp / ray executors do not
         if worker is None:
             raise AttributeError("the model lives in a worker process (distributed_executor_backend='mp').")
         return worker

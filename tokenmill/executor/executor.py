@@ -38,7 +38,7 @@ class Executor:
     def create(config: EngineConfig) -> "Executor":
         par = config.parallel
         world = par.world_size  # tensor x pipeline x decode-context-parallel ranks
-        backend = getattr(par, "distributed_executor_backend", None) or ("uni" if world == 1 else "mp")
+        backend = par.distributed_executor_backend or ("uni" if world == 1 else "mp")
         if world > 1 and backend == "uni":
             raise ValueError(f"{world} ranks need one process each: distributed_executor_backend 'mp' or 'ray'.")
         if backend == "uni":
@@ -73,7 +73,7 @@ class UniProcExecutor(Executor):
         self.info = self.worker.init()
 
     def collective_rpc(self, method: str, *args) -> Any:
-        return getattr(self.worker, method)(*args)
+        return getattr(self.worker, method)(*args)  # RPC: a Worker method by name
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -216,7 +216,7 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
         if method == "shutdown":
             break
         try:
-            reply = ("ok", getattr(worker, method)(*args))
+            reply = ("ok", getattr(worker, method)(*args))  # RPC: a Worker method by name
         except Exception as e:
             reply = ("error", (_picklable(e), traceback.format_exc()))
         if rank == reply_rank(config):

@@ -50,7 +50,7 @@ def off_reasons(config, spec) -> OffReasons:
 
 
 def _off(config) -> tuple[str | None, str | None]:
-    if getattr(config, "kv_transfer", None) is not None:
+    if config.kv_transfer is not None:
         return "a KV connector (it hands over whole prefixes)", "a KV connector"
     if config.parallel.pipeline_parallel_size > 1:
         return None, "pipeline parallelism (a stage holds some layers only)"

@@ -53,7 +53,7 @@ class ModelRunner:
         self.backend = backend
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         # Every layer's window in the whole model (a pipeline stage holds only some of the layers).
-        decoder = getattr(model, "spec", None)
+        decoder = getattr(model, "spec", None)  # DecoderForCausalLM has one
         self.model_windows = ({layer.sliding_window for layer in decoder.layers} if decoder is not None
                               else {a.sliding_window for a in self.attn_layers})
         self.input_batch = InputBatch(block_size, device, vocab_size)
@@ -110,6 +110,7 @@ class ModelRunner:
         reasons = [
             (self.lora is not None, "LoRA adapters (slots chosen per step on the host)"),
             (self.token_split is not None, "context parallelism"),
+            # getattr: DecoderForCausalLM sets pp_size, WeightStore / HostOffload weight_store; other models not
             (getattr(self.model, "pp_size", 1) > 1, "pipeline parallelism"),
             (getattr(self.model, "weight_store", None) is not None, "streamed or host-offloaded weights"),
             (self.attn_timer is not None and self.attn_timer.sync,
@@ -187,7 +188,7 @@ class ModelRunner:
         self._path_rows = None
         if not batch:
             return ModelRunnerOutput()
-        if getattr(self.model, "pp_size", 1) > 1:
+        if getattr(self.model, "pp_size", 1) > 1:  # DecoderForCausalLM sets it
             return self._execute_stage(batch, t0)
         inp = self.input_batch.prepare(batch)
         if self.lora is not None:
@@ -227,7 +228,7 @@ class ModelRunner:
         return out
 
     def _weight_wait(self) -> float:
-        store = getattr(self.model, "weight_store", None)
+        store = getattr(self.model, "weight_store", None)  # set by WeightStore / HostOffload only
         return store.take_wait() if store is not None else 0.0
 
     def _metadata(self, inp: StepInputs):
@@ -420,7 +421,7 @@ class ModelRunner:
                     if sp and r.req_id in sampled]
         self.spec.observe(batch.num_tokens, forward_s, verified)
         lay = inp.layout
-        aux = getattr(self.model, "aux_hidden_states", None)
+        aux = getattr(self.model, "aux_hidden_states", None)  # EAGLE-3 targets only
         moved, self._path_rows = self._path_rows, None
         if moved is not None:  # accepted tree paths: their hidden rows in chain order too, as their K/V
             src, dst = (self.input_batch.uploader.upload(x) for x in moved)

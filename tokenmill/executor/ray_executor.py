@@ -45,7 +45,7 @@ class RayWorker:
         return self.worker.init()
 
     def call(self, method: str, *args) -> Any:
-        return getattr(self.worker, method)(*args)
+        return getattr(self.worker, method)(*args)  # RPC: a Worker method by name
 
 
 class RayExecutor(Executor):
@@ -123,7 +123,7 @@ class RayExecutor(Executor):
             raise self._died(e) from None
 
     def shutdown(self) -> None:
-        for a in getattr(self, "actors", []):
+        for a in getattr(self, "actors", []):  # absent when __init__ failed early
             try:
                 self.ray.get(a.call.remote("shutdown"), timeout=5)
             except Exception:

@@ -36,7 +36,7 @@ class _ResidentParameters:
         return ((n, p) for n, p in self.model.named_parameters() if id(p) not in self.skip)
 
     def __getattr__(self, name: str):
-        return getattr(self.model, name)
+        return getattr(self.model, name)  # delegation: any attribute of the wrapped model
 
 
 @dataclass
@@ -81,7 +81,7 @@ def kv_dtype_for(name: str, model: torch.nn.Module) -> torch.dtype:
     dtype = parse_dtype(name)
     if dtype is not None:
         return dtype
-    storage = getattr(model, "storage_dtype", None)  # "auto": the weights' storage dtype
+    storage = getattr(model, "storage_dtype", None)  # "auto": the weights' storage dtype (DecoderForCausalLM sets it)
     return storage if storage is not None else next(model.parameters()).dtype
 
 
@@ -157,7 +157,7 @@ class Worker:
 
         self.init_device()
         mc, cache = self.config.model, self.config.cache
-        quant = get_quantization_config(getattr(mc, "quantization", None), getattr(mc, "quantization_group_size", 32),
+        quant = get_quantization_config(mc.quantization, mc.quantization_group_size,
                                         model=mc.model, device=str(self.device),
                                         activations=mc.activation_quantization)
         tp = self.config.parallel.tensor_parallel_size
@@ -180,6 +180,7 @@ class Worker:
         from tokenmill import native
         from tokenmill.diagnostics import resident_weight_bytes, streamed_parameters, streamed_where
 
+        # getattr: quant is None or any QuantizationConfig; only some formats have int8 activations
         x8 = bool(getattr(quant, "int8_activations", False))
         how = ""
         if x8:
@@ -193,7 +194,7 @@ class Worker:
         if mc.activation_quantization != "none" and not x8:
             log.warning("--activation-quantization %s acts on gguf, int8 and int4 weights; with %s weights "
                         "activations stay float32", mc.activation_quantization, quant.name if quant else "float")
-        backend_cls = get_attention_backend(getattr(self.config, "attention_backend", None), self.device)
+        backend_cls = get_attention_backend(self.config.attention_backend, self.device)
         vocab = int(self.hf_config.vocab_size)
         from tokenmill.spec_decode.decoder import build_spec_decoder
 
@@ -217,7 +218,7 @@ class Worker:
                                            lora.max_cpu_loras or lora.max_loras, self.device)
             log.info("LoRA: %d slot(s) of rank up to %d in %d layers, %.1f MiB", lora.max_loras, lora.max_lora_rank,
                      len(self.runner.lora.targets.layers), self.runner.lora.nbytes / 2**20)
-        kv_dtype = kv_dtype_for(getattr(cache, "kv_cache_dtype", "auto"), model)
+        kv_dtype = kv_dtype_for(cache.kv_cache_dtype, model)
         self.kv_group_windows = self.runner.configure_kv_groups(off_reasons(self.config, spec))
         self.plan_graphs()
         num_blocks = self.determine_num_blocks(kv_dtype)
@@ -226,7 +227,7 @@ class Worker:
             self.runner.capture_graphs(*self._graph_shapes())
         log.info("KV cache: %d blocks x %d tokens, %.1f MiB (kv_cache_dtype %s: %s); attention backend %s", num_blocks,
                  cache.block_size, num_blocks * self.runner.bytes_per_block / 2**20,
-                 getattr(cache, "kv_cache_dtype", "auto"), str(kv_dtype).removeprefix("torch."), type(self.runner.backend).describe())
+                 cache.kv_cache_dtype, str(kv_dtype).removeprefix("torch."), type(self.runner.backend).describe())
         self.log_resident_memory(model, quant)
         offload = None
         from tokenmill.executor.kv_transfer import build_transfer
@@ -234,7 +235,7 @@ class Worker:
         built = build_transfer(cache, self.runner)
         if built is not None:
             self.transfer, offload = built
-        kv_transfer = getattr(self.config, "kv_transfer", None)
+        kv_transfer = self.config.kv_transfer
         if kv_transfer is not None:
             from tokenmill.core.kv_connector import store_path
             from tokenmill.executor.kv_connector import ConnectorWorker
@@ -242,7 +243,7 @@ class Worker:
             self.connector = ConnectorWorker(self.runner.kv_caches(), store_path(kv_transfer))
         torch.manual_seed(mc.seed)  # after loading, so sampling draws the same in any process
         targets = self.runner.lora.targets if self.runner.lora is not None else None
-        store = getattr(model, "weight_store", None)
+        store = getattr(model, "weight_store", None)  # set by WeightStore / HostOffload.attach only
         # The core's pool: every rank's local blocks (context parallelism: global block b is rank b % cp's b // cp).
         return WorkerInfo(num_blocks * cp, cache.block_size, self.runner.bytes_per_block, self.max_model_len, vocab,
                           str(self.device), str(kv_dtype).removeprefix("torch."),
@@ -297,7 +298,7 @@ class Worker:
             from tokenmill.model.gguf_loader import dequantized_at_load
 
             why = dequantized_at_load(self.config.model.model, self.hf_config, _ResidentParameters(model, streamed),
-                                      quant, getattr(self.config.model, "quantization", None))
+                                      quant, self.config.model.quantization)
             dequantized = sum(why.values())
             kinds.append(f"float as stored {(floats - dequantized) / MiB:.1f}")
             kinds.append(f"dequantized at load {dequantized / MiB:.1f}" + (

@@ -162,6 +162,7 @@ def moe_method(quant_config: QuantizationConfig | None) -> UnquantizedMoEMethod:
         if quant_config.name == "int8":
             return Int8MoEMethod()
         return Int4MoEMethod(quant_config.group_size, quant_config.symmetric)
+    # getattr: quant_config is any QuantizationConfig
     if quant_config is not None and getattr(quant_config, "name", None) != "gguf":
         raise NotImplementedError(f"mixture-of-experts layers with {getattr(quant_config, 'name', quant_config)!r} "
                                   f"quantization are not supported")

@@ -10,6 +10,7 @@ from tokenmill.layers import fused
 
 
 def rope_inv_freq(hf_config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    # getattr: a transformers config; rope_parameters (newer) or rope_theta (older) vary by version
     params = getattr(hf_config, "rope_parameters", None) or {}
     if layer_type is not None and layer_type in params:
         params = params[layer_type]

@@ -37,6 +37,7 @@ class AdapterTargets:
     must have. Built from the model alone, so the API process can check an adapter without the weights."""
 
     def __init__(self, model: nn.Module) -> None:
+        # getattr: model is any nn.Module; these attributes are set by some only (DecoderForCausalLM)
         self.naming = getattr(model, "weight_naming", None)
         packed = getattr(model, "packed_modules_mapping", {})
         self.unpacked = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
@@ -46,6 +47,7 @@ class AdapterTargets:
             if isinstance(m, LinearBase) and name.rsplit(".", 1)[-1] in names}
         # Layer indices present in the model but not on this pipeline stage: an adapter's modules there are
         # another stage's to load.
+        # getattr: decoders have layers, other modules may not
         all_layers = getattr(model, "layers", None)
         self.num_layers = len(all_layers) if all_layers is not None else 0
         self.shapes: dict[str, tuple[int, int]] = {}  # checkpoint suffix (q_proj, ...) -> (in, out), full
@@ -99,7 +101,7 @@ class LoRAManager:
         self.device = device
         self.targets = AdapterTargets(model)
         self.step = LoRAStep()
-        dtype = getattr(model, "compute_dtype", torch.float32)
+        dtype = getattr(model, "compute_dtype", torch.float32)  # set by DecoderForCausalLM; other modules not
         for layer in self.targets.layers.values():
             layer.lora = LoRALayer(layer, self.step, max_loras, max_rank, dtype, device)
         model.lora_step = self.step  # the model keeps its native stack for steps without adapter tokens

@@ -19,6 +19,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def layer_types(cfg) -> list[str]:
+    # getattr: cfg is a transformers config; these attributes vary by model family and version
     types = getattr(cfg, "layer_types", None)
     if types is None:  # Gemma3TextConfig fills this in; default pattern is 5 sliding then 1 full
         types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(cfg.num_hidden_layers)]
@@ -29,6 +30,7 @@ def layer_types(cfg) -> list[str]:
 
 
 def gemma3_spec(cfg, dtype: torch.dtype) -> DecoderSpec:
+    # getattr: cfg is a transformers config; these attributes vary by model family and version
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         raise NotImplementedError(
             f"attn_logit_softcapping={cfg.attn_logit_softcapping} is set in config.json, but tokenmill's "

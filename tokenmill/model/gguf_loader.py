@@ -99,6 +99,7 @@ def hf_config_from_gguf(path: str):
     if arch == "qwen2":
         kw["tie_word_embeddings"] = kw["tie_word_embeddings"]
     kw.update(_moe_kwargs(arch, m, tensors))
+    # getattr: the transformers config class by name
     cls = getattr(transformers, names[0])
     cfg = cls(**kw)
     cfg.dtype = torch.float32
@@ -157,6 +158,7 @@ def gguf_to_hf_names(path: str, cfg) -> dict[str, str]:
         if g is not None:
             out[f"{g}.weight"] = f"{hf}.weight"
             out[f"{g}.bias"] = f"{hf}.bias"
+    # getattr: a transformers config: Mixtral names num_local_experts, Qwen MoE num_experts, dense models neither
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0
     for i in range(cfg.num_hidden_layers):
         for e in range(experts):
@@ -229,6 +231,7 @@ def dequantized_at_load(path: str, cfg, model: torch.nn.Module, quant_config=Non
     from tokenmill.model.weights import WeightNaming
 
     params = dict(model.named_parameters())
+    # getattr: model is any registered nn.Module; weight_naming / packed_modules_mapping are class attributes of some
     naming = getattr(model, "weight_naming", WeightNaming())
     unpacked = {part: fused for fused, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts}
     names = gguf_to_hf_names(path, cfg)
@@ -247,6 +250,7 @@ def dequantized_at_load(path: str, cfg, model: torch.nn.Module, quant_config=Non
             elif last in unpacked:
                 pname = f"{parent}.{unpacked[last]}.{leaf}" if parent else f"{unpacked[last]}.{leaf}"
         sources.setdefault(pname, set()).add(t.ggml_type)
+    # getattr: quant_config is None or any QuantizationConfig
     keeps = getattr(quant_config, "name", None) == "gguf"
     out: dict[str, int] = {}
     for pname, param in params.items():
@@ -290,7 +294,7 @@ def load_gguf_tokenizer(path: str):
     folder, name = os.path.split(os.path.abspath(path))
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     template = read_gguf(path).fields.get("tokenizer.chat_template")
-    if template and not getattr(tok, "chat_template", None):
+    if template and not getattr(tok, "chat_template", None):  # tokenizer classes vary
         tok.chat_template = template
     try:
         cache.mkdir(parents=True, exist_ok=True)

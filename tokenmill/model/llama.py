@@ -16,6 +16,7 @@ FAMILY_FLAGS: dict[str, dict[str, bool]] = {
 def layer_windows(cfg) -> list[int | None]:
     """Sliding window of each layer (None: full attention), as transformers decides it."""
     n = cfg.num_hidden_layers
+    # getattr: cfg is a transformers config; these attributes vary by model family and version
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types:
@@ -25,6 +26,7 @@ def layer_windows(cfg) -> list[int | None]:
 
 def llama_spec(cfg) -> DecoderSpec:
     heads = cfg.num_attention_heads
+    # getattr: cfg is a transformers config; these attributes vary by model family and version
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     bias = bool(getattr(cfg, "attention_bias", False))
     flags = {"qkv_bias": bias, "o_bias": bias, **FAMILY_FLAGS.get(cfg.model_type, {})}

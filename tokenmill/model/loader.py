@@ -70,6 +70,7 @@ def iter_safetensors(path: str, dtype: torch.dtype | None,
 
 
 def config_dtype(cfg) -> torch.dtype:
+    # getattr: a transformers config (dtype, or torch_dtype in older ones); then a torch dtype by name
     d = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
     if isinstance(d, str):
         d = getattr(torch, d)
@@ -94,6 +95,7 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
     from tokenmill.layers.quantization.checkpoint import resolve_quantization
 
     quant_config = resolve_quantization(cfg, quant_config, path)
+    # getattr: cfg is a transformers config (attributes vary by model); quant_config: None or any QuantizationConfig
     prequantized = getattr(cfg, "quantization_config", None) is not None
     storage, compute = choose_dtypes(dtype, config_dtype(cfg), device)
     max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
@@ -127,6 +129,7 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
     else:
         pages = MappedPages()
         load_weights(model, iter_safetensors(path, None if prequantized else storage, pages), pages)
+    # getattr: quant_config's fields vary by format; model is any registered nn.Module
     if quant_config is not None and getattr(quant_config, "quantize_lm_head", False) and model.lm_head is not None:
         lm_head = model.lm_head
         lm_head.quantize_int8(model.embed_tokens if getattr(model, "tie_word_embeddings", False) else None,

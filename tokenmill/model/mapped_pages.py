@@ -31,7 +31,7 @@ _PAGE = mmap.PAGESIZE
 # While loading: file pages given back after every RECLAIM_EVERY bytes of checkpoint tensors read, heap
 # trimmed after every RECLAIM_EVERY bytes of float weights packed (each costs a scan: not per tensor).
 RECLAIM_EVERY = 32 << 20
-_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)  # platforms vary
 _libc = None
 
 
@@ -173,7 +173,7 @@ def trim_heap() -> None:
     """Hand freed heap memory back to the system (glibc's malloc_trim; elsewhere nothing): the float
     weights freed after packing must not stay counted in RSS as free-but-held heap."""
     libc = _c_library()
-    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None  # glibc only
     if trim is not None:
         trim.argtypes = [ctypes.c_size_t]
         trim(0)
@@ -185,7 +185,7 @@ def resident_bytes(tensors) -> int | None:
     zeroed (the KV cache) costs RSS only for the pages written so far; this says how many. None where mincore
     is not available."""
     libc = _c_library()
-    mincore = getattr(libc, "mincore", None) if libc is not None else None
+    mincore = getattr(libc, "mincore", None) if libc is not None else None  # libc builds vary
     if mincore is None:
         return None
     mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]

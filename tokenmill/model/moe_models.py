@@ -24,6 +24,7 @@ class MixtralNaming(WeightNaming):
 
 def dense_layers(cfg) -> set[int]:
     """Layers with the dense MLP, as transformers' Qwen MoE decoder layers decide it."""
+    # getattr: cfg is a transformers config; these attributes vary by model family and version
     step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
     only = set(getattr(cfg, "mlp_only_layers", None) or ())
     return {i for i in range(cfg.num_hidden_layers) if i in only or (i + 1) % step != 0}
@@ -35,6 +36,7 @@ def moe_spec(cfg) -> DecoderSpec:
     if mt == "mixtral":
         moe = MoESpec(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, True, cfg.hidden_act)
         return replace(spec, moe=moe)
+    # getattr: cfg is a transformers config; these attributes vary by model family and version
     attention = spec.attention
     if mt == "qwen2_moe":
         attention = replace(attention, qkv_bias=bool(getattr(cfg, "qkv_bias", True)), o_bias=False)

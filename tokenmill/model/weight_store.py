@@ -157,7 +157,7 @@ class WeightStore:
         self._map.madvise(mmap.MADV_RANDOM)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         libc = _c_library()
-        self._madvise = getattr(libc, "madvise", None) if libc is not None else None
+        self._madvise = getattr(libc, "madvise", None) if libc is not None else None  # libc builds vary
         if self._madvise is not None:
             self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             self._madvise.restype = ctypes.c_int

@@ -48,6 +48,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  pages: MappedPages | None = None) -> None:
     """Load every tensor; fail naming the checkpoint tensors that are missing or have the wrong shape.
     `pages`: the tracker of the file mapping `weights` come from, released as layers are packed."""
+    # getattr: model is any nn.Module loaded here (decoders, draft heads); these attributes are set by some only
     naming: WeightNaming = getattr(model, "weight_naming", WeightNaming())
     packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
     unpacked = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
@@ -79,7 +80,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         param = params.get(target)
         if param is None:
             continue  # unused extras
-        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader = getattr(param, "weight_loader", default_weight_loader)  # set on some layers' parameters only
         try:
             loader(param, tensor, shard_id)
         except ValueError as e:
@@ -97,7 +98,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing weight tensors: {shown}")
     for module in model.modules():
-        method = getattr(module, "quant_method", None)
+        method = getattr(module, "quant_method", None)  # quantized layers only
         if method is not None and not early.done(module):
             method.process_weights_after_loading(module)
     if pages is not None:
@@ -126,6 +127,7 @@ class _EarlyPacking:
                 continue
             if isinstance(module, FusedMoE):
                 self._owner.update((p, module_name) for p in pnames)
+            # getattr: quantized layers only, and some of their methods only
             elif getattr(getattr(module, "quant_method", None), "process_when_loaded", False):
                 names = _expected_names({p: params[p] for p in pnames}, packed)
                 self._waiting[module_name] = set(names)

@@ -58,7 +58,7 @@ class PromptTokenizer:
         return 1, size + _SPECIAL_TOKENS
 
     def _chat(self, messages: Any) -> list[int] | None:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):  # tokenizer classes vary
             return None
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -101,7 +101,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], chat_template: str | Non
     """The prompt text; ValueError (-> 400) when the template cannot render these messages."""
     if not messages:
         raise ValueError("messages must contain at least one message.")
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):  # tokenizer classes vary
         raise ValueError("messages: this model has no chat template; start the server with --chat-template.")
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message cannot be used together with add_generation_prompt.")

@@ -42,6 +42,7 @@ def message_chars(req) -> int:
             total += sum(len(json.dumps(p.model_dump(exclude_none=True))) for p in m.content)
         if m.tool_calls:
             total += len(json.dumps(m.tool_calls))
+    # req: a ChatCompletionRequest, or a TokenizeRequest, which has no tools / chat_template_kwargs
     tools = getattr(req, "tools", None)
     kwargs = getattr(req, "chat_template_kwargs", None)
     return total + (len(json.dumps(tools)) if tools else 0) + (len(json.dumps(kwargs, default=str)) if kwargs else 0)
@@ -53,7 +54,7 @@ async def chat_prompt(state: ServerState, req, add_generation_prompt: bool = Tru
     tok = state.engine.tokenizer
     size = message_chars(req)
     check_input_chars(size, state.limits, "messages")
-    try:
+    try:  # getattr: req is a ChatCompletionRequest, or a TokenizeRequest without tools / chat_template_kwargs
         text = await state.run_blocking(
             render_chat, tok, req.messages, state.settings.chat_template, add_generation_prompt,
             continue_final_message, getattr(req, "tools", None), getattr(req, "chat_template_kwargs", None), size=size)
@@ -69,7 +70,7 @@ async def chat_prompt(state: ServerState, req, add_generation_prompt: bool = Tru
     return text, ids
 
 
-async def generation_prompt(state: ServerState, req, text: str) -> str:
+async def generation_prompt(state: ServerState, req: ChatCompletionRequest, text: str) -> str:
     """What the template appended after the conversation to open the assistant's turn (e.g. Qwen3's empty
     think block when thinking is off): only there can the prompt have closed this turn's reasoning. Think
     blocks of earlier assistant turns are history and say nothing about this one (issue 25)."""
@@ -78,7 +79,7 @@ async def generation_prompt(state: ServerState, req, text: str) -> str:
     try:
         history = await state.run_blocking(
             render_chat, state.engine.tokenizer, req.messages, state.settings.chat_template, False, False,
-            getattr(req, "tools", None), getattr(req, "chat_template_kwargs", None), size=len(text))
+            req.tools, req.chat_template_kwargs, size=len(text))
     except ValueError:
         return text
     return text[len(history):] if text.startswith(history) else text

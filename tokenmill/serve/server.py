@@ -60,7 +60,7 @@ class DrainingServer(uvicorn.Server):
     async def drain(self) -> None:
         engine = self.state.engine
         engine.begin_drain()
-        for server in getattr(self, "servers", []):
+        for server in getattr(self, "servers", []):  # uvicorn.Server sets it in startup(): absent before
             server.close()  # no new connections; open ones get 503 for new requests
         if not await engine.wait_idle(self.state.settings.drain_timeout_s):
             log.warning("drain timeout: aborting %d request(s)", engine.num_in_flight)
@@ -189,18 +189,19 @@ def serve_main(args, engine_kwargs: dict) -> int:
         raise ValueError(f"--drain-timeout must be non-negative, got {args.drain_timeout}.")
     if not args.min_slo_ttft_ms >= 0:
         raise ValueError(f"--min-slo-ttft-ms must be non-negative, got {args.min_slo_ttft_ms}.")
+    # getattr: the serve parser's flags, by the names listed in each loop
     for flag in ("max_n", "max_stop_strings", "max_stop_string_length", "max_prompts"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}.")
+        if (value := getattr(args, flag)) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}.")
     for flag in ("max_logprobs", "max_logit_bias", "max_stop_token_ids"):  # 0: the field is refused
-        if getattr(args, flag) < 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be non-negative, got {getattr(args, flag)}.")
+        if (value := getattr(args, flag)) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be non-negative, got {value}.")
     for flag in ("max_request_tokens", "max_input_chars"):
-        if getattr(args, flag) < 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be non-negative (0: derived), got {getattr(args, flag)}.")
+        if (value := getattr(args, flag)) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be non-negative (0: derived), got {value}.")
     for flag in ("request_header_timeout", "request_body_timeout"):
-        if not getattr(args, flag) > 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}.")
+        if not (value := getattr(args, flag)) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value}.")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser.")
     if args.tool_call_parser:
@@ -258,6 +259,7 @@ def serve_main(args, engine_kwargs: dict) -> int:
     from tokenmill.platform import tune_malloc
 
     tune_malloc()  # this process is ours: with --no-engine-core-process the steps run here
+    # getattr: the logging module's level constant named by --uvicorn-log-level
     logging.basicConfig(level=getattr(logging, args.uvicorn_log_level.upper(), logging.INFO),
                         format="%(levelname)s %(name)s: %(message)s")
     from tokenmill.engine_args import EngineArgs
@@ -268,8 +270,8 @@ def serve_main(args, engine_kwargs: dict) -> int:
 
         settings.kv_store = store_path(config.kv_transfer)
     metrics = ServerMetrics(settings.served_model_names[0])
-    own_process = getattr(args, "engine_core_process", True)
-    dp = getattr(args, "data_parallel_size", 1)
+    own_process = args.engine_core_process
+    dp = args.data_parallel_size
     if dp < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {dp}.")
     if dp > 1:

@@ -48,6 +48,7 @@ def head_config(target_config) -> dict:
     """A one-layer LlamaConfig with the target's shapes (what spec_decode/heads.py reads back)."""
     from transformers import LlamaConfig
 
+    # getattr: a transformers config; the keys it has vary by model
     kw = {k: getattr(target_config, k) for k in _CONFIG_KEYS if getattr(target_config, k, None) is not None}
     cfg = LlamaConfig(**kw, num_hidden_layers=1, tie_word_embeddings=False, hidden_act="silu")
     d = cfg.to_dict()

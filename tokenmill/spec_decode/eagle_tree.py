@@ -99,7 +99,7 @@ def grow_trees(forward, root_logits: torch.Tensor, root_feat: torch.Tensor | Non
         best = np.argsort(-scores, axis=1, kind="stable")[:, :w]  # [R, w] among the w * w children
         order = np.stack([np.concatenate([b, np.setdiff1d(np.arange(w * w), b)]) for b in best])
         for name in ("tokens", "parents", "scores"):
-            a = getattr(pool, name)
+            a = getattr(pool, name)  # fields by name
             a[:, children] = a[:, children][rows, order]
         frontier = children[:w]
         if out_feat is not None:  # each new frontier node's parent is one of the last level's w fed nodes

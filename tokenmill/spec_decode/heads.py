@@ -283,6 +283,7 @@ def _head_config(path: str):
 def _head_spec(cfg, target: DecoderForCausalLM, what: str) -> DecoderSpec:
     from tokenmill.model.llama import llama_spec
 
+    # getattr: cfg is a head's transformers config (may lack a key); target.spec a DecoderSpec, key by name
     for key in ("hidden_size", "vocab_size"):
         if getattr(cfg, key, None) != getattr(target.spec, key):
             raise ValueError(f"{what}: config {key} {getattr(cfg, key, None)} differs from the target's "
@@ -297,6 +298,7 @@ def eagle3_aux_layers(cfg, num_target_layers: int) -> tuple[int, ...]:
     """The target layers whose output stream EAGLE-3 reads (tokenmill's numbering: after layer i, -1 =
     the embeddings), from the config's vLLM-numbered ids or vLLM's default (2, N//2, N-3)."""
     n = num_target_layers
+    # getattr: a transformers config; only EAGLE-3 checkpoints have eagle_config
     ids = (getattr(cfg, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
         ids = (2, n // 2, n - 3)
@@ -340,6 +342,7 @@ def _load_eagle(method: str, path: str, target: DecoderForCausalLM, build: Build
         naming = _HeadNaming(renames=(("model.", ""),), keep=("fc", "layers", "embed_tokens"))
         _load(head, files, naming, build.params_dtype, what)
         return head
+    # getattr: a transformers config; only some heads have draft_vocab_size
     draft_vocab = int(getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)
     own_lm_head = "lm_head.weight" in names
     if not own_lm_head and draft_vocab != cfg.vocab_size:
@@ -368,6 +371,7 @@ def _load_eagle(method: str, path: str, target: DecoderForCausalLM, build: Build
 
 def _load_mtp(target: DecoderForCausalLM, target_path: str, build: Build) -> DraftHead:
     cfg = target.config
+    # getattr: a transformers config; only MTP checkpoints have num_nextn_predict_layers
     if int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) < 1:
         raise ValueError(f"target {target_path!r} has no MTP layers: "
                          f"config.json sets no num_nextn_predict_layers >= 1")

@@ -35,6 +35,7 @@ class CheckpointFormat(QuantizationConfig):
 def resolve_quantization(hf_config, requested: QuantizationConfig | None, path: str) -> QuantizationConfig | None:
     """The config to build the model with: the checkpoint's own when it has one (the flag, if given, must
     name the same method), else the flag's."""
+    # getattr: a transformers config; only pre-quantized checkpoints have quantization_config
     raw = getattr(hf_config, "quantization_config", None)
     if raw is None:
         if isinstance(requested, CheckpointFormat):

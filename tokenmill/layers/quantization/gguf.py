@@ -155,7 +155,7 @@ def _block_loader(layer: nn.Module, qtype: int, inner: Callable | None) -> Calla
     def load(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         if loaded.dtype != torch.uint8:
             raise ValueError(f"is {loaded.dtype}; this layer keeps {type_name(qtype)} blocks (uint8 rows)")
-        if getattr(layer, "input_is_parallel", None) is not None and layer.tp_size > 1:
+        if getattr(layer, "input_is_parallel", None) is not None and layer.tp_size > 1:  # row-parallel layers only
             width = param.shape[1]
             check_shape(loaded, (param.shape[0], width * layer.tp_size))
             default_weight_loader(param, loaded.narrow(1, layer.tp_rank * width, width).contiguous(), shard_id)
@@ -261,7 +261,7 @@ class GGUFConfig(QuantizationConfig):
 
         naming = model_cls.weight_naming
         self._param_name = lambda n: naming.param_name(n, tied=False)
-        self.packed = dict(getattr(model_cls, "packed_modules_mapping", {}))
+        self.packed = dict(getattr(model_cls, "packed_modules_mapping", {}))  # some model classes only
         names = gguf_to_hf_names(path, cfg)
         fallback: Counter[str] = Counter()
         for t in read_gguf(path).tensors:
@@ -291,6 +291,7 @@ class GGUFConfig(QuantizationConfig):
 
     def prepare_model(self, model: nn.Module) -> None:
         """Token embedding and LM head as blocks (unsharded tables only: vocabulary-parallel ones stay float)."""
+        # getattr: model is any registered nn.Module; decoders have these
         embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
         tied = bool(getattr(model, "tie_word_embeddings", False))
         shared = None
@@ -313,6 +314,7 @@ class GGUFConfig(QuantizationConfig):
         from tokenmill.layers.embedding import GGUFBlockRows
 
         done: set[int] = set()
+        # getattr: decoders have these modules, and only GGUF tables a table_method
         for module in (getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)):
             method = getattr(module, "table_method", None)
             if not isinstance(method, GGUFBlockRows) or method.qtype not in SPLIT_BASES or not splits_rows() \

@@ -141,7 +141,7 @@ class Int4CheckpointMethod(Int4LinearMethod):
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
-        fmt, where = self.config.name, getattr(layer, "prefix", "") or "?"
+        fmt, where = self.config.name, getattr(layer, "prefix", "") or "?"  # layers built with a prefix only
         K, N = input_size_per_partition, sum(output_partition_sizes)
         per_channel = self.config.group_size == -1
         g = K if per_channel else self.config.group_size
@@ -206,12 +206,12 @@ class Int4CheckpointMethod(Int4LinearMethod):
         self._g_idx_loaded = True
 
     def native_linear(self, layer: nn.Module):
-        if getattr(layer, "perm", None) is not None:
+        if getattr(layer, "perm", None) is not None:  # GPTQ act-order layers only
             return None  # act-order gathers x's columns first; the native stack does not
         return super().native_linear(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        perm = getattr(layer, "perm", None)
+        perm = getattr(layer, "perm", None)  # GPTQ act-order layers only
         if perm is not None:  # act-order: the weight's columns are sorted by group
             x = x.index_select(-1, perm)
         return super().apply(layer, x, bias)
