@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import zlib
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from gguf_tiny import k_scales  # noqa: E402  (the K-quant scale packing the tests' GGUF writer uses)
 
 DEFAULT_WORK = Path("~/.cache/tokenmill/model_shapes").expanduser()
 TARGET_STD = 0.02  # standard deviation of every random matrix's values (a trained model's order of size)
@@ -81,15 +85,6 @@ def _scale(rng: np.random.Generator, n: int, d: float) -> np.ndarray:
     return d * rng.uniform(0.75, 1.25, n)
 
 
-def _k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
-    """8 six-bit scales and mins per super-block -> the 12 bytes Q4_K/Q5_K store them in (ggml's layout)."""
-    out = np.empty((sc.shape[0], 12), dtype=np.uint8)
-    out[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
-    out[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
-    out[:, 8:12] = (sc[:, 4:] & 0xF) | ((mn[:, 4:] & 0xF) << 4)
-    return out
-
-
 # Standard deviation of a uniform random b-bit quant, and the K-quant sub-block scales' range [lo, hi):
 # small enough six-bit values that the f16 super-block scale d stays a normal float16.
 QSTD = {4: 4.61, 5: 9.23, 6: 18.47, 8: 73.9}
@@ -118,7 +113,7 @@ def random_blocks(qtype: str, n: int, rng: np.random.Generator) -> np.ndarray:
         sc = rng.integers(*K_SC, size=(n, 8), dtype=np.uint8)
         b[:, 0:2] = _f16_bytes(d)
         b[:, 2:4] = _f16_bytes(d * (1 << (bits - 1)))  # dmin, with mn = sc: centred on 0
-        b[:, 4:16] = _k_scales(sc, sc)
+        b[:, 4:16] = k_scales(sc, sc)  # (ggml's 12-byte packing, tests/gguf_tiny.py)
         return b
     if qtype == "Q6_K":  # ql[128] qh[64] scales[16] (int8) d: value = d * sc * (q - 32) per 16 values
         d = _scale(rng, n, TARGET_STD / (QSTD[6] * K_SC_MEAN))

@@ -53,7 +53,7 @@ def _k_quantize(w: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray, np.nd
     return d, dmin, sc, mq, np.clip(q, 0, qmax).astype(np.uint8).reshape(nb, 256)
 
 
-def _k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+def k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
     """8 six-bit scales and mins -> the 12 bytes Q4_K/Q5_K store them in."""
     out = np.empty((sc.shape[0], 12), dtype=np.uint8)
     out[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
@@ -77,7 +77,7 @@ def quantize_k(a: np.ndarray, qtype) -> np.ndarray:
         d, dmin, sc, mn, q = _k_quantize(w, 31 if five else 15)
         low = (q & 0xF).reshape(nb, 4, 2, 32)
         qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(nb, 128)
-        parts = [half(d), half(dmin), _k_scales(sc, mn)]
+        parts = [half(d), half(dmin), k_scales(sc, mn)]
         if five:
             bits = ((q.reshape(nb, 8, 32) >> 4) & 1) << np.arange(8, dtype=np.uint8)[None, :, None]
             parts.append(np.bitwise_or.reduce(bits, axis=1).astype(np.uint8))
