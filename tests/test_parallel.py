@@ -107,6 +107,30 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging(tmp_path, mode):
         engine.shutdown()
 
 
+def test_the_death_error_names_every_dead_rank_whichever_pipe_closed_first():
+    """Rank 1 is killed; rank 0 then fails its next collective and exits, so rank 0's pipe may close before the
+    executor notices rank 1: the error must still name rank 1 (CI saw "worker-0 died" alone)."""
+    from tokenmill.executor.executor import MultiprocExecutor, WorkerDiedError
+
+    class Proc:
+        def __init__(self, name, exitcode, reaped_after):
+            self.name, self._exitcode, self._polls = name, exitcode, reaped_after
+
+        def is_alive(self):
+            self._polls -= 1
+            return self._polls >= 0
+
+        @property
+        def exitcode(self):
+            return self._exitcode if self._polls < 0 else None
+
+    ex = MultiprocExecutor.__new__(MultiprocExecutor)
+    ex.procs = [Proc("tokenmill-worker-0", 0, reaped_after=3), Proc("tokenmill-worker-1", -9, reaped_after=0)]
+    err = ex._died(ex.procs[0])
+    assert isinstance(err, WorkerDiedError)
+    assert "tokenmill-worker-1 (exit code -9)" in str(err) and "tokenmill-worker-0" in str(err)
+
+
 # ---- the server -------------------------------------------------------------------------------------
 def test_killing_a_worker_under_load_fails_requests_and_health(tmp_path):
     from server_harness import spawned_children, start_server

@@ -115,15 +115,14 @@ class MultiprocExecutor(Executor):
         while not conn.poll(0.1):
             waited += 0.1
             # Any rank: a dead peer leaves rank 0 waiting in a collective that never completes.
-            for p in [proc, *self.procs]:
-                if not p.is_alive():
-                    raise WorkerDiedError(f"worker process {p.name} died (exit code {p.exitcode}).")
+            if any(not p.is_alive() for p in self.procs):
+                raise self._died()
             if timeout is not None and waited >= timeout:
                 raise WorkerDiedError(f"worker process {proc.name} did not answer in {timeout:.0f} s.")
         try:
             status, value = conn.recv()
         except (EOFError, OSError):
-            raise WorkerDiedError(f"worker process {proc.name} died (exit code {proc.exitcode}).") from None
+            raise self._died(proc) from None
         if status == "error":
             exc, tb = value
             log.error("worker %s failed:\n%s", proc.name, tb)
@@ -135,25 +134,38 @@ class MultiprocExecutor(Executor):
         """A collective that failed because a peer rank is gone (gloo: "Connection reset by peer") is the
         worker's death, not an error of this step: wait briefly for the process to be reaped, then say so."""
         for _ in range(20):
-            for p in self.procs:
-                if not p.is_alive():
-                    raise WorkerDiedError(f"worker process {p.name} died (exit code {p.exitcode}).") from exc
+            if any(not p.is_alive() for p in self.procs):
+                raise self._died() from exc
             if len(self.procs) == 1:
                 return
             time.sleep(0.05)
+
+    def _died(self, closed=None) -> WorkerDiedError:
+        """The error for dead workers, naming every one that is gone. One rank's death takes its peers down
+        with it (they fail in the next collective and exit), so the pipe that closed first need not be the
+        rank that died first: wait briefly for the processes to be reaped and name them all."""
+        deadline = time.monotonic() + 1.0
+        while True:
+            dead = [p for p in self.procs if not p.is_alive()]
+            if (closed is None or closed in dead) and dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        if not dead and closed is not None:
+            dead = [closed]
+        names = ", ".join(f"{p.name} (exit code {p.exitcode})" for p in dead)
+        return WorkerDiedError(f"worker process{'es' if len(dead) > 1 else ''} died: {names}.")
 
     def collective_rpc(self, method: str, *args) -> Any:
         try:
             self.conns[0].send((method, args))
         except (BrokenPipeError, OSError):
-            raise WorkerDiedError(f"worker process {self.procs[0].name} is gone.") from None
+            raise self._died(self.procs[0]) from None
         r = reply_rank(self.config)  # the last pipeline stage has the step's result
         return self._recv(self.conns[r], self.procs[r])
 
     def check_health(self) -> None:
-        for p in self.procs:
-            if not p.is_alive():
-                raise WorkerDiedError(f"worker process {p.name} died (exit code {p.exitcode}).")
+        if any(not p.is_alive() for p in self.procs):
+            raise self._died()
         super().check_health()
 
     def shutdown(self) -> None:
@@ -210,7 +222,11 @@ def worker_main(config: EngineConfig, rank: int, world_size: int, init_method: s
             call = None
         if world_size > 1:
             box = [call]
-            dist.broadcast_object_list(box, src=0, group=worker.cpu_group)
+            try:
+                dist.broadcast_object_list(box, src=0, group=worker.cpu_group)
+            except RuntimeError as e:  # a peer rank is gone: the executor reports the death, this rank exits
+                log.error("worker %d: a peer rank is gone (%s); exiting", rank, e)
+                break
             call = box[0]
         method, args = call
         if method == "shutdown":
