@@ -31,7 +31,6 @@ lookup-kind proposer, one batched call per step.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.spec_decode.draft import Draft, StepView
+from tokenmill.spec_decode.head_folder import fill, find_weights, load_state, read_config, write_folder
 
 WEIGHTS = "block_drafter.safetensors"
 MARKER = "tokenmill_block_drafter"
@@ -111,51 +111,27 @@ class BlockDrafter(nn.Module):
         return t
 
     def save(self, folder: str | Path, extra: dict | None = None) -> Path:
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().float().contiguous().clone() for k, v in self.state().items()}, str(folder / WEIGHTS))
-        (folder / "config.json").write_text(json.dumps({**self.cfg.to_json(), **(extra or {})}, indent=1))
-        return folder
+        return write_folder(folder, WEIGHTS, self.state(), {**self.cfg.to_json(), **(extra or {})})
 
 
 def load_block_drafter(path: str, hidden: int, vocab: int, dtype: torch.dtype) -> BlockDrafter:
     """The drafter of a folder in the layout above, checked against the target's hidden size and vocabulary."""
-    from safetensors.torch import load_file
-
     folder = Path(path)
-    cfg_file = folder / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"dflash: {folder} has no config.json (the block drafter layout, docs/speculative.md).")
-    raw = json.loads(cfg_file.read_text())
+    raw = read_config(folder, "dflash", "the block drafter layout, docs/speculative.md")
     if not raw.get(MARKER):
-        raise ValueError(f"dflash: {cfg_file} is not a tokenmill block drafter (no {MARKER!r}); "
+        raise ValueError(f"dflash: {folder / 'config.json'} is not a tokenmill block drafter (no {MARKER!r}); "
                          "write one with `tokenmill train-dflash`.")
     names = BlockDrafterConfig.__dataclass_fields__
     try:
         cfg = BlockDrafterConfig(**{k: raw[k] for k in names if k in raw})
     except TypeError as e:
-        raise ValueError(f"dflash: {cfg_file}: {e}") from None
+        raise ValueError(f"dflash: {folder / 'config.json'}: {e}") from None
     if cfg.hidden_size != hidden or cfg.vocab_size != vocab:
         raise ValueError(f"dflash: the drafter is for hidden size {cfg.hidden_size} and vocabulary {cfg.vocab_size}, "
                          f"the target has {hidden} and {vocab}.")
-    if not (folder / WEIGHTS).is_file():
-        raise ValueError(f"dflash: {folder} has no {WEIGHTS}.")
-    state = load_file(str(folder / WEIGHTS))
+    state = load_state(find_weights(folder, (WEIGHTS,), "dflash"))
     drafter = BlockDrafter(cfg, dtype, accept="accept.weight" in state)
-    mine = drafter.state()
-    missing = sorted(set(mine) - set(state))
-    unused = sorted(set(state) - set(mine))
-    if missing or unused:
-        raise ValueError(f"dflash: {WEIGHTS} " + "; ".join(
-            x for x in (missing and f"lacks {', '.join(missing[:5])}", unused and f"has unexpected {', '.join(unused[:5])}")
-            if x))
-    with torch.no_grad():
-        for name, p in mine.items():
-            if tuple(state[name].shape) != tuple(p.shape):
-                raise ValueError(f"dflash: {name} is {tuple(state[name].shape)}, expected {tuple(p.shape)}.")
-            p.copy_(state[name])
+    fill("dflash", WEIGHTS, state, drafter.state())
     drafter.requires_grad_(False)
     return drafter
 

@@ -1,9 +1,10 @@
 """`tokenmill train-dflash`: a block drafter (spec_decode/dflash.py) for a model, trained on the model's own
-continuations of the prompts train-medusa ships (self-distillation: nothing to download).
+continuations (self-distillation, spec_decode/self_distill.py: the corpus, features and loop the trainers
+share).
 
 At each position p of a continuation the drafter reads the target's final hidden state h_p and the embedding of
 the token t it produced, and learns the K tokens that follow t (positions p + 2 .. p + K + 1) in one forward.
-Cross-entropy through the target's frozen LM head over the tokens the corpus uses (as train-medusa), Adam. Then
+Cross-entropy through the target's frozen LM head over the tokens the corpus uses, Adam. Then
 the acceptance head learns, for each position whose earlier drafts were right, whether its own draft is (binary
 cross-entropy on the drafter's features, the drafter frozen), on a tenth of the sequences the drafter was not
 trained on (on its own training positions the drafter is right far more often than on new text, and an estimate
@@ -17,8 +18,6 @@ every position starts as the LM head over h; the positions differ by what they l
 from __future__ import annotations
 
 import argparse
-import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.spec_decode.dflash import BlockDrafter, BlockDrafterConfig
-from tokenmill.spec_decode.medusa_train import PROMPTS, _corpus, _embed, _features, _lm_head_weight
-
-log = logging.getLogger(__name__)
+from tokenmill.spec_decode.self_distill import Distillation, add_loop_args, add_trainer_parser, distill, embed, fit, \
+    targets_ahead
 
 
 @dataclass
@@ -42,22 +40,11 @@ class DFlashReport:
     estimated: float  # mean of the acceptance head's estimate of that prefix
 
 
-def _examples(llm, feats: list[torch.Tensor], seqs: list[tuple[list[int], int]], K: int):
-    """(h [N, H], e [N, H], targets [N, K], mask [N, K]) over the continuations' positions."""
-    hs, last, ys, ms = [], [], [], []
-    for h, (seq, plen) in zip(feats, seqs):
-        L = len(seq)
-        pos = torch.arange(plen - 1, L - 2)
-        if pos.numel() == 0:
-            continue
-        tok = torch.tensor(seq)
-        idx = pos.unsqueeze(1) + 2 + torch.arange(K).unsqueeze(0)
-        ok = idx < L
-        hs.append(h[pos])
-        last.append(tok[pos + 1])
-        ys.append(torch.where(ok, tok[idx.clamp(max=L - 1)], 0))
-        ms.append(ok)
-    return torch.cat(hs), _embed(llm, torch.cat(last)), torch.cat(ys), torch.cat(ms)
+def _examples(d: Distillation, part: slice, K: int):
+    """(h [N, H], e [N, H], targets [N, K], mask [N, K]) over the continuations' positions of d.seqs[part]: e the
+    embedding of the token h produced."""
+    h, last, y, m = targets_ahead(d.feats[part], d.seqs[part], K)
+    return h, embed(d.llm, last), y, m
 
 
 def _prefix_ok(correct: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -71,28 +58,15 @@ def train_dflash(model: str | None, out: str, block_size: int = 4, layers: int =
                  steps: int = 1000, batch: int = 256, lr: float = 2e-3, max_tokens: int = 128,
                  temperature: float = 0.0, seed: int = 0, prompts: list[str] | None = None,
                  **engine_kw) -> DFlashReport:
-    from tokenmill import LLM
-
-    t0 = time.perf_counter()
-    torch.manual_seed(seed)
-    llm = LLM(model, enable_prefix_caching=False, distributed_executor_backend="uni", **engine_kw)
-    seqs = _corpus(llm, prompts or PROMPTS, max_tokens, temperature, seed)
-    feats = _features(llm, [s for s, _ in seqs])
-    log.info("train-dflash: %d continuations and their features in %.1f s", len(seqs), time.perf_counter() - t0)
-    W = _lm_head_weight(llm)  # [V, H], frozen
-    V, H = W.shape
+    d = distill("train-dflash", model, prompts, max_tokens, temperature, seed, **engine_kw)
+    V, H = d.W.shape
     K = block_size
-    held = max(1, len(seqs) // 10)  # a tenth held out for the report, a tenth to calibrate the acceptance head
-    cal = 2 * held if len(seqs) > 2 * held else held
-    h_tr, e_tr, y_tr, m_tr = _examples(llm, feats[cal:], seqs[cal:], K)
-    h_te, e_te, y_te, m_te = _examples(llm, feats[:held], seqs[:held], K)
-    h_ca, e_ca, y_ca, m_ca = _examples(llm, feats[held:cal], seqs[held:cal], K) if cal > held else \
-        (h_te, e_te, y_te, m_te)
-    vocab = torch.unique(torch.tensor([t for s, _ in seqs for t in s]))
-    remap = torch.full((V,), -1, dtype=torch.long)
-    remap[vocab] = torch.arange(vocab.numel())
-    W_train = W[vocab]
-    y_local = remap[y_tr].clamp(min=0)
+    held = d.held  # a tenth held out for the report, a tenth to calibrate the acceptance head
+    cal = 2 * held if len(d.seqs) > 2 * held else held
+    h_tr, e_tr, y_tr, m_tr = _examples(d, slice(cal, None), K)
+    h_te, e_te, y_te, m_te = _examples(d, slice(None, held), K)
+    h_ca, e_ca, y_ca, m_ca = _examples(d, slice(held, cal), K) if cal > held else (h_te, e_te, y_te, m_te)
+    y_local = d.local(y_tr)
 
     cfg = BlockDrafterConfig(block_size=K, hidden_size=H, num_layers=layers, num_heads=heads,
                              intermediate_size=2 * H, vocab_size=V)
@@ -106,67 +80,53 @@ def train_dflash(model: str | None, out: str, block_size: int = 4, layers: int =
         drafter.mlp_norm.fill_(1.0)
         # the final norm starts as the target's scale (its hidden states are already normed: keep their size)
         drafter.norm.fill_(float(h_tr.pow(2).mean().sqrt()))
-    opt = torch.optim.Adam(drafter.parameters(), lr=lr)
-    n = h_tr.shape[0]
-    for step in range(steps):
-        pick = torch.randint(0, n, (min(batch, n),))
-        feat, acc = drafter(h_tr[pick], e_tr[pick])
-        logits = feat @ W_train.T  # [b, K, v]
+
+    def loss(pick: torch.Tensor) -> dict[str, torch.Tensor]:
+        feat, _ = drafter(h_tr[pick], e_tr[pick])
+        logits = feat @ d.W_train.T  # [b, K, v]
         y, m = y_local[pick], m_tr[pick]
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none").view_as(y)
-        loss = (ce * m).sum() / m.sum().clamp(min=1)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 100 == 0 or step == steps - 1:
-            log.info("train-dflash: step %d/%d, loss %.3f", step + 1, steps, float(loss.detach()))
+        return {"loss": (ce * m).sum() / m.sum().clamp(min=1)}
+
+    n = h_tr.shape[0]
+    fit("train-dflash", torch.optim.Adam(drafter.parameters(), lr=lr), steps, batch, n, loss)
     # The acceptance head, on sequences the drafter never saw (on its own training positions it is right far more
     # often than on new text, and an estimate learned there overstates acceptance several times).
     with torch.no_grad():
         feat, _ = drafter(h_ca, e_ca)
-        correct = ((feat @ W.T).argmax(-1) == y_ca) & m_ca
+        correct = ((feat @ d.W.T).argmax(-1) == y_ca) & m_ca
         live = _prefix_ok(correct, m_ca)
         # start from the calibration set's mean acceptance per position
         rate = (correct & live).sum(0).float() / live.sum(0).clamp(min=1)
         drafter.accept_weight.zero_()
         drafter.accept_bias.fill_(float(torch.logit(rate.mean().clamp(1e-3, 1 - 1e-3))))
-    accept_opt = torch.optim.Adam([drafter.accept_weight, drafter.accept_bias], lr=lr)
-    feat, correct, live = feat.detach(), correct.float(), live
-    for step in range(max(steps // 4, 1)):
-        pick = torch.randint(0, feat.shape[0], (min(batch, feat.shape[0]),))
+    feat, correct = feat.detach(), correct.float()
+
+    def accept_loss(pick: torch.Tensor) -> dict[str, torch.Tensor]:
         acc = F.linear(feat[pick], drafter.accept_weight, drafter.accept_bias).squeeze(-1)
         bce = F.binary_cross_entropy_with_logits(acc, correct[pick], reduction="none")
-        loss = (bce * live[pick]).sum() / live[pick].sum().clamp(min=1)
-        accept_opt.zero_grad()
-        loss.backward()
-        accept_opt.step()
+        return {"loss": (bce * live[pick]).sum() / live[pick].sum().clamp(min=1)}
+
+    fit("train-dflash", torch.optim.Adam([drafter.accept_weight, drafter.accept_bias], lr=lr), max(steps // 4, 1),
+        batch, feat.shape[0], accept_loss, every=0)
     with torch.no_grad():
         feat, acc = drafter(h_te, e_te)
-        pred = (feat @ W.T).argmax(-1)  # the full vocabulary, as serving sees it
+        pred = (feat @ d.W.T).argmax(-1)  # the full vocabulary, as serving sees it
         correct = (pred == y_te) & m_te
         top1 = [float(correct[:, j][m_te[:, j]].float().mean()) for j in range(K)]
         accepted = float(torch.cumprod(correct.float(), 1).sum(1).mean())
         estimated = float(torch.cumprod(torch.sigmoid(acc), 1).sum(1).mean())
     out_dir = drafter.save(out, {"base_model_name_or_path": model or "embedded"})
-    return DFlashReport(out_dir, len(seqs), n + h_te.shape[0], time.perf_counter() - t0, top1, accepted, estimated)
+    return DFlashReport(out_dir, len(d.seqs), n + h_te.shape[0], d.seconds(), top1, accepted, estimated)
 
 
 def add_train_dflash_parser(subparsers) -> None:
-    p = subparsers.add_parser("train-dflash", help="Train a block drafter (method dflash) on a model's own "
-                              "continuations.", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", help="Output folder for config.json and block_drafter.safetensors.")
-    p.add_argument("--model", default=None, help="Model folder or .gguf (default: the embedded model).")
+    p = add_trainer_parser(subparsers, "train-dflash", "Train a block drafter (method dflash) on a model's own "
+                           "continuations.", __doc__, "block_drafter.safetensors", cmd_train_dflash)
     p.add_argument("--block-size", type=int, default=4, help="drafts per forward, K (default: %(default)s)")
     p.add_argument("--layers", type=int, default=1, help="(default: %(default)s)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=1000, help="(default: %(default)s)")
-    p.add_argument("--batch", type=int, default=256, help="positions per step (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=2e-3, help="(default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=128, help="continuation per prompt (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="of the continuations; 0: greedy (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_train_dflash)
+    add_loop_args(p, steps=1000, batch=256, lr=2e-3)
 
 
 def cmd_train_dflash(args: argparse.Namespace) -> int:

@@ -1,11 +1,12 @@
 """`tokenmill train-eagle`: an EAGLE-1 draft head (spec_decode/heads.py's `eagle` layout) for a model, trained on
-the model's own continuations of the prompts train-medusa ships (self-distillation: nothing to download).
+the model's own continuations (self-distillation, spec_decode/self_distill.py: the corpus, features and loop the
+trainers share).
 
 The head reads, at position p, the embedding of token t_{p+1} and the target's final hidden state f_p, through
 `fc [H, 2H]` and one Llama decoder layer (no input norm; transformers' LlamaDecoderLayer while training, the same
 weights under tokenmill's paged attention when serving), and its output h_p both predicts t_{p+2} through the
 target's frozen LM head and stands in for f_{p+1} when it drafts further (EAGLE's two losses: smooth-L1 regression
-of h_p onto f_{p+1} plus 0.1 x cross-entropy, the latter over the tokens the corpus uses as in train-medusa).
+of h_p onto f_{p+1} plus 0.1 x cross-entropy, the latter over the tokens the corpus uses).
 Sequences are trained whole with causal attention (teacher forcing on the target's features); a tenth is held out
 for the report: top-1 of the first draft, and of the second when the head feeds itself its own output (what
 serving does).
@@ -16,9 +17,6 @@ Written: `config.json` (a LlamaConfig of one layer, the target's shapes) and `mo
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.spec_decode.medusa_train import PROMPTS, _corpus, _embed, _features, _lm_head_weight
+from tokenmill.spec_decode.head_folder import write_folder
+from tokenmill.spec_decode.self_distill import add_loop_args, add_trainer_parser, distill, embed, fit
 
-log = logging.getLogger(__name__)
 _CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "rms_norm_eps", "vocab_size", "max_position_embeddings", "rope_parameters", "rope_theta",
                 "rope_scaling")
@@ -93,20 +91,11 @@ def _pad(xs: list[torch.Tensor]) -> torch.Tensor:
 def train_eagle(model: str | None, out: str, steps: int = 400, batch: int = 4, lr: float = 1e-3,
                 max_tokens: int = 128, temperature: float = 0.0, seed: int = 0, prompts: list[str] | None = None,
                 **engine_kw) -> EagleReport:
-    from safetensors.torch import save_file
-
-    from tokenmill import LLM
-
-    t0 = time.perf_counter()
-    torch.manual_seed(seed)
-    llm = LLM(model, enable_prefix_caching=False, distributed_executor_backend="uni", **engine_kw)
-    seqs = _corpus(llm, prompts or PROMPTS, max_tokens, temperature, seed)
-    feats = _features(llm, [s for s, _ in seqs])
-    embs = [_embed(llm, torch.tensor(s)) for s, _ in seqs]
-    log.info("train-eagle: %d continuations and their features in %.1f s", len(seqs), time.perf_counter() - t0)
-    W = _lm_head_weight(llm)
-    V, H = W.shape
-    config = head_config(llm.engine.core.executor.worker.runner.model.config)
+    d = distill("train-eagle", model, prompts, max_tokens, temperature, seed, **engine_kw)
+    seqs, feats, W = d.seqs, d.feats, d.W
+    embs = [embed(d.llm, torch.tensor(s)) for s, _ in seqs]
+    H = W.shape[1]
+    config = head_config(d.llm.engine.core.executor.worker.runner.model.config)
     head = TrainableEagle(config)
     with torch.no_grad():  # start near "pass the feature through": fc keeps f_p, the layer adds little
         head.fc.weight.zero_()
@@ -115,10 +104,6 @@ def train_eagle(model: str | None, out: str, steps: int = 400, batch: int = 4, l
         for name, p in head.layer.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 p.mul_(0.1)
-    vocab = torch.unique(torch.tensor([t for s, _ in seqs for t in s]))
-    remap = torch.full((V,), -1, dtype=torch.long)
-    remap[vocab] = torch.arange(vocab.numel())
-    W_train = W[vocab]
 
     def example(i: int):
         """(emb of t_{p+1}, f_p, f_{p+1}, t_{p+2}, loss mask) for p = 0 .. L-3, the mask on the continuation."""
@@ -129,23 +114,18 @@ def train_eagle(model: str | None, out: str, steps: int = 400, batch: int = 4, l
         mask[max(plen - 2, 0):] = 1
         return embs[i][1 : L - 1], feats[i][: L - 2], feats[i][1 : L - 1], tok[2:L], mask
 
-    held = max(1, len(seqs) // 10)
-    train_ids = list(range(held, len(seqs)))
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    for step in range(steps):
-        pick = [train_ids[j] for j in torch.randint(0, len(train_ids), (min(batch, len(train_ids)),)).tolist()]
-        e, f, f_next, y, m = (_pad(list(x)) for x in zip(*(example(i) for i in pick)))
+    held = d.held
+
+    def loss(pick: torch.Tensor) -> dict[str, torch.Tensor]:  # whole sequences: pick j is sequence held + j
+        e, f, f_next, y, m = (_pad(list(x)) for x in zip(*(example(held + j) for j in pick.tolist())))
         h = head(e, f)
         m = m.bool()
         reg = F.smooth_l1_loss(h[m], f_next[m])
-        ce = F.cross_entropy(h[m] @ W_train.T, remap[y[m]].clamp(min=0))
-        loss = reg + 0.1 * ce
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 50 == 0 or step == steps - 1:
-            log.info("train-eagle: step %d/%d, regression %.4f, cross-entropy %.3f", step + 1, steps,
-                     float(reg.detach()), float(ce.detach()))
+        ce = F.cross_entropy(h[m] @ d.W_train.T, d.local(y[m]))
+        return {"loss": reg + 0.1 * ce, "reg": reg, "ce": ce}
+
+    fit("train-eagle", torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0), steps, batch,
+        len(seqs) - held, loss, every=50, show="regression {reg:.4f}, cross-entropy {ce:.3f}")
     with torch.no_grad():  # held out: the first draft, and the second fed the head's own output
         right1 = right2 = n1 = n2 = 0
         for i in range(held):
@@ -156,35 +136,22 @@ def train_eagle(model: str | None, out: str, steps: int = 400, batch: int = 4, l
             right1 += int((pred1 == y[0])[m[0]].sum())
             n1 += int(m[0].sum())
             # second draft at p + 1: token = the first draft, feature = h_p (positions shifted by one)
-            e2 = torch.cat([e[0, :1], _embed(llm, pred1[:-1])], 0).unsqueeze(0)
+            e2 = torch.cat([e[0, :1], embed(d.llm, pred1[:-1])], 0).unsqueeze(0)
             f2 = torch.cat([f[0, :1], h[:-1]], 0).unsqueeze(0)
             pred2 = (head(e2, f2)[0] @ W.T).argmax(-1)[1:]
             ok = m[0, 1:] & (pred1[:-1] == y[0, :-1])
             right2 += int((pred2 == y[0, 1:])[ok].sum())
             n2 += int(ok.sum())
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(head.state(), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps({**config, "base_model_name_or_path": model or "embedded"},
-                                                    indent=1, default=str))
+    out_dir = write_folder(out, "model.safetensors", head.state(),
+                           {**config, "base_model_name_or_path": model or "embedded"})
     positions = sum(len(s) - p for s, p in seqs)
-    return EagleReport(out_dir, len(seqs), positions, time.perf_counter() - t0, right1 / max(n1, 1),
-                       right2 / max(n2, 1))
+    return EagleReport(out_dir, len(seqs), positions, d.seconds(), right1 / max(n1, 1), right2 / max(n2, 1))
 
 
 def add_train_eagle_parser(subparsers) -> None:
-    p = subparsers.add_parser("train-eagle", help="Train an EAGLE-1 draft head on a model's own continuations.",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", help="Output folder for config.json and model.safetensors.")
-    p.add_argument("--model", default=None, help="Model folder or .gguf (default: the embedded model).")
-    p.add_argument("--steps", type=int, default=400, help="(default: %(default)s)")
-    p.add_argument("--batch", type=int, default=4, help="sequences per step (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=1e-3, help="(default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=128, help="continuation per prompt (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="of the continuations; 0: greedy (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_train_eagle)
+    p = add_trainer_parser(subparsers, "train-eagle", "Train an EAGLE-1 draft head on a model's own continuations.",
+                           __doc__, "model.safetensors", cmd_train_eagle)
+    add_loop_args(p, steps=400, batch=4, lr=1e-3, per="sequences")
 
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:

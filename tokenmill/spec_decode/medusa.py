@@ -19,7 +19,6 @@ a chain, each head's top token as a chain. Point-mass drafts, so verification st
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.spec_decode.draft import Draft, StepView
+from tokenmill.spec_decode.head_folder import fill, find_weights, load_state, read_config
 from tokenmill.spec_decode.tree import choices_to_tree, depths, is_chain, tree_safe
 
 WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -67,51 +67,28 @@ class MedusaHeads(nn.Module):
 def load_medusa(path: str, hidden: int, vocab: int, dtype: torch.dtype) -> MedusaHeads:
     """The heads of a Medusa folder, checked against the target's hidden size and vocabulary."""
     folder = Path(path)
-    cfg_file = folder / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"medusa: {folder} has no config.json (with medusa_num_heads, medusa_num_layers).")
-    cfg = json.loads(cfg_file.read_text())
+    cfg = read_config(folder, "medusa", "with medusa_num_heads, medusa_num_layers")
     try:
         num_heads, num_layers = int(cfg["medusa_num_heads"]), int(cfg["medusa_num_layers"])
     except KeyError as e:
-        raise ValueError(f"medusa: {cfg_file} lacks {e.args[0]}.") from None
-    weights = next((folder / w for w in WEIGHTS if (folder / w).is_file()), None)
-    if weights is None:
-        raise ValueError(f"medusa: {folder} has neither {' nor '.join(WEIGHTS)}.")
-    if weights.suffix == ".pt":
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-    else:
-        from safetensors.torch import load_file
-
-        state = load_file(str(weights))
-    state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
+        raise ValueError(f"medusa: {folder / 'config.json'} lacks {e.args[0]}.") from None
+    weights = find_weights(folder, WEIGHTS, "medusa")
+    state = {k.removeprefix("medusa_head."): v for k, v in load_state(weights).items()}
     own = [f"{i}.{num_layers}.weight" in state for i in range(num_heads)]
     if any(own) and not all(own):
         missing = next(i for i, o in enumerate(own) if not o)
         raise ValueError(f"medusa: {weights.name} lacks medusa_head.{missing}.{num_layers}.weight (either every head "
                          "has its projection or none: then the target's LM head is used).")
     heads = MedusaHeads(hidden, vocab, num_heads, num_layers, dtype, own_projection=all(own))
-    used = set()
-
-    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name not in state:
-            raise ValueError(f"medusa: {weights.name} lacks medusa_head.{name}.")
-        t = state[name]
-        if tuple(t.shape) != shape:
-            raise ValueError(f"medusa: medusa_head.{name} is {tuple(t.shape)}, expected {shape} (the target's "
-                             f"hidden size {hidden}, vocabulary {vocab}).")
-        used.add(name)
-        return t
-
+    params = {}
     for i in range(num_heads):
         for j in range(num_layers):
-            heads.res_weight.data[i, j] = take(f"{i}.{j}.linear.weight", (hidden, hidden))
-            heads.res_bias.data[i, j] = take(f"{i}.{j}.linear.bias", (hidden,))
+            params[f"{i}.{j}.linear.weight"] = heads.res_weight.data[i, j]
+            params[f"{i}.{j}.linear.bias"] = heads.res_bias.data[i, j]
         if heads.proj is not None:
-            heads.proj.data[i] = take(f"{i}.{num_layers}.weight", (vocab, hidden))
-    unused = sorted(set(state) - used)
-    if unused:
-        raise ValueError(f"medusa: unexpected tensors in {weights.name}: {', '.join(unused[:5])}.")
+            params[f"{i}.{num_layers}.weight"] = heads.proj.data[i]
+    fill("medusa", weights.name, state, params, f" (the target's hidden size {hidden}, vocabulary {vocab})",
+         shown=lambda name: f"medusa_head.{name}")
     return heads
 
 
