@@ -193,11 +193,18 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Answer(BaseModel):
+    """The head of every completions and chat answer and stream chunk, in OpenAI's field order: each subclass
+    narrows `object` (a redefined field keeps its place) and adds `choices` and `usage` after `model`."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class CompletionResponse(_Answer):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = Field(default=None, exclude_if=_omit_none)
 
@@ -254,11 +261,8 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Answer):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -278,21 +282,15 @@ class ChatStreamChoice(BaseModel):
     stop_reason: Annotated[int | str | None, Field(exclude_if=_omit_none)] = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Answer):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
     # With stream_options.include_usage every chunk carries "usage": null and the last one the totals.
     usage: Usage | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(_Answer):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
