@@ -22,6 +22,12 @@ if TYPE_CHECKING:
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 STEP_PHASES = ("schedule", "offload", "prepare", "forward", "sample", "detokenize")
 
+
+def _phase_seconds(step: StepStats) -> tuple[tuple[str, float], ...]:
+    """Each of STEP_PHASES with its seconds in one step."""
+    return (("schedule", step.schedule_s), ("offload", step.offload_s), ("prepare", step.prepare_s),
+            ("forward", step.forward_s), ("sample", step.sample_s), ("detokenize", step.detokenize_s))
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -178,8 +184,8 @@ class ServerMetrics:
             self.itl.observe(s)
         if step is not None and step.num_tokens > 0:
             self.iteration_tokens.observe(step.num_tokens)
-            for phase in STEP_PHASES:
-                self.step_phase[phase].observe(getattr(step, f"{phase}_s"))
+            for phase, seconds in _phase_seconds(step):
+                self.step_phase[phase].observe(seconds)
 
     def _add(self, counter: Counter, key: str, total: int) -> None:
         delta = total - self._last.get(key, 0)

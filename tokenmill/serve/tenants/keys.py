@@ -27,13 +27,11 @@ import json
 import logging
 import signal
 import threading
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from tokenmill.core.request import RequestSLO
 
 log = logging.getLogger("tokenmill.serve")
-
-LIMIT_NAMES = ("requests_per_minute", "tokens_per_minute", "concurrent", "tokens_per_day")
 
 
 class KeysFileError(ValueError):
@@ -199,8 +197,7 @@ def load_keys(path: str) -> KeyTable:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise KeysFileError(f"{path}: tenant {name!r}: priority must be an integer.")
         limits = _section(t.get("limits"), TenantLimits, f"tenant {name!r} limits", path)
-        for k in LIMIT_NAMES:
-            v = getattr(limits, k)
+        for k, v in asdict(limits).items():
             if v is not None and not isinstance(v, int):
                 raise KeysFileError(f"{path}: tenant {name!r} limits.{k} must be an integer, got {v!r}.")
         cache_group = t.get("cache_group")
