@@ -50,6 +50,7 @@ class RayWorker:
 
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig, world_size: int) -> None:
+        self.actors: list = []  # (first: shutdown() reads it, also when this __init__ fails early)
         try:
             import ray
         except ImportError:
@@ -123,7 +124,7 @@ class RayExecutor(Executor):
             raise self._died(e) from None
 
     def shutdown(self) -> None:
-        for a in getattr(self, "actors", []):  # absent when __init__ failed early
+        for a in self.actors:
             try:
                 self.ray.get(a.call.remote("shutdown"), timeout=5)
             except Exception:
