@@ -129,5 +129,5 @@ class ModelRunnerOutput:
         self.prompt_logprobs.update(other.prompt_logprobs)
         self.spec_token_ids.update(other.spec_token_ids)
         self.spec_parents.update(other.spec_parents)
-        for name, value in vars(other.timings).items():
+        for name, value in vars(other.timings).items():  # every StepTimings field, by name: each one adds up
             setattr(self.timings, name, getattr(self.timings, name) + value)

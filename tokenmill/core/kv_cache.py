@@ -3,12 +3,8 @@
 A block holds `block_size` consecutive tokens of one sequence. A full block is named by
 sha256(parent hash, its token ids, extra keys): equal names mean equal KV, so requests share it.
 Free blocks wait in an LRU queue; a free block that still has a hash can be revived by a cache hit
-until it is taken for new tokens (eviction).
-
-Why sha256: a name collision would hand a request another prompt's KV, silently. Python's hash() is
-64 bits and, for ints, trivially collidable; sha256 over a compact encoding (the parent's 32-byte
-digest, the token ids as little-endian int64, then the extra keys) is collision-safe and costs about
-a microsecond per block, far below the forward pass that computes the block.
+until it is taken for new tokens (eviction). The names and the pool's records are kv_blocks.py (why sha256
+there); the prefix lookups, device, lower tiers and connector, prefix_lookup.py.
 
 KV cache groups (vLLM V1's hybrid manager). A model whose layers differ in attention window (Gemma 3: five
 sliding-window layers per full one) has one group per window type (`group_windows`), each group the same
@@ -27,76 +23,20 @@ those blocks are loaded into fresh device blocks instead of being recomputed.
 """
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
+from tokenmill.core.kv_blocks import (RELEASED, Block, PrefixCacheStats, PrefixHit, blocks_for_tokens, group_key,
+                                      hash_block)  # noqa: F401  (hash_block re-exported: tests, router import it here)
 from tokenmill.core.kv_events import KVEventLog
 from tokenmill.core.kv_offload import LoadOp, OffloadTiers
+from tokenmill.core.prefix_lookup import PrefixLookup
 from tokenmill.core.request import Request
 
 
-# In a request's block table: a block released because it slid out of every layer's attention window
-# (release_out_of_window). The workers keep the id they were sent there; no kernel reads it (the native paged
-# kernels start at the window, the masked backends mask it).
-RELEASED = -1
+class KVCacheManager(PrefixLookup):
+    """The block pool of one engine: its requests' block tables per KV cache group, the prefix cache over them,
+    and the transfers to and from the lower tiers. Prefix lookups: prefix_lookup.PrefixLookup."""
 
-
-def group_key(group: int, h: bytes) -> bytes:
-    """The prefix cache's key for group `group`'s copy of the block named `h` (group 0's is the hash itself)."""
-    return h if group == 0 else h + group.to_bytes(2, "little")
-
-
-def blocks_for_tokens(num_tokens: int, group_windows: tuple[int | None, ...], block_size: int, chunk: int) -> int:
-    """The most blocks one request of `num_tokens` tokens holds at once over all groups, computed in chunks of
-    at most `chunk` tokens: its whole context in a full group; in a windowed one the window before its chunk
-    and the chunk (keys num_computed - W + 1 .. num_computed + chunk - 1: at most ceil((W - 1 + chunk) / B) + 1
-    blocks)."""
-    n = -(-num_tokens // block_size)
-    return sum(n if w is None else min(n, -(-(w - 1 + chunk) // block_size) + 1) for w in group_windows)
-
-
-class PrefixHit(list):
-    """A device prefix hit: the first group's blocks (the list itself) and, in `others`, every other group's
-    table entries for the same tokens (RELEASED before the group's window reaches back)."""
-
-    def __init__(self, blocks: list[int] = (), others: list[list[int]] = ()) -> None:
-        super().__init__(blocks)
-        self.others = list(others)
-
-
-def hash_block(parent: bytes | None, token_ids: list[int], extra_keys: tuple = ()) -> bytes:
-    """Name of a full block. `extra_keys` (ints, strings, bytes: e.g. an adapter name, an image hash)
-    separate equal token ids whose KV differs. Token bytes have a fixed length per block, so the
-    fields cannot run into each other."""
-    h = hashlib.sha256(parent or b"\0")
-    h.update(array("q", token_ids).tobytes())
-    if extra_keys:
-        h.update(repr(extra_keys).encode())
-    return h.digest()
-
-
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: bytes | None = None  # its prefix-cache key (group_key), None: unnamed
-    group: int = 0  # the KV cache group whose copy it holds while named
-
-
-@dataclass
-class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # prompt tokens found
-    evictions: int = 0  # cached blocks reused for other content
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-
-class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, offload: OffloadTiers | None = None,
         connector=None, group_windows: tuple[int | None, ...] = (None,),
@@ -155,113 +95,6 @@ class KVCacheManager:
                 hi = mid
         return lo * bs
 
-    # ---- hashing -------------------------------------------------------------------------
-    def update_hashes(self, req: Request, num_tokens: int) -> None:
-        """Extend req.block_hashes over the full blocks within its first `num_tokens` tokens."""
-        bs = self.block_size
-        while (len(req.block_hashes) + 1) * bs <= num_tokens:
-            i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            req.block_hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs], req.extra_keys))
-
-    def get_computed_blocks(self, req: Request) -> list[int]:
-        """Longest chain of cached blocks for req's tokens. At least the last token is always left to
-        compute (its logits are needed), so a full hit never covers the final token."""
-        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
-            return []
-        self.update_hashes(req, req.num_tokens - 1)
-        # block_hashes may already name a block holding the last token (named when it was allocated).
-        hashes = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
-        if self.has_windows:
-            return self._window_hit(hashes)
-        hit: list[int] = []
-        for h in hashes:
-            block_id = self.cached.get(h)
-            if block_id is None:
-                break
-            hit.append(block_id)
-        return hit
-
-    def _window_hit(self, hashes: list[bytes]) -> PrefixHit:
-        """The longest prefix every group can continue from: a full group needs all its blocks, a windowed one
-        only those its window reaches back to from the first uncomputed token (the entries before are RELEASED)."""
-        bs = self.block_size
-        limit = len(hashes)
-        for g, w in enumerate(self.group_windows):
-            if w is None:  # a full group's hit is its chain
-                limit = next((i for i, h in enumerate(hashes[:limit]) if group_key(g, h) not in self.cached), limit)
-        groups = []  # (window, run of cached blocks ending at each index, blocks)
-        for g, w in enumerate(self.group_windows):
-            blocks = [self.cached.get(group_key(g, h)) for h in hashes[:limit]]
-            run, r = [], 0
-            for b in blocks:
-                r = r + 1 if b is not None else 0
-                run.append(r)
-            groups.append((w, run, blocks))
-
-        def first_read(w: int | None, m: int) -> int:
-            return 0 if w is None else max(m * bs - w + 1, 0) // bs
-
-        m = limit
-        while m and not all(run[m - 1] >= m - first_read(w, m) for w, run, _ in groups):
-            m -= 1
-        tables = [[RELEASED] * first_read(w, m) + blocks[first_read(w, m) : m] for w, _, blocks in groups]
-        return PrefixHit(tables[0], tables[1:])
-
-    def get_offloaded_chain(self, req: Request, num_device_blocks: int) -> list[bytes]:
-        """Hashes that continue req's device hit (`num_device_blocks` long) in the host/disk tiers, cut
-        to the prefix whose load beats recomputing it. Like a device hit, never covers the last token."""
-        if self.offload is None or not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
-            return []
-        self.update_hashes(req, req.num_tokens - 1)
-        if self.num_groups > 1:
-            return self._group_offloaded_chain(req.block_hashes[: (req.num_tokens - 1) // self.block_size],
-                                               num_device_blocks)
-        chain: list[bytes] = []
-        tiers: list[str] = []
-        for h in req.block_hashes[num_device_blocks : (req.num_tokens - 1) // self.block_size]:
-            tier = None if h in self.cached else self.offload.tier_of(h)
-            if tier is None:
-                break
-            chain.append(h)
-            tiers.append(tier)
-        return chain[: self.offload.blocks_worth_loading(tiers)] if chain else []
-
-    def _group_offloaded_chain(self, hashes: list[bytes], start: int) -> list[bytes]:
-        """KV cache groups: the longest continuation of a device hit of `start` blocks for which every group has
-        what it needs, on the device or in a lower tier (the full groups every block, a windowed one its window's
-        end), cut to what is worth loading."""
-        def tier(g: int, h: bytes) -> str | None:
-            key = group_key(g, h)
-            return "device" if key in self.cached else self.offload.tier_of(key)
-
-        end = start
-        while end < len(hashes) and all(tier(g, hashes[end]) for g, w in enumerate(self.group_windows) if w is None):
-            end += 1
-        bs = self.block_size
-        for m in range(end, start, -1):
-            needed = [tier(g, hashes[i]) for g, w in enumerate(self.group_windows)
-                      for i in range(max(start, 0 if w is None else max(m * bs - w + 1, 0) // bs), m)]
-            if None in needed:
-                continue
-            lower = [t for t in needed if t != "device"]
-            if self.offload.blocks_worth_loading(lower) == len(lower):
-                return hashes[start:m]
-        return []
-
-    def get_remote_chain(self, req: Request, num_local_blocks: int) -> list[bytes]:
-        """Hashes that continue req's local hit (device + lower tiers, `num_local_blocks` long) in the KV
-        connector's store (a prefill instance's blocks). Like a device hit, never covers the last token."""
-        if self.connector is None or req.params.prompt_logprobs is not None:
-            return []
-        self.update_hashes(req, req.num_tokens - 1)
-        found = []
-        for h in self.connector.lookup(req.block_hashes[num_local_blocks : (req.num_tokens - 1) // self.block_size]):
-            if h in self.cached:
-                break
-            found.append(h)
-        return found
-
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(
         self,
@@ -283,7 +116,8 @@ class KVCacheManager:
         if len(req.tables) != self.num_groups:  # a request's first allocation: a table per group
             req.tables = [[] for _ in range(self.num_groups)]
             req.num_released = [0] * self.num_groups
-        hits = [computed_blocks, *getattr(computed_blocks, "others", ())]
+        # (a windowed pool's device hit is a PrefixHit, with the other groups' entries; a plain one a list)
+        hits = [computed_blocks, *(computed_blocks.others if isinstance(computed_blocks, PrefixHit) else ())]
         if len(hits) != self.num_groups:
             if computed_blocks:
                 raise ValueError(f"a prefix hit for {len(hits)} KV cache group(s), this pool has {self.num_groups}")

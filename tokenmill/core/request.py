@@ -19,8 +19,7 @@ class RequestSLO:
     tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("ttft_ms", "tpot_ms"):
-            v = getattr(self, name)
+        for name, v in (("ttft_ms", self.ttft_ms), ("tpot_ms", self.tpot_ms)):
             if v is not None and not (isinstance(v, (int, float)) and v > 0):
                 raise ValueError(f"slo {name} must be a positive number of milliseconds, got {v!r}.")
 

@@ -13,8 +13,9 @@ whose prompt a running one is computing (the n sequences of one prompt) waits an
 cache. Prompts are chunked by their share (and `long_prefill_token_threshold`, when set). When the block pool
 runs dry the lowest-priority running request is preempted by recompute: its blocks are freed, its tokens kept,
 and it waits at the front.
-The waiting queue (waiting_queue.py), the speculative-decoding counters (spec_stats.py) and the worker-diff
-protocol (worker_diffs.py: what the workers hold, the batches that update them) are their own modules.
+The waiting queue (waiting_queue.py), admission of waiting requests (admission.py), the speculative-decoding
+counters (spec_stats.py), the worker-diff protocol (worker_diffs.py: what the workers hold, the batches that
+update them) and advancing requests by a step's result (step_update.py) are their own modules.
 No torch here.
 """
 from __future__ import annotations
@@ -24,42 +25,16 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.core.batch import ModelRunnerOutput
+from tokenmill.core.admission import Admission, StepFill
 from tokenmill.core.kv_cache import RELEASED, KVCacheManager
 from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.core.policies import make_policy
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.spec_stats import SpecDecodingStats
+from tokenmill.core.step_update import StepUpdate
 from tokenmill.core.waiting_queue import WaitingQueue
 from tokenmill.core.worker_diffs import WorkerDiffs
 from tokenmill.testing import faults
-
-# A waiting request that does not fit the pool now is passed over so smaller ones behind it can run, for
-# at most this many steps; then nothing behind it is admitted until it fits (running requests finish and
-# free their blocks), so a large request is delayed, never starved. Preempted requests are never passed over.
-MAX_ADMISSION_SKIPS = 64
-# Waiting requests that did not fit, tried per step before admission stops: bounds a step's scheduling work
-# when the queue is long and the pool full.
-MAX_MISFITS_PER_STEP = 16
-# Waiting requests passed over per step without trying the pool (a running prompt computes their prefix, or they
-# are long prompts waiting for max_long_partial_prefills): bounds a step's scheduling work behind a long queue.
-MAX_PASSED_PER_STEP = 512
-
-
-@dataclass
-class _Fill:
-    """How one step's budget is being handed out (Scheduler.schedule)."""
-
-    budget: int  # work left: a token each, and a prompt-logprob row each (Scheduler.cost)
-    deferrable: int | None  # work left for the policy's deferrable prompts (StepPlan.deferrable_tokens); None: no cap
-    share: int | None = None  # the most one prompt takes before the top-up; None: all that is left
-    partial: int = 0  # long prompts in progress: those running at the start, and those admitted in this step
-    passed_long: list[Request] = field(default_factory=list)  # long prompts passed over for max_long_partial_prefills
-    passed: int = 0  # waiting requests passed over without trying the pool
-    misfits: int = 0  # waiting requests the pool could not hold
-    adapters: set = field(default_factory=set)  # LoRA adapters that hold the step's slots
-    lora_blocked: bool = False  # a request waits for an adapter slot: no later adapter request is admitted
-    inflight: set[bytes] | None = None  # hashes of the running prompts' blocks (built when first needed)
 
 
 @dataclass
@@ -78,7 +53,7 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
-class Scheduler(WorkerDiffs):
+class Scheduler(Admission, StepUpdate, WorkerDiffs):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, structured=None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()  # the worker-diff state
@@ -228,7 +203,7 @@ class Scheduler(WorkerDiffs):
         for req in plan.preempt:  # room for urgent waiting requests, before anything is scheduled
             self.preempt(req)
             out.preempted.append(req)
-        fill = _Fill(self.config.max_num_batched_tokens, plan.deferrable_tokens)
+        fill = StepFill(self.config.max_num_batched_tokens, plan.deferrable_tokens)
         prompts = fill.partial = sum(1 for r in self.running if r.is_prefill)
         pool_ran_dry = False
 
@@ -304,135 +279,7 @@ class Scheduler(WorkerDiffs):
             if req.status == RequestStatus.RUNNING:
                 self._take_back(out, req)
 
-    def _admit(self, out: SchedulerOutput, fill: _Fill, passed: list[Request], made_room: set[int]) -> None:
-        """Waiting requests in the queue's order. made_room: ids of requests preempted this step to make room for
-        others (they wait at least a step)."""
-        # LoRA: the adapters of the running requests hold the step's slots (at most max_loras). A request for
-        # another adapter waits for one to free up; while it waits, no later adapter request is admitted, so the
-        # running adapters drain and it cannot be starved by a stream of requests for the hot ones. Base-model
-        # requests need no slot and pass.
-        fill.adapters = {r.lora.cache_key for r in self.running if r.lora is not None}
-        while (fill.budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs
-               and fill.passed < MAX_PASSED_PER_STEP):
-            req = self.waiting.pop()
-            passed.append(req)  # until it runs
-            if self._try_admit(out, req, fill, passed, made_room, top_up=False):
-                break
-
-    def _try_admit(self, out: SchedulerOutput, req: Request, fill: _Fill, passed: list[Request], made_room: set[int],
-                   top_up: bool) -> bool:
-        """Admit `req` (taken from the queue, in `passed`) if it may run now. Returns True when nobody behind it
-        may be admitted in this step."""
-        self.current = req
-        faults.maybe_raise("schedule", [req.request_id])
-        if (req.grammar is not None and req.grammar.matcher is None) or id(req) in made_room:
-            return False
-        if req.lora is not None and (fill.lora_blocked or (req.lora.cache_key not in fill.adapters
-                                                           and len(fill.adapters) >= self.config.max_loras)):
-            fill.lora_blocked = True
-            return False
-        computed, offloaded, remote = [], [], []
-        if req.num_computed_tokens == 0:
-            computed = self.kv.get_computed_blocks(req)
-            offloaded = self.kv.get_offloaded_chain(req, len(computed))
-            remote = self.kv.get_remote_chain(req, len(computed) + len(offloaded))
-            connector = self.kv.connector
-            if remote and not connector.admissible(req.request_id, remote):
-                return False  # its KV is being read: waits without holding others up
-        # Cached tokens, shared on the device, loaded from a lower tier or from a prefill instance, cost
-        # no budget.
-        hit = len(computed) + len(offloaded) + len(remote)
-        if self._behind_inflight(req, hit, fill):
-            fill.passed += 1
-            return False
-        start = req.num_computed_tokens + hit * self.kv.block_size
-        left = req.num_tokens - start
-        capped = fill.deferrable is not None and self.policy.deferrable(req)
-        n = self._chunk(req, start, left, self._allowance(req, fill, True))
-        if n <= 0 and capped:
-            return True  # no room left this step for deferred prompts (a policy queues them after the others)
-        long = n < left  # its prompt stays in progress after this step
-        if n <= 0 or (long and not top_up and fill.partial >= self.config.max_long_partial_prefills):
-            if not top_up:
-                fill.passed_long.append(req)
-                fill.passed += 1
-            return False
-        if not self.kv.allocate_slots(req, n, computed, offloaded, self.num_lookahead_tokens, remote):
-            # A preempted request keeps its place (it ran before, and recomputing it only gets dearer);
-            # one that never ran is passed over for a while.
-            req.admission_skips += 1
-            fill.misfits += 1
-            # its turn (admit nobody behind it until it fits), or enough tried for one step
-            return bool(req.num_preemptions or req.admission_skips > MAX_ADMISSION_SKIPS
-                        or fill.misfits >= MAX_MISFITS_PER_STEP)
-        passed.remove(req)  # it holds blocks now: running from here, so no exception below can lose it
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
-        if req.lora is not None:
-            fill.adapters.add(req.lora.cache_key)
-        out.scheduled.append((req, n))
-        self._spend(req, start, n, fill, capped)
-        if long:
-            fill.partial += 1
-        if fill.inflight is not None:
-            self._add_inflight(fill, req)
-        req.admission_skips = 0
-        if self.kv.connector is not None:
-            self.kv.connector.admitted(req.request_id)
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = hit * self.kv.block_size
-            self.kv.record_query(req.num_prompt_tokens, req.num_cached_tokens)
-            out.recorded.append(req)
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = self.clock()
-        return False
-
-    def _top_up(self, out: SchedulerOutput, fill: _Fill, passed: list[Request], made_room: set[int]) -> None:
-        """Hand out the budget the shares left unused: first to the prompts this step cut short (in batch order),
-        then to the long prompts passed over for max_long_partial_prefills. No step leaves budget unused while a
-        prompt could take it, and none carries more than the budget."""
-        fill.share = None
-        for i, (req, n) in enumerate(out.scheduled):
-            if fill.budget <= 0:
-                return
-            left = req.num_uncomputed_tokens - n
-            if left <= 0 or req.request_id in out.spec:
-                continue
-            start = req.num_computed_tokens + n
-            capped = fill.deferrable is not None and self.policy.deferrable(req)
-            more = self._chunk(req, start, left, self._allowance(req, fill, True), taken=n)
-            if more > 0 and self.kv.allocate_slots(req, n + more, num_lookahead_tokens=self.num_lookahead_tokens):
-                out.scheduled[i] = (req, n + more)
-                self._spend(req, start, more, fill, capped)
-        for req in fill.passed_long:
-            if fill.budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                return
-            if self._try_admit(out, req, fill, passed, made_room, top_up=True):
-                return
-
-    def _behind_inflight(self, req: Request, hit: int, fill: _Fill) -> bool:
-        """Whether a running prompt computes the next block of req's prompt after its prefix hit in a later step:
-        then req waits and reads that block from the prefix cache, instead of computing it again beside the
-        other (the n sequences of one prompt; equal prompts). The running one progresses every step, so the wait
-        ends; the last block that is not full is each one's own."""
-        kv = self.kv
-        if not kv.enable_prefix_caching or req.params.prompt_logprobs is not None or req.num_computed_tokens:
-            return False
-        if hit >= (req.num_tokens - 1) // kv.block_size:
-            return False
-        if fill.inflight is None:
-            fill.inflight = set()
-            for r in self.running:
-                if r.is_prefill:
-                    self._add_inflight(fill, r)
-        return req.block_hashes[hit] in fill.inflight
-
-    def _add_inflight(self, fill: _Fill, req: Request) -> None:
-        # (a request with prompt logprobs reads no hits, so its hashes were only made for the blocks it named)
-        self.kv.update_hashes(req, req.num_tokens - 1)
-        fill.inflight.update(req.block_hashes)
-
-    def _allowance(self, req: Request, fill: _Fill, prompt: bool) -> int:
+    def _allowance(self, req: Request, fill: StepFill, prompt: bool) -> int:
         """The most work `req` may take now: the budget left and, for a prompt, its share and the policy's cap."""
         most = fill.budget
         if prompt and fill.share is not None:
@@ -441,7 +288,7 @@ class Scheduler(WorkerDiffs):
             most = min(most, fill.deferrable)
         return most
 
-    def _spend(self, req: Request, start: int, n: int, fill: _Fill, capped: bool) -> None:
+    def _spend(self, req: Request, start: int, n: int, fill: StepFill, capped: bool) -> None:
         work = self.cost(req, start, n)
         fill.budget -= work
         if capped:
@@ -482,33 +329,7 @@ class Scheduler(WorkerDiffs):
         return req.spec_token_ids[: max(room, 0)]
 
     # ---- the step contract ---------------------------------------------------------------
-    # (build_batch, unbuild: worker_diffs.WorkerDiffs)
-    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Advance every scheduled request by what the step computed and accepted: any number of new
-        tokens per request. KV slots of rejected drafts are rolled back (their blocks freed); stop
-        tokens, max_tokens and max_model_len finish requests and free their blocks. A request whose update
-        fails (a grammar matcher that raises, a bug) ends alone with an error; the others carry on."""
-        sampled = dict(zip(result.req_ids, result.sampled_token_ids))
-        outputs: list[EngineCoreOutput] = []
-        now = self.clock()
-        for req, n in out.scheduled:
-            if req.status != RequestStatus.RUNNING:
-                continue  # finished while the step ran (an abort)
-            self.current = req
-            try:
-                faults.maybe_raise("update", [req.request_id])
-                o = self._update_one(req, n, out.spec.get(req.request_id, ()), sampled.get(req.request_id, []),
-                                     result, now)
-            except Exception as e:
-                o = self.fail_request(req, f"the request failed in the engine: {type(e).__name__}: {e}")
-            if self.kv.has_windows and req.status == RequestStatus.RUNNING:
-                self.kv.release_out_of_window(req)
-            if o is not None:
-                outputs.append(o)
-        self.current = None
-        self._continuing = self.has_unfinished()
-        return outputs
-
+    # (build_batch, unbuild: worker_diffs.WorkerDiffs; update_from_output: step_update.StepUpdate)
     def fail_request(self, req: Request, message: str, status: int = 500, code: str | None = None) -> EngineCoreOutput:
         """End one request with an error (its caller gets `message`); its blocks are freed."""
         if not req.finished:
@@ -516,63 +337,6 @@ class Scheduler(WorkerDiffs):
         req.stop_reason = message
         return EngineCoreOutput(req.request_id, [], finish_reason="abort", stop_reason=message, error=message,
                                 error_status=status, finished_time=req.finished_time, error_code=code)
-
-    def _update_one(self, req: Request, n: int, spec, new: list[int], result: ModelRunnerOutput,
-                    now: float) -> EngineCoreOutput | None:
-        rid = req.request_id
-        rejected = len(spec) - max(len(new) - 1, 0) if spec else 0
-        if spec:
-            self.spec_stats.record(len(spec), len(spec) - rejected)
-        before = req.num_computed_tokens
-        req.num_computed_tokens = before + n - rejected
-        self.prompt_tokens += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - min(before, req.num_prompt_tokens))
-        req.spec_token_ids, req.spec_parents = [], None
-        prompt_lps = result.prompt_logprobs.get(rid)
-        if not new and prompt_lps is None:
-            return None
-        grammar_end = grammar_done = False  # grammar_done: it stopped the request, its last token is text
-        if req.grammar is not None:
-            new, grammar_end = self.structured.accept(req, new)
-        accepted, status = self._append(req, new)
-        if grammar_end and status is None:
-            if req.grammar.error is not None:  # a token outside the grammar: never pass it off as "stop"
-                status, req.stop_reason = RequestStatus.FINISHED_ABORTED, f"grammar error: {req.grammar.error}"
-            else:  # the grammar is complete: only EOS could follow
-                status, grammar_done = RequestStatus.FINISHED_STOPPED, True
-        if rejected:
-            self.kv.trim(req, req.num_tokens + self.num_lookahead_tokens)
-            if req.sent is not None:  # the worker must replace its table's tail, not just extend it
-                req.sent = (req.sent[0], min(req.sent[1], len(req.block_ids)))
-        self.generation_tokens += len(accepted)
-        if accepted and req.first_token_time is None:
-            req.first_token_time = now
-        if status is not None:
-            self.finish_request(req, status)
-        else:
-            req.spec_token_ids = result.spec_token_ids.get(rid, [])
-            req.spec_parents = result.spec_parents.get(rid)
-        lps = result.logprobs.get(rid)
-        return EngineCoreOutput(
-            rid, accepted, lps[: len(accepted)] if lps is not None else None, prompt_lps,
-            req.status.value if req.finished else None, req.stop_reason, max(req.num_cached_tokens, 0),
-            req.first_scheduled_time, req.first_token_time, req.finished_time, grammar_done)
-
-    def _append(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
-        """Append tokens until one finishes the request. Stop strings are the output processor's job."""
-        p = req.params
-        for i, tok in enumerate(tokens):
-            req.append_token(tok)
-            status = None
-            if req.num_output_tokens >= p.min_tokens:
-                if not p.ignore_eos and tok in req.eos_token_ids:
-                    status = RequestStatus.FINISHED_STOPPED
-                elif tok in req.stop_token_ids:
-                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
-            if status is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
-                status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                return tokens[: i + 1], status
-        return tokens, None
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus, stop_reason=None) -> None:
         """Finish requests by id wherever they are (aborts, and stop strings found by the output processor)."""
