@@ -266,8 +266,8 @@ def fake_core(steps, busy=False):
     from types import SimpleNamespace
 
     return SimpleNamespace(stats=SimpleNamespace(history=list(steps)), has_unfinished_requests=lambda: busy,
-                           info=SimpleNamespace(device="cpu", compute_dtype="float32", model_cost=COST),
-                           config=SimpleNamespace(speculative=None, parallel=None))
+                           info=SimpleNamespace(device="cpu", compute_dtype="float32", model_cost=COST, weights=None),
+                           config=SimpleNamespace(speculative=None, parallel=None), scheduler=None)
 
 
 # 1000 tokens: ~1.8e11 FLOPs and ~1.01e9 bytes in a 2.5 s forward pass: ~72 GFLOP/s, ~0.4 GB/s achieved.

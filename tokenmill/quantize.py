@@ -44,11 +44,10 @@ def quantize_checkpoint(model: str, out: str, method: str = "int4", group_size: 
         raise FileExistsError(f"output folder {out!r} exists and is not empty")
     packed_config = PackedConfig(method, group_size, symmetric)  # validates the method and group size
     qmodel, cfg, _ = load_model(model, "float32", quant_config=WeightOnlyConfig(method, group_size, symmetric))
-    # getattr: qmodel is any registered nn.Module; these attributes are set by some only
-    naming: WeightNaming = getattr(qmodel, "weight_naming", WeightNaming())
-    fused_of = {part: (fused, i) for fused, parts in getattr(qmodel, "packed_modules_mapping", {}).items()
+    naming: WeightNaming = qmodel.weight_naming  # a registered model: a DecoderForCausalLM
+    fused_of = {part: (fused, i) for fused, parts in qmodel.packed_modules_mapping.items()
                 for i, part in enumerate(parts)}
-    tied = bool(getattr(qmodel, "tie_word_embeddings", False))
+    tied = qmodel.tie_word_embeddings
     modules = dict(qmodel.named_modules())
     tensors: dict[str, torch.Tensor] = {}
     quantized = copied = 0
@@ -66,8 +65,9 @@ def quantize_checkpoint(model: str, out: str, method: str = "int4", group_size: 
                 rows = (sum(sizes[:index]), sizes[index])
         if isinstance(layer, LinearBase) and leaf == "weight" and hasattr(layer, "qweight"):
             stem = ckpt_name[: -len("weight")]
-            for pname in ("qweight", "scale", "zero"):
-                p = getattr(layer, pname, None)  # parameters of packed layers, by name
+            own = dict(layer.named_parameters(recurse=False))
+            for pname in ("qweight", "scale", "zero"):  # those of them the packed layer has
+                p = own.get(pname)
                 if p is not None:
                     tensors[stem + pname] = (p.data if rows is None else p.data.narrow(0, *rows)).clone()
             quantized += 1

@@ -37,18 +37,26 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
         self.start_after_token_ids = tuple(int(t) for t in self.start_after_token_ids)
 
+    def constraints(self) -> dict[str, Any]:
+        """The six constraint fields by name (set or not)."""
+        return {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                "json_object": self.json_object, "structural_tag": self.structural_tag}
+
     def kinds(self) -> list[str]:
-        return [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-                if getattr(self, k) not in (None, False)]
+        return [k for k, v in self.constraints().items() if v not in (None, False)]
 
     @property
     def kind(self) -> str:
         return self.kinds()[0]
 
+    @property
+    def value(self) -> Any:
+        """The constraint as given (the field `kind` names)."""
+        return self.constraints()[self.kind]
+
     def spec(self) -> tuple[str, str]:
         """(kind, canonical text): equal constraints give equal keys (the compiled-grammar cache's key)."""
-        kind = self.kind
-        value: Any = getattr(self, kind)
+        kind, value = self.kind, self.value
         if kind == "json_object":
             value = ""
         else:
@@ -120,14 +128,17 @@ class SamplingParams:
         def bad(param: str, msg: str) -> None:
             raise ValueError(f"{param} {msg}")
 
-        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
-            value = getattr(self, name)
+        integers = {"n": self.n, "top_k": self.top_k, "min_tokens": self.min_tokens, "max_tokens": self.max_tokens,
+                    "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs, "seed": self.seed}
+        for name, value in integers.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 bad(name, f"must be an integer, got {value!r}.")
             if value is not None and not -INT64_MAX - 1 <= value <= INT64_MAX:
                 bad(name, f"must fit in a signed 64-bit integer, got {value}.")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
+        numbers = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
+                   "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+                   "frequency_penalty": self.frequency_penalty}
+        for name, value in numbers.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 bad(name, f"must be a finite number, got {value!r}.")
         if self.n < 1:

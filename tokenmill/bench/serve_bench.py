@@ -146,7 +146,8 @@ def add_bench_parsers(subparsers) -> Any:
 
 
 def dataset_spec(args: argparse.Namespace) -> DatasetSpec:
-    fields = {f: getattr(args, f) for flags in DATASET_FLAGS.values() for f in flags}  # flags by name
+    flags = vars(args)  # the dataset flags, by name
+    fields = {f: flags[f] for names in DATASET_FLAGS.values() for f in names}
     return DatasetSpec(name=args.dataset, num_prompts=args.num_prompts, seed=args.seed, **fields)
 
 
@@ -154,7 +155,7 @@ def run_config(args: argparse.Namespace, model: str, num_prompts: int, ignore_eo
                slos: dict[str, float]) -> dict[str, Any]:
     return {
         "base_url": args.base_url, "model": model, "endpoint": args.endpoint, "dataset": args.dataset,
-        "dataset_params": {f: getattr(args, f) for f in DATASET_FLAGS[args.dataset]},  # flags by name
+        "dataset_params": {f: vars(args)[f] for f in DATASET_FLAGS[args.dataset]},  # the dataset's flags, by name
         "num_prompts": num_prompts, "num_warmups": args.num_warmups,
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "ignore_eos": ignore_eos,

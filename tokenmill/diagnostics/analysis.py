@@ -42,7 +42,7 @@ def resident_weight_bytes(model) -> int:
 def streamed_parameters(model) -> list[torch.nn.Parameter]:
     """The parameters that --weights-resident-gb streams from disk (model/weight_store.py) or --cpu-offload-gb
     keeps in host memory (model/host_offload.py): the start-up log counts them as streamed, not resident."""
-    store = getattr(model, "weight_store", None)
+    store = model.weight_store
     if store is None or not store.streamed:
         return []
     from tokenmill.model.weight_store import _streamable
@@ -52,7 +52,7 @@ def streamed_parameters(model) -> list[torch.nn.Parameter]:
     for s in store.streamed:
         # An offloaded layer lists what it moved; a disk-streamed layer maps what could stream (the rest of it,
         # oneDNN-packed or non-contiguous, stayed resident).
-        out += getattr(s, "params", None) or [p for p in layers[s.index].parameters() if _streamable(p)]
+        out += s.params or [p for p in layers[s.index].parameters() if _streamable(p)]
     return out
 
 
@@ -127,8 +127,9 @@ def diagnose(steps: Iterable, cost: ModelCost, peaks: Peaks, idle_s: float = 0.0
     section (stale, over_peak), never shown silently. engine_diagnostics passes peaks already re-measured
     or raised (calibrate), so its shares stay within 100 %."""
     steps = list(steps)
-    split = {k: sum(getattr(s, f"{k}_s") for s in steps)
-             for k in ("schedule", "offload", "prepare", "forward", "sample", "detokenize")}
+    split = {"schedule": sum(s.schedule_s for s in steps), "offload": sum(s.offload_s for s in steps),
+             "prepare": sum(s.prepare_s for s in steps), "forward": sum(s.forward_s for s in steps),
+             "sample": sum(s.sample_s for s in steps), "detokenize": sum(s.detokenize_s for s in steps)}
     busy = sum(split.values())
     total = busy + idle_s
     flops = sum(cost.step_flops(s.num_tokens, s.num_sampled, s.attn_pairs) for s in steps)
@@ -218,7 +219,7 @@ def _calibration_of(peaks: Peaks, observed: dict[str, float]) -> Calibration:
 
 
 def _collectives(steps: list, forward_s: float) -> dict:
-    spent = sum(getattr(s, "collective_s", 0.0) for s in steps)
+    spent = sum(s.collective_s for s in steps)
     busy = sum(s.busy_s for s in steps)
     return {"time_s": spent, "share_of_forward": spent / forward_s if forward_s else 0.0,
             "share_of_step": spent / busy if busy else 0.0}
@@ -248,23 +249,27 @@ def attention_summary(steps: list, forward_s: float, peaks: Peaks) -> dict:
 
 def engine_diagnostics(core, last_n: int | None = None) -> dict:
     """Diagnose an EngineCore's (or an LLMEngine's) recent steps (all kept history by default)."""
-    core = getattr(core, "core", core)
+    from tokenmill.engine.engine import LLMEngine
+
+    if isinstance(core, LLMEngine):
+        core = core.core
     steps = list(core.stats.history)
     if last_n and last_n > 0:  # 0, negative or absent: the whole kept history
         steps = steps[-last_n:]
     info = core.info
     # Re-measuring blocks the core for about a second: only at a safe moment, with no request in the
     # engine (then it costs a request that arrives meanwhile that wait, like the first calibration does).
-    busy = getattr(core, "has_unfinished_requests", lambda: False)()
-    cal = calibrate(info.device, getattr(torch, info.compute_dtype), own_load=_own_load(core), may_measure=not busy,
+    busy = core.has_unfinished_requests()
+    dtype = getattr(torch, info.compute_dtype)  # getattr: a torch dtype by name ("float32")
+    cal = calibrate(info.device, dtype, own_load=_own_load(core), may_measure=not busy,
                     observed=observed_rates(steps, info.model_cost))
     # Idle time between the window's steps only: not the wait before its first step (start-up, an
     # earlier quiet spell) nor the one after its last, which belong to no run in the window.
     idle_s = sum(s.idle_before_s for s in steps[1:])
-    weights = getattr(info, "weights", None)
+    weights = info.weights
     out = diagnose(steps, info.model_cost, cal.peaks, idle_s=idle_s, weights=weights)
     out["calibration"] = cal.as_dict()
-    scheduler = getattr(core, "scheduler", None)  # (the calibration tests pass a core without one)
+    scheduler = core.scheduler  # None in the calibration tests' stand-in core
     if scheduler is not None:
         out["scheduling_policy"] = scheduler.policy.describe()  # slo: its step-time fit, shed and made room
         kv = scheduler.kv

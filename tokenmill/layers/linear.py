@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers import collectives
-from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, set_weight_attrs
+from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, set_weight_attrs, weight_attr
 from tokenmill.layers.quantization.unquantized import UnquantizedLinearMethod
 
 
@@ -39,7 +39,7 @@ def assign(param: torch.Tensor, loaded: torch.Tensor) -> None:
 def stored(param: torch.Tensor, dim: int, n: int) -> int:
     """A logical size along `dim` in stored elements: packed formats keep several values per element
     (eight int4 in an int32) or one scale per group of input columns (`pack_factors` {dim: per element})."""
-    factor = getattr(param, "pack_factors", {}).get(dim, 1)  # packed parameters only
+    factor = weight_attr(param, "pack_factors", {}).get(dim, 1)  # packed parameters only
     if n % factor:
         raise ValueError(f"cuts {n} along dim {dim}, not a multiple of its packing ({factor} per element)")
     return n // factor
@@ -282,7 +282,7 @@ class RowParallelLinear(LinearBase):
         self._create_weights(_divide(input_size, tp_size, "input size"), [output_size], bias, bias_sharded=False)
 
     def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None) -> None:
-        dim = getattr(param, "input_dim", None)  # set on some parameters only
+        dim = weight_attr(param, "input_dim")
         if dim is None or self.tp_size == 1:  # the bias, or nothing to cut
             default_weight_loader(param, loaded_weight, shard_id)
             return
@@ -316,7 +316,7 @@ def _divide(n: int, parts: int, what: str) -> int:
 
 
 def _output_dim(param: torch.Tensor) -> int:
-    dim = getattr(param, "output_dim", None)  # set on some parameters only
+    dim = weight_attr(param, "output_dim")
     if dim is None:
         raise ValueError("has no output dimension to shard")
     return dim

@@ -104,7 +104,7 @@ class UnquantizedMoEMethod:
         pass
 
     def linear(self, layer: nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
-        w = getattr(layer, f"{name}_weight")[e]
+        w = _part(layer, name, "weight")[e]
         return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
 
 
@@ -113,13 +113,13 @@ class Int8MoEMethod(UnquantizedMoEMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         for name in ("w13", "w2"):
-            w = getattr(layer, f"{name}_weight").data
+            w = _part(layer, name, "weight").data
             E, N, K = w.shape
             q, scale = quantize_int8(w.reshape(E * N, K))
             _swap(layer, name, qweight=q.reshape(E, N, K), scale=scale.reshape(E, N))
 
     def linear(self, layer: nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
-        return int8_matmul(x, getattr(layer, f"{name}_qweight")[e], getattr(layer, f"{name}_scale")[e])
+        return int8_matmul(x, _part(layer, name, "qweight")[e], _part(layer, name, "scale")[e])
 
 
 class Int4MoEMethod(UnquantizedMoEMethod):
@@ -132,7 +132,7 @@ class Int4MoEMethod(UnquantizedMoEMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         g = self.group_size
         for name in ("w13", "w2"):
-            w = getattr(layer, f"{name}_weight").data
+            w = _part(layer, name, "weight").data
             E, N, K = w.shape
             if K % g:
                 raise ValueError(f"int4 group size {g} does not divide the input size {K} of {layer.prefix}.{name}")
@@ -141,10 +141,15 @@ class Int4MoEMethod(UnquantizedMoEMethod):
                   zero=zero.reshape(E, N, -1))
 
     def linear(self, layer: nn.Module, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
-        q, s, z = (getattr(layer, f"{name}_{p}")[e] for p in ("qweight", "scale", "zero"))
+        q, s, z = (_part(layer, name, p)[e] for p in ("qweight", "scale", "zero"))
         g = self.group_size
         return packed_matmul(x, lambda x2, b: torch.ops.tokenmill.int4_linear(x2, q, s, z, g, b),
                              lambda: dequantize_int4(q, s, z, g))
+
+
+def _part(layer: nn.Module, name: str, part: str) -> torch.Tensor:
+    """The stacked experts' tensor `part` of w13 / w2 (w13_weight, w2_qweight, ...)."""
+    return getattr(layer, f"{name}_{part}")  # getattr: FusedMoE's parameters by name, as _swap registers them
 
 
 def _swap(layer: nn.Module, name: str, **packed: torch.Tensor) -> None:
@@ -162,9 +167,8 @@ def moe_method(quant_config: QuantizationConfig | None) -> UnquantizedMoEMethod:
         if quant_config.name == "int8":
             return Int8MoEMethod()
         return Int4MoEMethod(quant_config.group_size, quant_config.symmetric)
-    # getattr: quant_config is any QuantizationConfig
-    if quant_config is not None and getattr(quant_config, "name", None) != "gguf":
-        raise NotImplementedError(f"mixture-of-experts layers with {getattr(quant_config, 'name', quant_config)!r} "
+    if quant_config is not None and quant_config.name != "gguf":
+        raise NotImplementedError(f"mixture-of-experts layers with {quant_config.name!r} "
                                   f"quantization are not supported")
     return UnquantizedMoEMethod()
 

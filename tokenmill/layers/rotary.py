@@ -7,16 +7,17 @@ import torch
 from torch import nn
 
 from tokenmill.layers import fused
+from tokenmill.model.hf_config import hf_get
 
 
 def rope_inv_freq(hf_config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
-    # getattr: a transformers config; rope_parameters (newer) or rope_theta (older) vary by version
-    params = getattr(hf_config, "rope_parameters", None) or {}
+    # rope_parameters (newer transformers) or rope_theta (older)
+    params = hf_get(hf_config, "rope_parameters") or {}
     if layer_type is not None and layer_type in params:
         params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
-        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        base = params.get("rope_theta", hf_get(hf_config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.lora import LoRALayer, LoRAStep
 from tokenmill.lora.peft import LAYER_INDEX, TARGETS, LoRAAdapter, LoRAFormatError, check_shapes, load_peft
 from tokenmill.lora.request import LoRARequest
 from tokenmill.model.gguf_loader import unpermute_rope_rows
+
+if TYPE_CHECKING:
+    from tokenmill.model.blocks import DecoderForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +39,9 @@ class AdapterTargets:
     """Where each checkpoint module of an adapter lands in a model: (layer name, shard), with the shapes it
     must have. Built from the model alone, so the API process can check an adapter without the weights."""
 
-    def __init__(self, model: nn.Module) -> None:
-        # getattr: model is any nn.Module; these attributes are set by some only (DecoderForCausalLM)
-        self.naming = getattr(model, "weight_naming", None)
-        packed = getattr(model, "packed_modules_mapping", {})
+    def __init__(self, model: DecoderForCausalLM) -> None:
+        self.naming = model.weight_naming
+        packed = model.packed_modules_mapping
         self.unpacked = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
         names = {part for part in TARGETS if part not in self.unpacked} | {f for f, _ in self.unpacked.values()}
         self.layers: dict[str, LinearBase] = {
@@ -47,9 +49,7 @@ class AdapterTargets:
             if isinstance(m, LinearBase) and name.rsplit(".", 1)[-1] in names}
         # Layer indices present in the model but not on this pipeline stage: an adapter's modules there are
         # another stage's to load.
-        # getattr: decoders have layers, other modules may not
-        all_layers = getattr(model, "layers", None)
-        self.num_layers = len(all_layers) if all_layers is not None else 0
+        self.num_layers = len(model.layers)
         self.shapes: dict[str, tuple[int, int]] = {}  # checkpoint suffix (q_proj, ...) -> (in, out), full
         for name, layer in self.layers.items():
             suffix = name.rsplit(".", 1)[-1]
@@ -59,10 +59,8 @@ class AdapterTargets:
 
     def locate(self, module: str) -> tuple[str, int] | None:
         """A checkpoint module name -> (this model's layer name, shard index); None if not on this rank."""
-        name = module
-        if self.naming is not None:
-            name = self.naming.param_name(module + ".weight", tied=False) or ""
-            name = name.removesuffix(".weight")
+        name = self.naming.param_name(module + ".weight", tied=False) or ""
+        name = name.removesuffix(".weight")
         prefix, _, part = name.rpartition(".")
         if part in self.unpacked:
             fused, shard = self.unpacked[part]
@@ -93,7 +91,7 @@ class AdapterTargets:
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int,
+    def __init__(self, model: DecoderForCausalLM, max_loras: int, max_rank: int, max_cpu_loras: int,
                  device: torch.device) -> None:
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -101,9 +99,8 @@ class LoRAManager:
         self.device = device
         self.targets = AdapterTargets(model)
         self.step = LoRAStep()
-        dtype = getattr(model, "compute_dtype", torch.float32)  # set by DecoderForCausalLM; other modules not
         for layer in self.targets.layers.values():
-            layer.lora = LoRALayer(layer, self.step, max_loras, max_rank, dtype, device)
+            layer.lora = LoRALayer(layer, self.step, max_loras, max_rank, model.compute_dtype, device)
         model.lora_step = self.step  # the model keeps its native stack for steps without adapter tokens
         self.host: OrderedDict[tuple, Resolved] = OrderedDict()  # cache_key -> resolved, LRU order
         self.slots: list[tuple | None] = [None] * max_loras  # cache_key per slot

@@ -186,6 +186,9 @@ class DecoderForCausalLM(nn.Module):
     # layers (-1: the embeddings), concatenated on the last dim. Empty: nothing extra is done.
     aux_hidden_layers: tuple[int, ...] = ()
     aux_hidden_states: torch.Tensor | None = None
+    # Set when decoder layers stream their weights (model/weight_store.py's WeightStore from disk,
+    # model/host_offload.py's HostOffload from host memory): `.streamed`, `.describe()`.
+    weight_store = None
 
     def __init__(self, cfg, spec: DecoderSpec, dtype: torch.dtype, compute_dtype: torch.dtype, max_positions: int,
                  quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1,

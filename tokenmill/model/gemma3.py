@@ -14,13 +14,13 @@ import torch
 
 from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.model.blocks import AttentionSpec, DecoderForCausalLM, DecoderSpec, LayerSpec, MLPSpec
+from tokenmill.model.hf_config import hf_get
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def layer_types(cfg) -> list[str]:
-    # getattr: cfg is a transformers config; these attributes vary by model family and version
-    types = getattr(cfg, "layer_types", None)
+    types = hf_get(cfg, "layer_types")
     if types is None:  # Gemma3TextConfig fills this in; default pattern is 5 sliding then 1 full
         types = [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(cfg.num_hidden_layers)]
     unknown = set(types) - {SLIDING, FULL}
@@ -30,15 +30,14 @@ def layer_types(cfg) -> list[str]:
 
 
 def gemma3_spec(cfg, dtype: torch.dtype) -> DecoderSpec:
-    # getattr: cfg is a transformers config; these attributes vary by model family and version
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+    if hf_get(cfg, "attn_logit_softcapping") is not None:
         raise NotImplementedError(
             f"attn_logit_softcapping={cfg.attn_logit_softcapping} is set in config.json, but tokenmill's "
             "attention backend has no logit soft-capping (Gemma 3 checkpoints leave it null)"
         )
-    if getattr(cfg, "use_bidirectional_attention", False):
+    if hf_get(cfg, "use_bidirectional_attention", False):
         raise NotImplementedError("use_bidirectional_attention=True (an encoder-style Gemma 3) is not supported")
-    bias = bool(getattr(cfg, "attention_bias", False))
+    bias = bool(hf_get(cfg, "attention_bias", False))
     # Sliding layers use the local rope (theta 10k), full layers the global one (theta 1M, plus e.g.
     # linear scaling on the larger models): the rope key is the layer type.
     layers = tuple(LayerSpec(cfg.sliding_window if t == SLIDING else None, rope=t) for t in layer_types(cfg))
@@ -49,15 +48,15 @@ def gemma3_spec(cfg, dtype: torch.dtype) -> DecoderSpec:
         # Scale from query_pre_attn_scalar, not head_dim: they differ for Gemma 3 27B.
         attention=AttentionSpec(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                 cfg.query_pre_attn_scalar**-0.5, qkv_bias=bias, o_bias=bias, qk_norm=True),
-        mlp=MLPSpec(cfg.intermediate_size, getattr(cfg, "hidden_activation", None) or "gelu_pytorch_tanh"),
+        mlp=MLPSpec(cfg.intermediate_size, hf_get(cfg, "hidden_activation") or "gelu_pytorch_tanh"),
         layers=layers,
         norm_offset=1.0,
         sandwich_norms=True,
         # transformers multiplies by sqrt(hidden_size) cast to the weights' dtype (55.4256 -> 55.5 in
         # bfloat16); rounding to the storage dtype matches it for a checkpoint loaded in that dtype.
         embed_scale=float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype)),
-        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
-        final_logit_softcapping=getattr(cfg, "final_logit_softcapping", None),
+        tie_word_embeddings=bool(hf_get(cfg, "tie_word_embeddings", True)),
+        final_logit_softcapping=hf_get(cfg, "final_logit_softcapping"),
     )
 
 

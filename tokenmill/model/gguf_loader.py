@@ -10,12 +10,17 @@ import logging
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 import torch
 
 from tokenmill.model.gguf_file import GGUFFile
+from tokenmill.model.hf_config import hf_get
+
+if TYPE_CHECKING:
+    from tokenmill.layers.quantization.base import QuantizationConfig
+    from tokenmill.model.blocks import DecoderForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +163,8 @@ def gguf_to_hf_names(path: str, cfg) -> dict[str, str]:
         if g is not None:
             out[f"{g}.weight"] = f"{hf}.weight"
             out[f"{g}.bias"] = f"{hf}.bias"
-    # getattr: a transformers config: Mixtral names num_local_experts, Qwen MoE num_experts, dense models neither
-    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0
+    # Mixtral names num_local_experts, Qwen MoE num_experts, dense models neither
+    experts = hf_get(cfg, "num_local_experts") or hf_get(cfg, "num_experts") or 0
     for i in range(cfg.num_hidden_layers):
         for e in range(experts):
             for g, hf in _LEGACY_EXPERT.items():
@@ -220,20 +225,18 @@ def iter_gguf_weights(path: str, cfg, dtype: torch.dtype,
 FLOAT_TYPES = {0, 1, 28, 30}  # F32, F16, F64, BF16: a float parameter from these was not dequantized
 
 
-def dequantized_at_load(path: str, cfg, model: torch.nn.Module, quant_config=None,
+def dequantized_at_load(path: str, cfg, model: DecoderForCausalLM, quant_config: QuantizationConfig | None = None,
                         requested: str | None = None) -> dict[str, int]:
     """Bytes of the model's float parameters whose GGUF tensors were quantized, by why they were not kept as
     blocks (for the start-up log): the type has no block kernel, a merged layer's parts differ in type, or
     blocks are not kept at all (`requested`, the --quantization asked for, says whether by choice or for want
-    of kernels on this device)."""
+    of kernels on this device). `model`: a registered model, or a view of one (executor/memory_report.py)."""
     from tokenmill.layers.moe import expert_target
     from tokenmill.layers.quantization.gguf import KERNEL_TYPES, type_name
-    from tokenmill.model.weights import WeightNaming
 
     params = dict(model.named_parameters())
-    # getattr: model is any registered nn.Module; weight_naming / packed_modules_mapping are class attributes of some
-    naming = getattr(model, "weight_naming", WeightNaming())
-    unpacked = {part: fused for fused, parts in getattr(model, "packed_modules_mapping", {}).items() for part in parts}
+    naming = model.weight_naming
+    unpacked = {part: fused for fused, parts in model.packed_modules_mapping.items() for part in parts}
     names = gguf_to_hf_names(path, cfg)
     sources: dict[str, set[int]] = {}  # parameter -> ggml types of the GGUF tensors loaded into it
     for t in read_gguf(path).tensors:
@@ -250,8 +253,8 @@ def dequantized_at_load(path: str, cfg, model: torch.nn.Module, quant_config=Non
             elif last in unpacked:
                 pname = f"{parent}.{unpacked[last]}.{leaf}" if parent else f"{unpacked[last]}.{leaf}"
         sources.setdefault(pname, set()).add(t.ggml_type)
-    # getattr: quant_config is None or any QuantizationConfig
-    keeps = getattr(quant_config, "name", None) == "gguf"
+    quant = quant_config.name if quant_config is not None else None
+    keeps = quant == "gguf"
     out: dict[str, int] = {}
     for pname, param in params.items():
         src = sources.get(pname, set())
@@ -259,8 +262,8 @@ def dequantized_at_load(path: str, cfg, model: torch.nn.Module, quant_config=Non
         if not param.is_floating_point() or not quantized:
             continue  # kept as blocks, or stored as float in the file (norms, biases)
         if not keeps:
-            name = getattr(quant_config, "name", None) or requested
-            reason = f"--quantization {name}" if name else "no GGUF block kernels on this device"
+            asked = quant or requested
+            reason = f"--quantization {asked}" if asked else "no GGUF block kernels on this device"
         elif len(src) > 1:
             reason = f"merged layer of mixed types {'+'.join(sorted(type_name(q) for q in src))}"
         elif quantized[0] not in KERNEL_TYPES.values():

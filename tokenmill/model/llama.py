@@ -5,6 +5,7 @@ import torch
 
 from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.model.blocks import AttentionSpec, DecoderForCausalLM, DecoderSpec, LayerSpec, MLPSpec
+from tokenmill.model.hf_config import hf_get
 
 # What a family fixes whatever its config says (Qwen2's config has no attention_bias).
 FAMILY_FLAGS: dict[str, dict[str, bool]] = {
@@ -16,9 +17,8 @@ FAMILY_FLAGS: dict[str, dict[str, bool]] = {
 def layer_windows(cfg) -> list[int | None]:
     """Sliding window of each layer (None: full attention), as transformers decides it."""
     n = cfg.num_hidden_layers
-    # getattr: cfg is a transformers config; these attributes vary by model family and version
-    window = getattr(cfg, "sliding_window", None)
-    layer_types = getattr(cfg, "layer_types", None)
+    window = hf_get(cfg, "sliding_window")
+    layer_types = hf_get(cfg, "layer_types")
     if layer_types:
         return [window if t == "sliding_attention" else None for t in layer_types]
     return [window] * n
@@ -26,19 +26,18 @@ def layer_windows(cfg) -> list[int | None]:
 
 def llama_spec(cfg) -> DecoderSpec:
     heads = cfg.num_attention_heads
-    # getattr: cfg is a transformers config; these attributes vary by model family and version
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    bias = bool(getattr(cfg, "attention_bias", False))
+    head_dim = hf_get(cfg, "head_dim") or cfg.hidden_size // heads
+    bias = bool(hf_get(cfg, "attention_bias", False))
     flags = {"qkv_bias": bias, "o_bias": bias, **FAMILY_FLAGS.get(cfg.model_type, {})}
     return DecoderSpec(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         rms_norm_eps=cfg.rms_norm_eps,
-        attention=AttentionSpec(heads, getattr(cfg, "num_key_value_heads", None) or heads, head_dim,
+        attention=AttentionSpec(heads, hf_get(cfg, "num_key_value_heads") or heads, head_dim,
                                 head_dim**-0.5, **flags),
-        mlp=MLPSpec(cfg.intermediate_size, getattr(cfg, "hidden_act", "silu"), bool(getattr(cfg, "mlp_bias", False))),
+        mlp=MLPSpec(cfg.intermediate_size, hf_get(cfg, "hidden_act", "silu"), bool(hf_get(cfg, "mlp_bias", False))),
         layers=tuple(LayerSpec(sliding_window=w) for w in layer_windows(cfg)),
-        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf_get(cfg, "tie_word_embeddings", False)),
     )
 
 

@@ -10,6 +10,7 @@ from typing import Iterator
 import torch
 
 from tokenmill.layers.quantization.base import QuantizationConfig
+from tokenmill.model.hf_config import hf_get
 from tokenmill.model.mapped_pages import MappedPages, trim_heap
 from tokenmill.model.registry import resolve
 from tokenmill.model.weights import load_weights
@@ -32,7 +33,7 @@ def load_hf_config(path: str):
             f"unsupported model architecture {raw.get('architectures')!r} "
             f"(model_type {raw.get('model_type')!r}) in config.json: {e}"
         ) from None
-    resolve(getattr(cfg, "architectures", None))  # fail early on unknown architectures
+    resolve(hf_get(cfg, "architectures"))  # fail early on unknown architectures
     return cfg
 
 
@@ -70,10 +71,9 @@ def iter_safetensors(path: str, dtype: torch.dtype | None,
 
 
 def config_dtype(cfg) -> torch.dtype:
-    # getattr: a transformers config (dtype, or torch_dtype in older ones); then a torch dtype by name
-    d = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or torch.float32
+    d = hf_get(cfg, "dtype") or hf_get(cfg, "torch_dtype") or torch.float32  # torch_dtype: older transformers
     if isinstance(d, str):
-        d = getattr(torch, d)
+        d = getattr(torch, d)  # getattr: a torch dtype by name ("bfloat16")
     return d
 
 
@@ -95,10 +95,9 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
     from tokenmill.layers.quantization.checkpoint import resolve_quantization
 
     quant_config = resolve_quantization(cfg, quant_config, path)
-    # getattr: cfg is a transformers config (attributes vary by model); quant_config: None or any QuantizationConfig
-    prequantized = getattr(cfg, "quantization_config", None) is not None
+    prequantized = hf_get(cfg, "quantization_config") is not None
     storage, compute = choose_dtypes(dtype, config_dtype(cfg), device)
-    max_pos = int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048
+    max_pos = int(hf_get(cfg, "max_position_embeddings", 0) or 0) or 2048
     if max_model_len is None:
         max_model_len = max_pos
     elif max_model_len < 1:
@@ -108,7 +107,7 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
             f"max_model_len ({max_model_len}) is larger than the model's max_position_embeddings ({max_pos})."
         )
     cls = resolve(cfg.architectures)
-    blocks = getattr(quant_config, "name", None) == "gguf"  # GGUF blocks kept (layers/quantization/gguf.py)
+    blocks = quant_config is not None and quant_config.name == "gguf"  # GGUF blocks kept (layers/quantization/gguf.py)
     if blocks:
         if not is_gguf(path):
             raise ValueError(f"--quantization gguf keeps the blocks of a .gguf file; {path!r} is not one")
@@ -129,14 +128,13 @@ def load_model(path: str, dtype: str = "auto", max_model_len: int | None = None,
     else:
         pages = MappedPages()
         load_weights(model, iter_safetensors(path, None if prequantized else storage, pages), pages)
-    # getattr: quant_config's fields vary by format; model is any registered nn.Module
-    if quant_config is not None and getattr(quant_config, "quantize_lm_head", False) and model.lm_head is not None:
+    tied = model.tie_word_embeddings
+    if quant_config is not None and quant_config.quantize_lm_head and model.lm_head is not None:
         lm_head = model.lm_head
-        lm_head.quantize_int8(model.embed_tokens if getattr(model, "tie_word_embeddings", False) else None,
-                              int8_activations=getattr(quant_config, "int8_activations", False),
-                              per_token=getattr(quant_config, "per_token_activations", False))
+        lm_head.quantize_int8(model.embed_tokens if tied else None, int8_activations=quant_config.int8_activations,
+                              per_token=quant_config.per_token_activations)
     elif model.lm_head is not None:
-        model.lm_head.pack_for_onednn(tied=getattr(model, "tie_word_embeddings", False))
+        model.lm_head.pack_for_onednn(tied=tied)
     if pages is not None:
         # The float weights packed at load: their file pages (model/mapped_pages.py) and freed heap go back.
         pages.release(model)

@@ -45,6 +45,15 @@ def _c_library():
     return _libc or None
 
 
+def c_function(name: str, argtypes: list, restype=ctypes.c_int):
+    """The C library's function `name` with its signature set, or None where the library or the symbol is missing."""
+    libc = _c_library()
+    fn = getattr(libc, name, None) if libc is not None else None  # getattr: libc symbols vary by platform and build
+    if fn is not None:
+        fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
 def _file_mappings(path: str) -> list[tuple[int, int]]:
     """Address ranges at which `path` is mapped in this process ([] where /proc/self/maps is unreadable)."""
     real = os.path.realpath(path)
@@ -160,22 +169,15 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def _madvise(addr: int, length: int) -> bool:
-    libc = _c_library()
-    if libc is None:
-        return False
-    fn = libc.madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn(addr, length, _MADV_DONTNEED) == 0
+    fn = c_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+    return fn is not None and fn(addr, length, _MADV_DONTNEED) == 0
 
 
 def trim_heap() -> None:
     """Hand freed heap memory back to the system (glibc's malloc_trim; elsewhere nothing): the float
     weights freed after packing must not stay counted in RSS as free-but-held heap."""
-    libc = _c_library()
-    trim = getattr(libc, "malloc_trim", None) if libc is not None else None  # glibc only
+    trim = c_function("malloc_trim", [ctypes.c_size_t])  # glibc only
     if trim is not None:
-        trim.argtypes = [ctypes.c_size_t]
         trim(0)
 
 
@@ -184,12 +186,9 @@ def resident_bytes(tensors) -> int | None:
     only: an allocation is not counted for the allocator's header sharing its first page. A pool that is never
     zeroed (the KV cache) costs RSS only for the pages written so far; this says how many. None where mincore
     is not available."""
-    libc = _c_library()
-    mincore = getattr(libc, "mincore", None) if libc is not None else None  # libc builds vary
+    mincore = c_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
     if mincore is None:
         return None
-    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    mincore.restype = ctypes.c_int
     seen: set[tuple[int, int]] = set()
     total = 0
     for t in tensors:

@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.model.blocks import DecoderForCausalLM, DecoderSpec
+from tokenmill.model.hf_config import hf_get
 from tokenmill.model.llama import llama_spec
 from tokenmill.model.moe_block import MoESpec
 from tokenmill.model.weights import WeightNaming
@@ -24,9 +25,8 @@ class MixtralNaming(WeightNaming):
 
 def dense_layers(cfg) -> set[int]:
     """Layers with the dense MLP, as transformers' Qwen MoE decoder layers decide it."""
-    # getattr: cfg is a transformers config; these attributes vary by model family and version
-    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
-    only = set(getattr(cfg, "mlp_only_layers", None) or ())
+    step = int(hf_get(cfg, "decoder_sparse_step", 1) or 1)
+    only = set(hf_get(cfg, "mlp_only_layers") or ())
     return {i for i in range(cfg.num_hidden_layers) if i in only or (i + 1) % step != 0}
 
 
@@ -36,15 +36,14 @@ def moe_spec(cfg) -> DecoderSpec:
     if mt == "mixtral":
         moe = MoESpec(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, True, cfg.hidden_act)
         return replace(spec, moe=moe)
-    # getattr: cfg is a transformers config; these attributes vary by model family and version
     attention = spec.attention
     if mt == "qwen2_moe":
-        attention = replace(attention, qkv_bias=bool(getattr(cfg, "qkv_bias", True)), o_bias=False)
+        attention = replace(attention, qkv_bias=bool(hf_get(cfg, "qkv_bias", True)), o_bias=False)
     elif mt == "qwen3_moe":
         attention = replace(attention, qk_norm=True)
     moe = MoESpec(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-                  bool(getattr(cfg, "norm_topk_prob", False)), cfg.hidden_act,
-                  int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0) if mt == "qwen2_moe" else 0)
+                  bool(hf_get(cfg, "norm_topk_prob", False)), cfg.hidden_act,
+                  int(hf_get(cfg, "shared_expert_intermediate_size", 0) or 0) if mt == "qwen2_moe" else 0)
     dense = dense_layers(cfg) if cfg.num_experts > 0 else set(range(cfg.num_hidden_layers))
     layers = tuple(replace(layer, dense_mlp=i in dense) for i, layer in enumerate(spec.layers))
     return replace(spec, attention=attention, moe=moe, layers=layers)

@@ -54,10 +54,9 @@ def _linear(layer) -> NativeLinear | None:
 
 def _layer_reason(layer) -> str | None:
     """Why this DecoderLayer cannot run natively, or None."""
-    from tokenmill.model.blocks import AttentionBlock, MLPBlock
+    from tokenmill.model.blocks import AttentionBlock, DecoderLayer, MLPBlock
 
-    # getattr: layer is any decoder layer module; only some have self_attn / mlp
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    attn, mlp = (layer.self_attn, layer.mlp) if isinstance(layer, DecoderLayer) else (None, None)
     if not isinstance(attn, AttentionBlock) or not isinstance(mlp, MLPBlock):
         return f"{type(layer).__name__}: not an attention block and a dense MLP"
     if layer.sandwich:
@@ -101,7 +100,7 @@ class NativeStack:
     def why_not(model) -> str | None:
         if not enabled():
             return f"{ENV}=0, fused ops off, or native kernels without DecoderStack"
-        store = getattr(model, "weight_store", None)  # set by WeightStore / HostOffload.attach only
+        store = model.weight_store
         if store is not None and store.streamed:
             return "decoder layers streamed (--weights-resident-gb, --cpu-offload-gb): each layer's forward is hooked"
         if model.compute_dtype != torch.float32:

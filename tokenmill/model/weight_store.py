@@ -40,11 +40,12 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from tokenmill.model.mapped_pages import _c_library, trim_heap
+from tokenmill.model.mapped_pages import c_function, trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,9 @@ class StreamedLayer:
     index: int  # in the model's own layers
     offset: int  # in the stream file, page-aligned
     nbytes: int  # page-rounded length of its range
+    # What it streams is what of the layer could (_streamable: diagnostics finds it); an OffloadedLayer
+    # (model/host_offload.py) lists the parameters it moved instead.
+    params: ClassVar[tuple] = ()
 
 
 class WeightStore:
@@ -156,11 +160,7 @@ class WeightStore:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._map.madvise(mmap.MADV_RANDOM)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        libc = _c_library()
-        self._madvise = getattr(libc, "madvise", None) if libc is not None else None  # libc builds vary
-        if self._madvise is not None:
-            self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            self._madvise.restype = ctypes.c_int
+        self._madvise = c_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
         for i, start, nbytes, params, places in layout:
             for p, at in zip(params, places):
                 view = torch.frombuffer(self._map, dtype=p.dtype, count=p.numel(), offset=at).view(p.shape)

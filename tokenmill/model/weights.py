@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from tokenmill.layers.attention_backends.kv_quant import KV_SCALE_NAMES, load_kv_scale
-from tokenmill.layers.linear import default_weight_loader
+from tokenmill.layers.linear import LinearBase, default_weight_loader
 from tokenmill.layers.moe import FusedMoE, expert_target
+from tokenmill.layers.quantization.base import weight_attr
 from tokenmill.model.mapped_pages import RECLAIM_EVERY, MappedPages, trim_heap
 
 
@@ -44,15 +45,21 @@ class WeightNaming:
         return name
 
 
+# What load_weights assumes of a module that does not declare it: no renaming, no packing, no tied head.
+_UNDECLARED = {"weight_naming": WeightNaming(), "packed_modules_mapping": {}, "tie_word_embeddings": False}
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  pages: MappedPages | None = None) -> None:
     """Load every tensor; fail naming the checkpoint tensors that are missing or have the wrong shape.
     `pages`: the tracker of the file mapping `weights` come from, released as layers are packed."""
-    # getattr: model is any nn.Module loaded here (decoders, draft heads); these attributes are set by some only
-    naming: WeightNaming = getattr(model, "weight_naming", WeightNaming())
-    packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
+    # getattr: model is any nn.Module loaded here (decoders, draft heads, the tests' toy modules); only some
+    # declare what the module docstring lists (and tie_word_embeddings), the others get these defaults
+    declared = {k: getattr(model, k, v) for k, v in _UNDECLARED.items()}
+    naming: WeightNaming = declared["weight_naming"]
+    packed: dict[str, list[str]] = declared["packed_modules_mapping"]
     unpacked = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
-    tied = bool(getattr(model, "tie_word_embeddings", False))
+    tied = bool(declared["tie_word_embeddings"])
     params = dict(model.named_parameters())
     expected = _expected_names(params, packed)
     early = _EarlyPacking(model, params, packed)
@@ -80,7 +87,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         param = params.get(target)
         if param is None:
             continue  # unused extras
-        loader = getattr(param, "weight_loader", default_weight_loader)  # set on some layers' parameters only
+        loader = weight_attr(param, "weight_loader", default_weight_loader)  # set on some layers' parameters only
         try:
             loader(param, tensor, shard_id)
         except ValueError as e:
@@ -98,9 +105,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing weight tensors: {shown}")
     for module in model.modules():
-        method = getattr(module, "quant_method", None)  # quantized layers only
-        if method is not None and not early.done(module):
-            method.process_weights_after_loading(module)
+        if isinstance(module, (LinearBase, FusedMoE)) and not early.done(module):  # the layers with a quant method
+            module.quant_method.process_weights_after_loading(module)
     if pages is not None:
         pages.release(model)
 
@@ -127,8 +133,7 @@ class _EarlyPacking:
                 continue
             if isinstance(module, FusedMoE):
                 self._owner.update((p, module_name) for p in pnames)
-            # getattr: quantized layers only, and some of their methods only
-            elif getattr(getattr(module, "quant_method", None), "process_when_loaded", False):
+            elif isinstance(module, LinearBase) and module.quant_method.process_when_loaded:
                 names = _expected_names({p: params[p] for p in pnames}, packed)
                 self._waiting[module_name] = set(names)
                 self._owner.update((n, module_name) for n in names)

@@ -198,7 +198,7 @@ class DraftRunner:
         q_len = np.fromiter((len(s[2]) for s in segs), np.int64, len(segs))
         features = None
         if self.head:
-            src = view.aux_hidden if getattr(self.module, "aux_layers", ()) else view.hidden  # some head kinds have aux_layers
+            src = view.aux_hidden if self.module.aux_layers else view.hidden  # a DraftHead: EAGLE-3 reads aux states
             features = src[torch.from_numpy(np.concatenate([s[3] for s in segs]))]
         ids = torch.tensor(list(chain.from_iterable(s[2] for s in segs)), dtype=torch.long, device=self.device)
         feat, hidden = self._forward(ids,

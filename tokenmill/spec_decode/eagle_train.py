@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.model.hf_config import hf_get
 from tokenmill.spec_decode.head_folder import write_folder
 from tokenmill.spec_decode.self_distill import add_loop_args, add_trainer_parser, distill, embed, fit
 
@@ -46,8 +47,7 @@ def head_config(target_config) -> dict:
     """A one-layer LlamaConfig with the target's shapes (what spec_decode/heads.py reads back)."""
     from transformers import LlamaConfig
 
-    # getattr: a transformers config; the keys it has vary by model
-    kw = {k: getattr(target_config, k) for k in _CONFIG_KEYS if getattr(target_config, k, None) is not None}
+    kw = {k: v for k in _CONFIG_KEYS if (v := hf_get(target_config, k)) is not None}  # the keys vary by model
     cfg = LlamaConfig(**kw, num_hidden_layers=1, tie_word_embeddings=False, hidden_act="silu")
     d = cfg.to_dict()
     d.update(model_type="llama", architectures=["EagleHead"], torch_dtype="float32")

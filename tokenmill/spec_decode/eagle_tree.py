@@ -98,8 +98,7 @@ def grow_trees(forward, root_logits: torch.Tensor, root_feat: torch.Tensor | Non
         # pool is reordered to put them first: frontier columns must be the same for the batch)
         best = np.argsort(-scores, axis=1, kind="stable")[:, :w]  # [R, w] among the w * w children
         order = np.stack([np.concatenate([b, np.setdiff1d(np.arange(w * w), b)]) for b in best])
-        for name in ("tokens", "parents", "scores"):
-            a = getattr(pool, name)  # fields by name
+        for a in (pool.tokens, pool.parents, pool.scores):  # in place
             a[:, children] = a[:, children][rows, order]
         frontier = children[:w]
         if out_feat is not None:  # each new frontier node's parent is one of the last level's w fed nodes

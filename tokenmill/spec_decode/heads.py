@@ -37,6 +37,7 @@ from tokenmill.layers.linear import QKVParallelLinear, ReplicatedLinear
 from tokenmill.layers.rotary import RotaryEmbedding, rope_inv_freq
 from tokenmill.model.blocks import (AttentionBlock, Build, DecoderForCausalLM, DecoderLayer, DecoderSpec, LayerSpec,
                                     MLPBlock)
+from tokenmill.model.hf_config import hf_get
 from tokenmill.model.weights import WeightNaming, _expected_names, load_weights
 
 METHODS = ("eagle", "eagle3", "mtp")
@@ -283,11 +284,9 @@ def _head_config(path: str):
 def _head_spec(cfg, target: DecoderForCausalLM, what: str) -> DecoderSpec:
     from tokenmill.model.llama import llama_spec
 
-    # getattr: cfg is a head's transformers config (may lack a key); target.spec a DecoderSpec, key by name
-    for key in ("hidden_size", "vocab_size"):
-        if getattr(cfg, key, None) != getattr(target.spec, key):
-            raise ValueError(f"{what}: config {key} {getattr(cfg, key, None)} differs from the target's "
-                             f"{getattr(target.spec, key)}")
+    for key, want in (("hidden_size", target.spec.hidden_size), ("vocab_size", target.spec.vocab_size)):
+        if hf_get(cfg, key) != want:
+            raise ValueError(f"{what}: config {key} {hf_get(cfg, key)} differs from the target's {want}")
     try:
         return llama_spec(cfg)
     except (AttributeError, TypeError) as e:
@@ -298,8 +297,7 @@ def eagle3_aux_layers(cfg, num_target_layers: int) -> tuple[int, ...]:
     """The target layers whose output stream EAGLE-3 reads (tokenmill's numbering: after layer i, -1 =
     the embeddings), from the config's vLLM-numbered ids or vLLM's default (2, N//2, N-3)."""
     n = num_target_layers
-    # getattr: a transformers config; only EAGLE-3 checkpoints have eagle_config
-    ids = (getattr(cfg, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = (hf_get(cfg, "eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
         ids = (2, n // 2, n - 3)
     if not all(0 <= int(i) <= n for i in ids):
@@ -343,7 +341,7 @@ def _load_eagle(method: str, path: str, target: DecoderForCausalLM, build: Build
         _load(head, files, naming, build.params_dtype, what)
         return head
     # getattr: a transformers config; only some heads have draft_vocab_size
-    draft_vocab = int(getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)
+    draft_vocab = int(hf_get(cfg, "draft_vocab_size") or cfg.vocab_size)
     own_lm_head = "lm_head.weight" in names
     if not own_lm_head and draft_vocab != cfg.vocab_size:
         raise ValueError(f"{what} is missing tensors: lm_head.weight (draft_vocab_size {draft_vocab})")
@@ -372,7 +370,7 @@ def _load_eagle(method: str, path: str, target: DecoderForCausalLM, build: Build
 def _load_mtp(target: DecoderForCausalLM, target_path: str, build: Build) -> DraftHead:
     cfg = target.config
     # getattr: a transformers config; only MTP checkpoints have num_nextn_predict_layers
-    if int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) < 1:
+    if int(hf_get(cfg, "num_nextn_predict_layers", 0) or 0) < 1:
         raise ValueError(f"target {target_path!r} has no MTP layers: "
                          f"config.json sets no num_nextn_predict_layers >= 1")
     n = cfg.num_hidden_layers

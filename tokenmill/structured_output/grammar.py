@@ -193,8 +193,7 @@ def fingerprint(so: StructuredOutputsParams) -> str:
     memo = _memo.get(so)
     if memo is not None:
         return memo[0]
-    kind = so.kind
-    value = getattr(so, kind)
+    kind, value = so.kind, so.value
     if not isinstance(value, str):
         try:
             value = json.dumps(value, separators=(",", ":"))

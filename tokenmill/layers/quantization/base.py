@@ -57,10 +57,20 @@ class QuantizationConfig(ABC):
     """A checkpoint's quantization scheme: picks the method for each layer."""
 
     name: str = ""
+    # What the loader asks of every scheme (model/loader.py); the formats that quantize the LM head (int8 weight-only)
+    # set these, the others keep the head in the checkpoint's format.
+    quantize_lm_head: bool = False
+    int8_activations: bool = False
+    per_token_activations: bool = False
 
     @abstractmethod
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The method for `layer` (its dotted name is `prefix`); None keeps it unquantized."""
+
+
+def layer_name(layer: nn.Module) -> str:
+    """A layer's dotted name for error messages ("?" when unknown)."""
+    return getattr(layer, "prefix", "") or "?"  # getattr: a LinearBase has a prefix; bare nn.Modules (tests) not
 
 
 def set_weight_attrs(param: torch.Tensor, attrs: dict | None) -> None:
@@ -68,3 +78,8 @@ def set_weight_attrs(param: torch.Tensor, attrs: dict | None) -> None:
         if hasattr(param, key):
             raise AttributeError(f"parameter already has attribute {key!r}")
         setattr(param, key, value)
+
+
+def weight_attr(param: torch.Tensor, key: str, default=None):
+    """An attribute set_weight_attrs gave `param` (weight_loader, input_dim, output_dim, pack_factors), or default."""
+    return getattr(param, key, default)  # getattr: set on some parameters only, by their quant method or layer

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from tokenmill.layers.quantization import registry
 from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
+from tokenmill.model.hf_config import hf_get
 
 
 def __getattr__(name: str) -> tuple[str, ...]:
@@ -35,8 +36,7 @@ class CheckpointFormat(QuantizationConfig):
 def resolve_quantization(hf_config, requested: QuantizationConfig | None, path: str) -> QuantizationConfig | None:
     """The config to build the model with: the checkpoint's own when it has one (the flag, if given, must
     name the same method), else the flag's."""
-    # getattr: a transformers config; only pre-quantized checkpoints have quantization_config
-    raw = getattr(hf_config, "quantization_config", None)
+    raw = hf_get(hf_config, "quantization_config")  # pre-quantized checkpoints only
     if raw is None:
         if isinstance(requested, CheckpointFormat):
             raise ValueError(f"--quantization {requested.name} needs a pre-quantized checkpoint, but the config.json "

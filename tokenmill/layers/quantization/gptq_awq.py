@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, set_weight_attrs
+from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, layer_name, set_weight_attrs
 from tokenmill.layers.quantization.registry import checkpoint_format
 from tokenmill.layers.quantization.weight_only import Int4LinearMethod
 
@@ -138,10 +138,11 @@ class Int4CheckpointMethod(Int4LinearMethod):
         super().__init__(config.group_size, symmetric=False)
         self.config = config
         self._g_idx_loaded = False
+        self.permuted = False  # GPTQ act-order with groups out of order: the layer's `perm` buffer, set at load
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
-        fmt, where = self.config.name, getattr(layer, "prefix", "") or "?"  # layers built with a prefix only
+        fmt, where = self.config.name, layer_name(layer)
         K, N = input_size_per_partition, sum(output_partition_sizes)
         per_channel = self.config.group_size == -1
         g = K if per_channel else self.config.group_size
@@ -206,14 +207,13 @@ class Int4CheckpointMethod(Int4LinearMethod):
         self._g_idx_loaded = True
 
     def native_linear(self, layer: nn.Module):
-        if getattr(layer, "perm", None) is not None:  # GPTQ act-order layers only
+        if self.permuted:
             return None  # act-order gathers x's columns first; the native stack does not
         return super().native_linear(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        perm = getattr(layer, "perm", None)  # GPTQ act-order layers only
-        if perm is not None:  # act-order: the weight's columns are sorted by group
-            x = x.index_select(-1, perm)
+        if self.permuted:  # act-order: the weight's columns are sorted by group
+            x = x.index_select(-1, layer.perm)
         return super().apply(layer, x, bias)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -240,3 +240,4 @@ class Int4CheckpointMethod(Int4LinearMethod):
             layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
         if perm is not None:
             layer.register_buffer("perm", perm)
+        self.permuted = perm is not None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.layers.quantization.base import QuantizeMethodBase, set_weight_attrs
+from tokenmill.layers.quantization.base import QuantizeMethodBase, layer_name, set_weight_attrs
 from tokenmill.layers.quantization.registry import checkpoint_format
 from tokenmill.layers.quantization.weight_only import Int4LinearMethod, Int8LinearMethod, WeightOnlyConfig
 
@@ -36,7 +36,7 @@ class PackedInt4Method(Int4LinearMethod):
         N, K, g = sum(output_partition_sizes), input_size_per_partition, self.group_size
         if K % g:
             raise ValueError(f"int4 group size {g} does not divide the input size {K} of layer "
-                             f"{getattr(layer, 'prefix', '') or '?'}")
+                             f"{layer_name(layer)}")
         _param(layer, "qweight", (N, K // 2), torch.uint8, {"input_dim": 1, "output_dim": 0, "pack_factors": {1: 2}},
                extra_weight_attrs)
         for name in ("scale", "zero"):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.quantization.base import NativeLinear, QuantizationConfig, QuantizeMethodBase
+from tokenmill.layers.quantization.base import NativeLinear, QuantizationConfig, QuantizeMethodBase, layer_name
 from tokenmill.layers.quantization.registry import QuantOptions, quantize_at_load
 from tokenmill.layers.quantization.unquantized import UnquantizedLinearMethod
 
@@ -223,7 +223,7 @@ class Int4LinearMethod(_WeightOnlyMethod):
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
         if input_size_per_partition % self.group_size:
             raise ValueError(f"int4 group size {self.group_size} does not divide the input size "
-                             f"{input_size_per_partition} of layer {getattr(layer, 'prefix', '') or '?'}")
+                             f"{input_size_per_partition} of layer {layer_name(layer)}")
         super().create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                                params_dtype, **extra_weight_attrs)
 
