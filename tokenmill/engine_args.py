@@ -237,11 +237,11 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        values = {}
+        values, flags = {}, vars(args)  # the flags by field name
         for f in fields(cls):
-            value = getattr(args, f.name)
+            value = flags[f.name]
             if f.metadata["positional"]:
-                given = getattr(args, f"{f.name}_pos")
+                given = flags[f"{f.name}_pos"]
                 if value and given and value != given:
                     raise ValueError(f"two different {f.name}s given: {given!r} and --{_flag(f)} {value!r}.")
                 value = value or given
