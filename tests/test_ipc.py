@@ -170,7 +170,7 @@ def test_a_full_send_queue_refuses_new_requests_with_a_503(model_path):
 
 def test_the_process_client_refuses_only_adds_when_its_queue_is_full(engine):
     """Aborts and utility calls always get through (they free resources and are small); adds wait for room."""
-    queue = engine.client._outgoing
+    queue = engine.client._to_core
     limit, queue.limit = queue.limit, 0  # as if the pipe were full
 
     async def main():

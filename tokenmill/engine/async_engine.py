@@ -26,7 +26,7 @@ from tokenmill.core.request import RequestSLO
 from tokenmill.engine.core_client import CoreBusyError, CoreClient, CoreDeadError, ThreadCoreClient, make_core_client
 from tokenmill.engine.output import (EngineError, FinishedRequest, OutputProcessor, RequestDelta,  # noqa: F401
                                      RequestState, SequenceDelta)
-from tokenmill.engine.processor import ModelFacts, Processor, child_ids
+from tokenmill.engine.processor import ModelFacts, Processor, RequestOptions, child_ids
 from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.checker import CheckerUnavailable
@@ -169,9 +169,8 @@ class AsyncLLMEngine:
             refuse = EngineError(f"request_id {request_id!r} is already in use.", 400)
         if refuse is None:
             try:
-                _, ids, params, reqs = self.processor.process(request_id, prompt_token_ids, params, None,
-                                                              priority, arrival_time, lora_request, slo,
-                                                              cache_salt)
+                options = RequestOptions(priority, arrival_time, lora_request, slo, cache_salt)
+                _, ids, params, reqs = self.processor.process(request_id, prompt_token_ids, params, None, options)
             except ValueError as e:
                 refuse = EngineError(str(e), 400)
             except CheckerUnavailable as e:  # a grammar nobody checked before (the server always does first)

@@ -9,7 +9,8 @@ prompt ids (n copies of them for n > 1), a step's prompt logprobs (rows x top-k)
 side moves them on threads of its own (issue 24). Here a sender thread drains a queue bounded by bytes into
 the pipe, pickling everything waiting as one frame (the n copies of a prompt are written once), and a
 receiver thread reads frames as they come into a queue that `get()` drains. In the core an input thread and
-an output thread do the same (core_proc.py). A full send queue refuses new requests (CoreBusyError: the
+an output thread do the same, with the same classes (pipe.py); the thread client hands its two queues to the
+core loop itself. Either way `send`, `send_requests` and `get` are the base class's, over those queues. A full send queue refuses new requests (CoreBusyError: the
 server answers 503 with Retry-After) rather than waiting; aborts, utility calls and shutdown are always
 taken. Pickling a 7,000-id prompt costs ~0.2 ms; ZeroMQ + msgspec (vLLM's choice) pays off at thousands of
 requests per second per core, which a CPU step loop does not reach.
@@ -22,8 +23,8 @@ import multiprocessing as mp
 import threading
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_proc import (JOIN_TIMEOUT_S, OUTBOX_BYTES, QueueInbox, core_process_main, dump_frame,
-                                        load_frame, message_size, output_size, run_core_loop)
+from tokenmill.engine.core_proc import OUTBOX_BYTES, core_process_main, output_size, run_core_loop
+from tokenmill.engine.pipe import JOIN_TIMEOUT_S, PipeReader, PipeWriter, QueueInbox, load_frame, message_size
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +55,39 @@ def requests_size(reqs: list) -> int:
 
 
 class CoreClient:
+    """What the server's engine holds: messages to the core go on `_to_core`, its answers come from `_from_core`
+    (the core loop's own queues for a core in a thread; the pipe threads' queues for a core process)."""
+
     info = None  # executor.worker.WorkerInfo, once ready
     closed = False  # shutdown() has begun: the core going away is expected
+    _to_core: QueueInbox
+    _from_core: QueueInbox
+
+    def _check_alive(self) -> None:
+        """CoreDeadError once the core is gone: a message queued for a dead core would never be answered."""
+        raise NotImplementedError
+
+    def _death(self) -> str:
+        """Why the core is gone, once its answers have ended."""
+        raise NotImplementedError
 
     def send(self, msg: tuple) -> None:
         """Queue a message for the core (never blocks, never refused); CoreDeadError once it is gone."""
-        raise NotImplementedError
+        self._check_alive()
+        self._to_core.put(msg, message_size(msg))
 
     def send_requests(self, reqs: list) -> None:
         """Queue ("add", r) for each of a request's copies, all or none; CoreBusyError when the queue is full."""
-        raise NotImplementedError
+        self._check_alive()
+        if not self._to_core.put_all([("add", r) for r in reqs], requests_size(reqs)):
+            raise CoreBusyError(f"{self._to_core.nbytes} bytes of requests are waiting to reach the engine core.")
 
     def get(self, timeout: float | None = None) -> list[tuple]:
         """Messages from the core (waits up to timeout for the first; [] on timeout)."""
-        raise NotImplementedError
+        try:
+            return self._from_core.get(timeout)
+        except EOFError:  # the core's side closed and everything it sent has been read
+            raise CoreDeadError(self._death()) from None
 
     @property
     def is_alive(self) -> bool:
@@ -116,19 +136,15 @@ class ThreadCoreClient(CoreClient):
     def _put_output(self, msg: tuple) -> None:
         self.outbox.put(msg, output_size(msg))  # always taken: the loop holds its next step while it is full
 
-    def send(self, msg: tuple) -> None:
+    _to_core = property(lambda self: self.inbox)
+    _from_core = property(lambda self: self.outbox)
+
+    def _check_alive(self) -> None:
         if self._dead is not None:
             raise CoreDeadError(self._dead)
-        self.inbox.put(msg, message_size(msg))
 
-    def send_requests(self, reqs: list) -> None:
-        if self._dead is not None:
-            raise CoreDeadError(self._dead)
-        if not self.inbox.put_all([("add", r) for r in reqs], requests_size(reqs)):
-            raise CoreBusyError(f"{self.inbox.nbytes} bytes of requests are waiting for the engine core.")
-
-    def get(self, timeout: float | None = None) -> list[tuple]:
-        return self.outbox.get(timeout)
+    def _death(self) -> str:
+        return self._dead or "the engine core thread is gone."
 
     @property
     def is_alive(self) -> bool:
@@ -166,12 +182,12 @@ class ProcessCoreClient(CoreClient):
             raise {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}.get(name, RuntimeError)(
                 text if name in ("ValueError", "FileNotFoundError") else message)
         self.info = payload
-        self._outgoing = QueueInbox(SEND_QUEUE_BYTES)
-        self._incoming = QueueInbox(RECV_QUEUE_BYTES)
-        self._sender = threading.Thread(target=self._send_loop, name="tokenmill-core-sender", daemon=True)
-        self._receiver = threading.Thread(target=self._receive_loop, name="tokenmill-core-receiver", daemon=True)
-        self._sender.start()
-        self._receiver.start()
+        # The two threads that touch the pipe (pipe.py, as the core's): what is queued goes as one frame, up to
+        # FRAME_BYTES; what the core writes is read as it comes.
+        self._writer = PipeWriter(self.conn, SEND_QUEUE_BYTES, "tokenmill-core-sender", FRAME_BYTES,
+                                  on_broken=self._pipe_broke)
+        self._reader = PipeReader(self.conn, RECV_QUEUE_BYTES, "tokenmill-core-receiver",
+                                  "reading from the engine core failed")
         # A caller that exits without shutdown(): multiprocessing's exit handler would wait forever for the core,
         # which waits for this end of the pipe to close. Registered after multiprocessing's, so it runs first.
         atexit.register(self._at_exit)
@@ -204,59 +220,24 @@ class ProcessCoreClient(CoreClient):
             raise RuntimeError(f"the engine core process died while starting (exit code {self.proc.exitcode}).") \
                 from None
 
-    # ---- the two threads that touch the pipe ---------------------------------------------
-    def _send_loop(self) -> None:
-        """What is queued goes as one frame, up to FRAME_BYTES (pickle writes objects shared by its messages,
-        such as the prompt ids of n copies, once)."""
-        try:
-            while True:
-                self.conn.send_bytes(dump_frame(self._outgoing.get(None, FRAME_BYTES)))
-        except EOFError:  # shut down, and everything queued was sent
-            pass
-        except OSError:
-            self._dead = self._dead or self._death()
-            self._outgoing.close()
+    # ---- what callers use (send, send_requests: CoreClient's) -------------------------------
+    _to_core = property(lambda self: self._writer.outbox)
+    _from_core = property(lambda self: self._reader.inbox)
 
-    def _receive_loop(self) -> None:
-        try:
-            while True:
-                data = self.conn.recv_bytes()
-                msgs = load_frame(data)
-                while not self._incoming.wait_room(1.0):  # the output thread is far behind: the core holds steps
-                    pass
-                self._incoming.put_all(msgs, len(data), force=True)
-        except (EOFError, OSError):
-            pass
-        except Exception:  # an unreadable frame: a bug; the output thread must still hear the core is lost
-            log.exception("reading from the engine core failed")
-        finally:
-            self._incoming.close()
+    def _pipe_broke(self) -> None:  # (the writer thread, when the pipe breaks under it)
+        self._dead = self._dead or self._death()
 
-    # ---- what callers use ------------------------------------------------------------------
     def _check_alive(self) -> None:
-        """CoreDeadError once the process is gone: a message queued for a dead core would never be answered."""
         if self._dead is None and not self.proc.is_alive():
             self._dead = f"the engine core process died (exit code {self.proc.exitcode})."
         if self._dead is not None:
             raise CoreDeadError(self._dead)
 
-    def send(self, msg: tuple) -> None:
-        self._check_alive()
-        self._outgoing.put(msg, message_size(msg))
-
-    def send_requests(self, reqs: list) -> None:
-        self._check_alive()
-        if not self._outgoing.put_all([("add", r) for r in reqs], requests_size(reqs)):
-            raise CoreBusyError(f"{self._outgoing.nbytes} bytes of requests are waiting to reach the engine core.")
-
     def get(self, timeout: float | None = None) -> list[tuple]:
-        try:
-            msgs = self._incoming.get(timeout)
-        except EOFError:  # the pipe closed and everything the core sent has been read
-            raise CoreDeadError(self._death()) from None
+        msgs = super().get(timeout)
         if not msgs and not self.proc.is_alive():
-            self._receiver.join(0.5)  # it reads what the core said last, then sees the pipe close
-            if self._receiver.is_alive():  # something else holds the pipe open: the core is gone all the same
+            self._reader.thread.join(0.5)  # it reads what the core said last, then sees the pipe close
+            if self._reader.thread.is_alive():  # something else holds the pipe open: the core is gone all the same
                 raise CoreDeadError(self._death())
         return msgs
 
@@ -273,7 +254,7 @@ class ProcessCoreClient(CoreClient):
         self.closed = True
         # Keep reading whatever the core still writes (nobody may be calling get() now), so its output thread
         # never blocks on its way out.
-        self._incoming.close()
+        self._from_core.close()
         if self.proc.is_alive():
             try:
                 self.send(("shutdown", None))
@@ -283,9 +264,8 @@ class ProcessCoreClient(CoreClient):
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(2.0)
-        self._outgoing.close()
-        self._sender.join(JOIN_TIMEOUT_S)
-        self._receiver.join(JOIN_TIMEOUT_S)
+        self._writer.close(JOIN_TIMEOUT_S)
+        self._reader.thread.join(JOIN_TIMEOUT_S)
         self.conn.close()
 
 

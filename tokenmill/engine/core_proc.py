@@ -8,8 +8,8 @@ The same loop runs in a thread of the server (`--no-engine-core-process`) or in 
   from the core: ("ready", ModelFacts-ish info) | ("outputs", EngineCoreOutputs)
                  | ("stats", (SchedulerStats, adds taken)) | ("utility", (call_id, ok, result)) | ("step_failed", (message, request ids)) | ("dead", message)
 
-Over a pipe, a frame is one pickled list of messages (see `dump_frame`): the n copies of a request travel in
-one frame, so pickle writes their shared prompt ids once.
+Over a pipe, a frame is one pickled list of messages (pipe.py, shared with the clients): the n copies of a
+request travel in one frame, so pickle writes their shared prompt ids once.
 
 In a process of its own the core never blocks on the pipe, in either direction (issue 24): an input thread
 reads frames as they come into the loop's inbox, so requests arrive while it steps; an output thread writes
@@ -19,9 +19,7 @@ queue, back-pressure, never a hang.
 """
 from __future__ import annotations
 
-import collections
 import logging
-import pickle
 import threading
 import time
 import traceback
@@ -29,6 +27,8 @@ from typing import Any, Callable
 
 from tokenmill.core.outputs import EngineCoreOutputs
 from tokenmill.core.request import RequestStatus
+from tokenmill.engine.pipe import (JOIN_TIMEOUT_S, Inbox, PipeReader, PipeWriter, QueueInbox,  # noqa: F401
+                                   dump_frame, load_frame)  # (JOIN_TIMEOUT_S, QueueInbox, load_frame re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -39,25 +39,6 @@ OUTBOX_BYTES = 256 << 20
 # Commands read ahead of the loop before the input thread stops reading (the pipe, then the client's
 # send queue, then its callers see the back-pressure).
 INBOX_BYTES = 256 << 20
-# How long the threads get to finish at exit (the core's own exit, or the client's shutdown).
-JOIN_TIMEOUT_S = 5.0
-
-
-def dump_frame(msgs: list[tuple]) -> bytes:
-    return pickle.dumps(msgs, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def load_frame(data: bytes) -> list[tuple]:
-    return pickle.loads(data)
-
-
-def message_size(msg: tuple) -> int:
-    """Roughly what a message costs to hold and to move, in bytes (an add: its prompt ids; the rest is small).
-    Only for bounding queues: no pickling, O(1)."""
-    kind, payload = msg
-    if kind == "add":
-        return 512 + 4 * len(payload.prompt_token_ids)
-    return 256
 
 
 def output_size(msg: tuple) -> int:
@@ -75,147 +56,6 @@ def output_size(msg: tuple) -> int:
         if p is not None:
             size += 24 * len(p.token_ids) + 16 * sum(len(ids) for ids in p.top_ids)
     return size
-
-
-class Inbox:
-    """Commands for the loop: `get(timeout)` returns all waiting ones (waiting up to timeout for the first;
-    None: forever). Raises EOFError when the sender is gone."""
-
-    def get(self, timeout: float | None) -> list:
-        raise NotImplementedError
-
-
-class QueueInbox(Inbox):
-    """A FIFO between threads that counts what it holds, in bytes as the caller sizes them. `put` never
-    blocks: with `limit`, it refuses what does not fit (unless forced); `wait_room` is for a producer that
-    may wait. After `close()` the consumer gets what is left, then EOFError."""
-
-    def __init__(self, limit: int | None = None) -> None:
-        self.limit = limit
-        self._items: collections.deque = collections.deque()  # (message, its bytes)
-        self._bytes = 0
-        self._closed = False
-        self._cond = threading.Condition()
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
-    @property
-    def full(self) -> bool:
-        return self.limit is not None and self._bytes >= self.limit
-
-    def put(self, msg, size: int = 0) -> None:
-        """Always accepted (what must never be refused: aborts, shutdown, outputs)."""
-        self.put_all([msg], size, force=True)
-
-    def put_all(self, msgs: list, size: int = 0, force: bool = False) -> bool:
-        """All of `msgs` (together `size` bytes) or none: False when the queue is at its limit. A queue under
-        its limit takes any one batch, so a request larger than the limit still gets through alone."""
-        with self._cond:
-            if not force and self.full:
-                return False
-            self._items.extend((m, size if i == 0 else 0) for i, m in enumerate(msgs))
-            self._bytes += size
-            self._cond.notify_all()
-            return True
-
-    def wait_room(self, timeout: float) -> bool:
-        """Wait until the queue is under its limit (or closed); False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self.full or self._closed, timeout)
-
-    def get(self, timeout: float | None, max_bytes: int | None = None) -> list:
-        """Everything waiting (with max_bytes: the oldest messages up to about that many bytes, at least one
-        batch of put_all: its later messages count 0 bytes and always come with the first)."""
-        with self._cond:
-            if not self._items:
-                if self._closed:
-                    raise EOFError
-                self._cond.wait_for(lambda: self._items or self._closed, timeout)
-                if not self._items:
-                    if self._closed:
-                        raise EOFError
-                    return []
-            msgs, taken = [], 0
-            while self._items and (max_bytes is None or not msgs or taken + self._items[0][1] <= max_bytes
-                                   or self._items[0][1] == 0):
-                msg, size = self._items.popleft()
-                msgs.append(msg)
-                taken += size
-            self._bytes -= taken
-            self._cond.notify_all()  # room again
-            return msgs
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-
-class PipeReader:
-    """The input thread: reads frames from the pipe as they arrive into an inbox the loop drains between
-    steps. When the pipe closes (the client is gone) the inbox closes, and the loop ends."""
-
-    def __init__(self, conn, limit: int = INBOX_BYTES) -> None:
-        self.conn = conn
-        self.inbox = QueueInbox(limit)
-        self.thread = threading.Thread(target=self._run, name="tokenmill-core-input", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            while True:
-                data = self.conn.recv_bytes()
-                msgs = load_frame(data)
-                # Over the limit, stop reading until the loop catches up: the pipe fills and the client's own
-                # bounded queue takes the back-pressure. Shutdown and aborts still get through once it does.
-                while not self.inbox.wait_room(1.0):
-                    pass
-                self.inbox.put_all(msgs, len(data), force=True)
-        except (EOFError, OSError):
-            pass
-        except Exception:  # an unreadable frame: a bug, but the loop must hear that the input is gone
-            log.exception("engine core input thread failed")
-        finally:
-            self.inbox.close()
-
-
-class PipeWriter:
-    """The output thread: writes the frames the loop queues, so the loop never waits for the reader.
-    `backlog` says when the reader has fallen OUTBOX_BYTES behind (the loop then holds its steps)."""
-
-    def __init__(self, conn, limit: int = OUTBOX_BYTES) -> None:
-        self.conn = conn
-        self.outbox = QueueInbox(limit)
-        self.broken = False
-        self.thread = threading.Thread(target=self._run, name="tokenmill-core-output", daemon=True)
-        self.thread.start()
-
-    def send(self, msg: tuple) -> None:
-        # Pickled here, in the loop's thread: the frame is a snapshot of the objects as they are now, and its
-        # size is exact.
-        data = dump_frame([msg])
-        self.outbox.put(data, len(data))
-
-    @property
-    def backlog(self) -> bool:
-        return self.outbox.full and not self.broken
-
-    def _run(self) -> None:
-        try:
-            while True:
-                for data in self.outbox.get(None, max_bytes=1):  # one frame at a time: the rest counts as backlog
-                    self.conn.send_bytes(data)
-        except EOFError:  # closed and written out
-            pass
-        except OSError:  # the client is gone; the input thread sees it too and ends the loop
-            self.broken = True
-
-    def close(self, timeout: float = JOIN_TIMEOUT_S) -> None:
-        """Write out what is queued (up to timeout), then stop."""
-        self.outbox.close()
-        self.thread.join(timeout)
 
 
 def run_core_loop(core, inbox: Inbox, send: Callable[[tuple], None],
@@ -362,7 +202,8 @@ def _run_core_process(config, conn, started: threading.Event) -> None:
     except OSError:  # the server went away meanwhile
         core.shutdown()
         return
-    reader, writer = PipeReader(conn), PipeWriter(conn)
+    reader = PipeReader(conn, INBOX_BYTES, "tokenmill-core-input", "engine core input thread failed")
+    writer = PipeWriter(conn, OUTBOX_BYTES, "tokenmill-core-output")
     try:
         run_core_loop(core, reader.inbox, writer.send, lambda: not writer.backlog)
     except BaseException as e:  # a worker died: requests were failed; now the server must turn unhealthy

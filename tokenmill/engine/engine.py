@@ -13,7 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.request import RequestSLO, RequestStatus
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.output import OutputProcessor, RequestState
-from tokenmill.engine.processor import ModelFacts, Processor, child_ids
+from tokenmill.engine.processor import ModelFacts, Processor, RequestOptions, child_ids
 from tokenmill.lora.request import LoRARequest
 from tokenmill.engine.stats import EngineStats, StepStats  # noqa: F401  (re-exported)
 from tokenmill.outputs import RequestOutput
@@ -86,8 +86,8 @@ class LLMEngine:
     ) -> RequestState:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use.")
-        prompt, ids, params, reqs = self.processor.process(request_id, prompt, params, prompt_token_ids, priority,
-                                                           arrival_time, lora_request, slo, cache_salt)
+        options = RequestOptions(priority, arrival_time, lora_request, slo, cache_salt)
+        prompt, ids, params, reqs = self.processor.process(request_id, prompt, params, prompt_token_ids, options)
         state = self.output_processor.add_request(request_id, prompt, ids, params, reqs[0].arrival_time,
                                                   child_ids(request_id, params.n))
         for r in reqs:

@@ -29,6 +29,18 @@ class ModelFacts:
     max_lora_rank: int = 0
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """How a request is admitted beyond its prompt and sampling params: the same for every entry point (the
+    offline engine, the server's), so the processor takes them as one."""
+
+    priority: int = 0
+    arrival_time: float | None = None  # monotonic seconds; None: now
+    lora_request: LoRARequest | None = None
+    slo: RequestSLO | None = None
+    cache_salt: str | None = None
+
+
 def child_ids(request_id: str, n: int) -> list[str]:
     return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
 
@@ -64,18 +76,9 @@ class Processor:
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt).input_ids
 
-    def process(
-        self,
-        request_id: str,
-        prompt: str | list[int] | None,
-        params: SamplingParams | None = None,
-        prompt_token_ids: list[int] | None = None,
-        priority: int = 0,
-        arrival_time: float | None = None,
-        lora_request: LoRARequest | None = None,
-        slo: RequestSLO | None = None,
-        cache_salt: str | None = None,
-    ) -> tuple[str | None, list[int], SamplingParams, list[EngineCoreRequest]]:
+    def process(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams | None = None,
+                prompt_token_ids: list[int] | None = None, options: RequestOptions = RequestOptions(),
+                ) -> tuple[str | None, list[int], SamplingParams, list[EngineCoreRequest]]:
         """Returns (prompt text, prompt ids, params, core requests); raises ValueError on bad input."""
         params = params or SamplingParams()
         if isinstance(prompt, list):
@@ -89,12 +92,13 @@ class Processor:
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self.validate_prompt(prompt_token_ids)
         params = self.check_params(params)
-        self.check_lora(lora_request)
+        self.check_lora(options.lora_request)
         if params.structured_outputs is not None:
             from tokenmill.structured_output.grammar import validate
 
             validate(params.structured_outputs)  # a bad schema/regex/grammar is the caller's 400, not the core's
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        arrival = options.arrival_time if options.arrival_time is not None else time.monotonic()
+        slo = options.slo
         room = self.facts.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         # The prompt's logprobs are the same for all n sequences: only the first computes them (the output
@@ -103,10 +107,10 @@ class Processor:
         rest = replace(params, prompt_logprobs=None) if params.prompt_logprobs is not None and params.n > 1 else params
         reqs = [
             EngineCoreRequest(cid, prompt_token_ids, params if i == 0 else rest, max_tokens, self.facts.eos_token_ids,
-                              priority, arrival, index=i,
+                              options.priority, arrival, index=i,
                               seed=None if params.seed is None else (params.seed + i) % SEED_RANGE,
-                              lora=lora_request, slo=slo if slo is not None and not slo.empty else None,
-                              cache_salt=cache_salt)
+                              lora=options.lora_request, slo=slo if slo is not None and not slo.empty else None,
+                              cache_salt=options.cache_salt)
             for i, cid in enumerate(child_ids(request_id, params.n))
         ]
         return prompt, prompt_token_ids, params, reqs
