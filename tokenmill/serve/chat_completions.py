@@ -1,7 +1,6 @@
 """POST /v1/chat/completions: messages through the chat template, streamed or not."""
 from __future__ import annotations
 
-import json
 import time
 from typing import AsyncIterator
 
@@ -9,65 +8,19 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tokenmill.sampling_params import StructuredOutputsParams
-from tokenmill.serve.chat import encode_chat, render_chat
+from tokenmill.serve.admission import admit
+from tokenmill.serve.chat import render_chat
 from tokenmill.serve.chat_output import ChatPlan, ChoiceParts, chat_plan
+from tokenmill.serve.chat_prompt import chat_prompt
 from tokenmill.serve.errors import APIError, bad_request
 from tokenmill.serve.generation import (DONE, SSEResponse, Submission, error_event, random_id, sse,
                                         token_decoder)
 from tokenmill.serve.logprobs import chat_logprobs
 from tokenmill.serve.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                       ChatDelta, ChatResponseMessage, ChatStreamChoice)
-from tokenmill.serve.sampling import build_sampling_params, check_input_chars, check_lists
+from tokenmill.serve.sampling import build_sampling_params, check_lists
 from tokenmill.serve.state import LARGE_INPUT, ServerState
-from tokenmill.serve.tenants.keys import priority_for, request_slo, slo_for, tenant_of
-from tokenmill.serve.tenants.isolation import cache_salt_for
-from tokenmill.serve.tenants.limits import admit_sequences, reserve_for, worst_case_tokens
-from tokenmill.serve.tenants.usage import mark
 from tokenmill.serve.structured import check_constraint, request_constraint
-
-
-# Characters the chat template adds around each message (role markers): a list of many empty messages is still
-# work to render, so it counts towards the slow lane and --max-input-chars.
-MESSAGE_OVERHEAD = 16
-
-
-def message_chars(req) -> int:
-    """The text a chat request asks us to render and tokenize: message contents, tool calls and tools."""
-    total = 0
-    for m in req.messages or ():
-        total += MESSAGE_OVERHEAD
-        if isinstance(m.content, str):
-            total += len(m.content)
-        elif m.content:
-            total += sum(len(json.dumps(p.model_dump(exclude_none=True))) for p in m.content)
-        if m.tool_calls:
-            total += len(json.dumps(m.tool_calls))
-    # req: a ChatCompletionRequest, or a TokenizeRequest, which has no tools / chat_template_kwargs
-    tools = getattr(req, "tools", None)
-    kwargs = getattr(req, "chat_template_kwargs", None)
-    return total + (len(json.dumps(tools)) if tools else 0) + (len(json.dumps(kwargs, default=str)) if kwargs else 0)
-
-
-async def chat_prompt(state: ServerState, req, add_generation_prompt: bool = True,
-                      continue_final_message: bool = False) -> tuple[str, list[int]]:
-    """The rendered conversation and its token ids (400 when the template rejects the messages)."""
-    tok = state.engine.tokenizer
-    size = message_chars(req)
-    check_input_chars(size, state.limits, "messages")
-    try:  # getattr: req is a ChatCompletionRequest, or a TokenizeRequest without tools / chat_template_kwargs
-        text = await state.run_blocking(
-            render_chat, tok, req.messages, state.settings.chat_template, add_generation_prompt,
-            continue_final_message, getattr(req, "tools", None), getattr(req, "chat_template_kwargs", None), size=size)
-    except ValueError as e:
-        raise bad_request(" ".join(str(e).split()), "messages") from None
-    try:
-        ids = await state.run_blocking(encode_chat, tok, text, size=len(text))
-    except (ValueError, TypeError) as e:  # the tokenizer refuses lone surrogates with a TypeError
-        raise bad_request(f"messages could not be tokenized (text that is not valid Unicode?): {e}", "messages") \
-            from None
-    if not ids:
-        raise bad_request("messages rendered to an empty prompt.", "messages")
-    return text, ids
 
 
 async def generation_prompt(state: ServerState, req: ChatCompletionRequest, text: str) -> str:
@@ -87,12 +40,8 @@ async def generation_prompt(state: ServerState, req: ChatCompletionRequest, text
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request,
                                  arrival_time: float | None = None):
-    tenant = tenant_of(raw.scope)
-    model, lora = state.resolve_model(req.model, tenant, raw.scope)
-    try:
-        slo = slo_for(tenant, request_slo(req.slo, state.settings.min_slo_ttft_ms))
-    except ValueError as e:
-        raise bad_request(str(e), "slo") from None
+    adm = admit(state, raw, model=req.model, slo=req.slo, priority=req.priority, cache_salt=req.cache_salt,
+                arrival_time=arrival_time)
     tok = state.engine.tokenizer
     plan = chat_plan(req, state.settings, tok)
     so, so_param = request_constraint(req)
@@ -102,8 +51,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                               "is the output's format.", so_param)
         so, so_param = StructuredOutputsParams(json=plan.tool_schema()), "tools"
     check_lists(req, state.limits)  # cheap refusals before the template renders
-    admit_sequences(raw.scope, state.limiter, tenant, req.n)  # limits count sequences: n of them
-    text, ids = await chat_prompt(state, req, req.add_generation_prompt, req.continue_final_message)
+    adm.take_sequences(req.n)  # one prompt: n sequences
+    text, ids = await chat_prompt(state, req.messages, req.add_generation_prompt, req.continue_final_message,
+                                  req.tools, req.chat_template_kwargs)
     reasoning = plan.reasoning()
     if reasoning is not None:
         plan.reasoning_ended = reasoning.ended_in_prompt(await generation_prompt(state, req, text))
@@ -113,13 +63,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if so is not None:
         await check_constraint(state, so, so_param)
     params = build_sampling_params(req, [len(ids)], state.limits, so)
-    state.check_capacity()
-    sub = Submission(state.engine, [ids], [text], [params], priority_for(tenant, req.priority), arrival_time, lora,
-                     slo, cache_salt_for(tenant, req.cache_salt))
-    reserve_for(raw.scope, state.limiter, tenant, worst_case_tokens([ids], [params], state.engine.max_model_len),
-                lambda: sub.usage().total_tokens)
-    await sub.start()
-    mark(raw.scope, model, sub)  # metered from here (a request refused before it ran carries no tokens)
+    sub = await adm.submit([ids], [text], [params])
+    model = adm.model
     if req.stream:
         return SSEResponse(_stream(state, req, sub, model, plan))
     await sub.run_to_end(raw)

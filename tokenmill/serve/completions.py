@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.serve.admission import admit
 from tokenmill.serve.errors import APIError, bad_request
 from tokenmill.serve.generation import (DONE, SSEResponse, Submission, error_event, random_id, sse,
                                         token_decoder)
@@ -17,10 +18,6 @@ from tokenmill.serve.protocol import CompletionChoice, CompletionChunk, Completi
 from tokenmill.serve.sampling import (build_sampling_params, check_count, check_input_chars, check_lists,
                                      check_prompt_ids)
 from tokenmill.serve.state import LARGE_INPUT, ServerState
-from tokenmill.serve.tenants.keys import priority_for, request_slo, slo_for, tenant_of
-from tokenmill.serve.tenants.isolation import cache_salt_for
-from tokenmill.serve.tenants.limits import admit_sequences, reserve_for, worst_case_tokens
-from tokenmill.serve.tenants.usage import mark
 from tokenmill.serve.structured import check_constraint, request_constraint
 
 
@@ -74,12 +71,8 @@ def _prepare(state: ServerState, req: CompletionRequest, prompts: list, so) -> _
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request,
                             arrival_time: float | None = None):
-    tenant = tenant_of(raw.scope)
-    model, lora = state.resolve_model(req.model, tenant, raw.scope)
-    try:
-        slo = slo_for(tenant, request_slo(req.slo, state.settings.min_slo_ttft_ms))
-    except ValueError as e:
-        raise bad_request(str(e), "slo") from None
+    adm = admit(state, raw, model=req.model, slo=req.slo, priority=req.priority, cache_salt=req.cache_salt,
+                arrival_time=arrival_time)
     if req.suffix:
         raise bad_request("suffix is not supported.", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -92,21 +85,13 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     check_count(len(prompts), limits.max_prompts, "prompt", "--max-prompts", "prompts")
     check_input_chars(sum(len(p) for p in prompts if isinstance(p, str)), limits, "prompt")
     check_lists(req, limits)
-    # Limits count sequences, the work asked for: every prompt x n (refused before any prompt is read).
-    admit_sequences(raw.scope, state.limiter, tenant, len(prompts) * req.n)
+    adm.take_sequences(len(prompts) * req.n)  # every prompt x n, refused before any prompt is read
     so, so_param = request_constraint(req)
     if so is not None:
         await check_constraint(state, so, so_param)
     ready = await state.run_blocking(_prepare, state, req, prompts, so, size=_request_size(prompts, req))
-    state.check_capacity()
-    sub = Submission(state.engine, ready.ids, ready.texts, [ready.params] * len(ready.ids),
-                     priority_for(tenant, req.priority), arrival_time, lora,
-                     slo, cache_salt_for(tenant, req.cache_salt))
-    reserve_for(raw.scope, state.limiter, tenant,
-                worst_case_tokens(ready.ids, [ready.params] * len(ready.ids), state.engine.max_model_len),
-                lambda: sub.usage().total_tokens)
-    await sub.start()
-    mark(raw.scope, model, sub)  # metered from here (a request refused before it ran carries no tokens)
+    sub = await adm.submit(ready.ids, ready.texts, [ready.params] * len(ready.ids))
+    model = adm.model
     if req.stream:
         return SSEResponse(_stream(state, req, sub, model))
     await sub.run_to_end(raw)

@@ -1,0 +1,1 @@
+"""The server's routes, grouped by surface; serve/app.py adds them to the app."""
