@@ -176,6 +176,33 @@ def test_few_rows_over_split_blocks_equal_batch_one_bit_for_bit(qtype):
 
 
 @needs_native
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_split_rows_at_real_sizes_and_every_tail(qtype):
+    """The decode kernels over split rows take four blocks per step into four accumulators: at SmolLM2-1.7B's
+    row lengths (2048, 8192) and at lengths leaving 1, 2 and 3 blocks after the last step, float and int8
+    activations equal their float64 references, and 2-4 rows of x equal their batch-1 results bit for bit."""
+    from int8_ref import quantize_x
+
+    g = torch.Generator().manual_seed(11)
+    with two_threads():
+        for K in (2048, 8192, 2048 + 32, 2048 + 64, 2048 + 96):
+            N = 24
+            blocks = random_blocks(qtype, N, K, seed=K)
+            split = gq.split_rows(torch.from_numpy(blocks), int(qtype))
+            sq = gq.SPLIT + int(qtype)
+            w = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(N, K)).double()
+            x = torch.randn(4, K, generator=g)
+            for x8 in (False, True):
+                y = torch.ops.tokenmill.gguf_linear(x, split, sq, K, None, x8)
+                ref = ((quantize_x(x) if x8 else x.double()) @ w.T).float()
+                torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * math.sqrt(K) * ref.abs().max().item(),
+                                           msg=lambda m: f"{qtype.name} K={K} x8={x8}: {m}")
+                for i in range(4):
+                    one = torch.ops.tokenmill.gguf_linear(x[i:i + 1], split, sq, K, None, x8)
+                    assert torch.equal(y[i:i + 1], one), (K, x8, i)
+
+
+@needs_native
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
 def test_batched_path_many_panels_under_inference_mode(qtype):
     """The batched path splits a large weight into per-thread panels; the engine calls it under

@@ -503,66 +503,99 @@ float f16_dot(const uint8_t* h, int64_t n, const float* v) {
   return r;
 }
 
-// The min / offset term of a split row: Q4_1 sum_b m_b xs_b, Q4_0 -8 sum_b d_b xs_b, Q8_0 none.
+// Float x against split rows (Q4_0 / Q4_1 / Q8_0), 1 to 4 rows of x per pass over a weight row (a decode,
+// a few decodes, speculative drafts being verified). Each block of 32 weights is widened to floats once and
+// dotted with every row of x; its scale multiplies the block's dot into one of four accumulators (block b
+// into b % 4), and the loop takes 4 blocks per step of the prefetch cursor. Measured on the Xeon of
+// docs/performance.md (1.7B Q4_0 shapes, 2 threads): two accumulators with the cursor advanced every 2 blocks
+// ran at 13 GB/s, this shape at 20 (read bandwidth 30): the float path was bound by the loop's own work, not
+// by memory. Every row's sum is kept in the same order whatever MR, so a row's result is bit for bit its
+// MR == 1 one (a request answers the same alone and in a batch).
+//
+// With AVX-512 a block is two 16-float vectors; Q4_0 / Q4_1 nibbles become floats by one permute from a
+// 16-entry table (Q4_0's table holds -8..7, so it has no offset term), where a conversion costs one more
+// instruction per vector. With AVX2 a block is four 8-float vectors from integer conversions, and Q4_0's -8
+// is one multiply by the block sums of x (xsum) per row.
+#if defined(CPU_CAPABILITY_AVX512)
+using BVec = __m512;
+struct Block {
+  __m512 lo, hi;  // columns 0..15, 16..31
+};
+inline BVec bzero() { return _mm512_setzero_ps(); }
+inline BVec badd(BVec a, BVec b) { return _mm512_add_ps(a, b); }
+inline float breduce(BVec a) { return _mm512_reduce_add_ps(a); }
+inline Block widen(int64_t base, const uint8_t* qs, int64_t b) {
+  if (base == Q8_0) {
+    const uint8_t* q = qs + 32 * b;
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))))};
+  }
+  // vpermps reads the low 4 bits of each index: the low nibble needs no mask.
+  const __m512 table = base == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                    : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * b)));
+  return {_mm512_permutexvar_ps(e, table), _mm512_permutexvar_ps(_mm512_srli_epi32(e, 4), table)};
+}
+// acc + d * (w . x[0..32))
+inline BVec bdot(const Block& w, const float* x, float d, BVec acc) {
+  const __m512 t = _mm512_fmadd_ps(w.hi, _mm512_loadu_ps(x + 16), _mm512_mul_ps(w.lo, _mm512_loadu_ps(x)));
+  return _mm512_fmadd_ps(_mm512_set1_ps(d), t, acc);
+}
+constexpr bool Q4_0_HAS_OFFSET = false;
+#else
+using BVec = __m256;
+struct Block {
+  __m256 w[4];
+};
+inline BVec bzero() { return _mm256_setzero_ps(); }
+inline BVec badd(BVec a, BVec b) { return _mm256_add_ps(a, b); }
+inline float breduce(BVec a) { return hsum(a); }
+inline Block widen(int64_t base, const uint8_t* qs, int64_t b) {
+  Block k;
+  if (base == Q8_0) q8_block(qs + 32 * b, k.w);
+  else q4_block(qs + 16 * b, k.w);
+  return k;
+}
+inline BVec bdot(const Block& w, const float* x, float d, BVec acc) {
+  return _mm256_fmadd_ps(_mm256_set1_ps(d), dot4(w.w, x), acc);
+}
+constexpr bool Q4_0_HAS_OFFSET = true;
+#endif
+
+// The min / offset term of a split row: Q4_1 sum_b m_b xs_b, Q4_0 -8 sum_b d_b xs_b (AVX2 only), Q8_0 none.
 float split_offset(int64_t base, const uint8_t* row, int64_t nb, const float* xs) {
   if (base == Q4_1) return f16_dot(row + 2 * nb, nb, xs);
-  if (base == Q4_0) return -8.f * f16_dot(row, nb, xs);
+  if (base == Q4_0 && Q4_0_HAS_OFFSET) return -8.f * f16_dot(row, nb, xs);
   return 0.f;
 }
 
-// Batch 1, float x, one split row (Q4_0 / Q4_1 / Q8_0). sc: nb floats of scratch.
-float split_row_f32(int64_t qt, const uint8_t* row, int64_t nb, const float* x, const float* xs, float* sc,
-                    Ahead& pf) {
-  const int64_t base = base_type(qt);
-  f16_row(row, nb, nullptr, sc);
-  const float off = split_offset(base, row, nb, xs);
-  const uint8_t* qs = row + split_header(qt, nb);
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  const auto step = [&](int64_t b, int p) TOKENMILL_INLINE {
-    __m256 w[4];
-    if (base == Q8_0) q8_block(qs + 32 * b, w);
-    else q4_block(qs + 16 * b, w);
-    acc[p] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + b), dot4(w, x + 32 * b), acc[p]);
-  };
-  const int64_t qbytes = base == Q8_0 ? 32 : 16;
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    pf.upto(qs + qbytes * b);
-    step(b, 0);
-    step(b + 1, 1);
-  }
-  if (b < nb) step(b, 0);
-  return hsum(_mm256_add_ps(acc[0], acc[1])) + off;
-}
-
-// A few float rows of x (MR <= 4, a request verifying speculative drafts, a few decodes) against one split row:
-// each block is widened once and dotted with every row, each row's sum kept in split_row_f32's order (two
-// accumulators over alternate blocks, then the offset), so every row's result is bit for bit its M == 1 one.
+// MR rows of x (ldx apart; xs: their per-block sums, G apart) against one split row. sc: nb floats of scratch.
 template <int MR>
 void split_rows_f32(int64_t qt, const uint8_t* row, int64_t nb, const float* x, int64_t ldx, const float* xs,
                     int64_t G, float* sc, float* out, Ahead& pf) {
   const int64_t base = base_type(qt);
   f16_row(row, nb, nullptr, sc);
   const uint8_t* qs = row + split_header(qt, nb);
-  __m256 acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  const auto step = [&](int64_t b, int p) TOKENMILL_INLINE {
-    __m256 w[4];
-    if (base == Q8_0) q8_block(qs + 32 * b, w);
-    else q4_block(qs + 16 * b, w);
-    const __m256 d = _mm256_broadcast_ss(sc + b);
-    for (int m = 0; m < MR; ++m) acc[m][p] = _mm256_fmadd_ps(d, dot4(w, x + m * ldx + 32 * b), acc[m][p]);
+  BVec acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = bzero();
+  const auto step = [&](int64_t b, int j) TOKENMILL_INLINE {
+    const Block w = widen(base, qs, b);
+    for (int m = 0; m < MR; ++m) acc[m][j] = bdot(w, x + m * ldx + 32 * b, sc[b], acc[m][j]);
   };
   const int64_t qbytes = base == Q8_0 ? 32 : 16;
   int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
+  for (; b + 4 <= nb; b += 4) {
     pf.upto(qs + qbytes * b);
     step(b, 0);
     step(b + 1, 1);
+    step(b + 2, 2);
+    step(b + 3, 3);
   }
-  if (b < nb) step(b, 0);
+  for (int j = 0; b < nb; ++b, ++j) step(b, j);
   for (int m = 0; m < MR; ++m)
-    out[m] = hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + split_offset(base, row, nb, xs + m * G);
+    out[m] = breduce(badd(badd(acc[m][0], acc[m][1]), badd(acc[m][2], acc[m][3]))) +
+             split_offset(base, row, nb, xs + m * G);
 }
 
 // One row of blocks into K floats with the same widening as the dot products (the SGEMM path's scratch).
@@ -780,7 +813,7 @@ void split_row_x8(const uint8_t* row, const uint8_t* qs, const float* ws, const 
                   float* sc, float* out, Ahead& pf) {
   const int64_t nb = x.G;
   float off[MR];
-  __m256 acc[MR][2];
+  __m256 acc[MR][4];
   for (int m = 0; m < MR; ++m) {
     const float* xd = x.d + (m0 + m) * nb;
     const float* xs = x.s + (m0 + m) * nb;
@@ -794,7 +827,7 @@ void split_row_x8(const uint8_t* row, const uint8_t* qs, const float* ws, const 
       for (; i < nb; ++i) s[i] = ws[i] * xd[i];
       off[m] = base == Q4_1 ? dot_f32(wm, xs, nb) : base == Q4_0 ? -8.f * dot_f32(ws, xs, nb) : 0.f;
     }
-    acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = _mm256_setzero_ps();
   }
   const auto step = [&](int64_t b, int p) TOKENMILL_INLINE {
     if (base == Q8_0) {
@@ -814,13 +847,16 @@ void split_row_x8(const uint8_t* row, const uint8_t* qs, const float* ws, const 
   };
   const int64_t qbytes = base == Q8_0 ? 32 : 16;
   int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
+  for (; b + 4 <= nb; b += 4) {  // four blocks per cursor step, block b into acc b % 4 (as split_rows_f32)
     pf.upto(qs + qbytes * b);
     step(b, 0);
     step(b + 1, 1);
+    step(b + 2, 2);
+    step(b + 3, 3);
   }
-  if (b < nb) step(b, 0);
-  for (int m = 0; m < MR; ++m) out[m] = x8::hsum(_mm256_add_ps(acc[m][0], acc[m][1])) + off[m];
+  for (int p = 0; b < nb; ++b, ++p) step(b, p);
+  for (int m = 0; m < MR; ++m)
+    out[m] = x8::hsum(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3]))) + off[m];
 }
 
 // split_row_x8 for the row's base type and mr rows of x (compile-time constants: no branch in the block loop).
@@ -948,7 +984,7 @@ void decode(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K
 #ifdef TOKENMILL_GGUF_AVX2
     if (M == 1 && is_split(qt)) {
       std::vector<float> sc(G);
-      for (; n < n1; ++n) yp[n] = split_row_f32(qt, wp + n * row_bytes, G, xp, xs.data(), sc.data(), pf);
+      for (; n < n1; ++n) split_rows_f32<1>(qt, wp + n * row_bytes, G, xp, K, xs.data(), G, sc.data(), yp + n, pf);
     }
     if (M > 1 && is_split(qt)) {  // up to 4 rows of x per pass over each weight row, as M == 1 per row
       std::vector<float> sc(G);
