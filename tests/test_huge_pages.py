@@ -1,8 +1,9 @@
 """tokenmill/huge_pages.py: large GGUF weights moved into 2 MiB-aligned private mappings advised MADV_HUGEPAGE.
 
-- to_huge_pages keeps the values, starts the tensor on a 2 MiB boundary, and the kernel sees the advice (the
-  `hg` flag of the mapping in /proc/self/smaps); small, non-contiguous or non-CPU tensors, and
-  TOKENMILL_HUGE_PAGES=0, keep the tensor as it was.
+- to_huge_pages keeps the values, starts a large tensor on a 2 MiB boundary, and the kernel sees the advice (the
+  `hg` flag of the mapping in /proc/self/smaps); smaller tensors share arena mappings, one after another in the
+  order they came, each on a cache line; tiny, non-contiguous or non-CPU tensors, and TOKENMILL_HUGE_PAGES=0,
+  keep the tensor as it was.
 - A GGUF model's kernel weights land there (the threshold lowered so the tiny test model's count) and its greedy
   tokens equal those of the same model with TOKENMILL_HUGE_PAGES=0.
 """
@@ -48,6 +49,31 @@ def test_values_kept_aligned_and_advised():
     assert torch.equal(g, f) and g.dtype == torch.float32
 
 
+@needs_thp
+def test_smaller_tensors_share_an_arena_in_load_order(monkeypatch):
+    monkeypatch.setattr(huge_pages, "_ARENA", huge_pages._Arena())  # a fresh arena: placements start at 0
+    sizes = [300_000, 5000, 2 * huge_pages.HUGE + 123, 70_000]
+    ts = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
+    outs = [huge_pages.to_huge_pages(t) for t in ts]
+    for t, out in zip(ts, outs):
+        assert out is not t and torch.equal(out, t) and out.data_ptr() % huge_pages.ALIGN == 0
+        assert "hg" in vm_flags(out.data_ptr())
+    starts = [o.data_ptr() for o in outs]
+    assert starts[0] % huge_pages.HUGE == 0 and starts == sorted(starts)  # one after another, no overlap
+    assert all(a + n <= b for a, n, b in zip(starts, sizes, starts[1:]))
+    assert starts[-1] + sizes[-1] - starts[0] < huge_pages.ARENA_BYTES  # one mapping
+    # A tensor that does not fit the rest of the arena starts a new one; values stay put in the old one.
+    rest = huge_pages.ARENA_BYTES // 2 - 64
+    a, b, c = (huge_pages.to_huge_pages(torch.full((rest,), v, dtype=torch.uint8)) for v in (7, 9, 11))
+    assert a.data_ptr() > starts[-1] and b.data_ptr() % huge_pages.HUGE == 0 and c.data_ptr() > b.data_ptr()
+    assert int(a[0]) == 7 and int(b[-1]) == 9 and int(c[5]) == 11
+    assert all(torch.equal(o, t) for o, t in zip(outs, ts))
+    # Once ended (a model's load is done), the next tensor starts a new mapping.
+    huge_pages.end_arena()
+    d = huge_pages.to_huge_pages(torch.ones(5000, dtype=torch.uint8))
+    assert d.data_ptr() % huge_pages.HUGE == 0 and int(c[-1]) == 11
+
+
 def test_left_alone(monkeypatch):
     small = torch.zeros(1000, dtype=torch.uint8)
     assert huge_pages.to_huge_pages(small) is small
@@ -77,8 +103,8 @@ def test_gguf_weights_moved_and_output_unchanged(tmp_path, monkeypatch):
 
     monkeypatch.setattr(huge_pages, "MIN_BYTES", 1)  # the tiny model's matrices are a few KiB
     moved_tokens, moved = run()
-    assert moved and all(p.data_ptr() % huge_pages.HUGE == 0 for p in moved)
+    assert moved and all("hg" in vm_flags(p.data_ptr()) for p in moved)
     monkeypatch.setenv("TOKENMILL_HUGE_PAGES", "0")
     kept_tokens, kept = run()
-    assert not all(p.data_ptr() % huge_pages.HUGE == 0 for p in kept)
+    assert not all("hg" in vm_flags(p.data_ptr()) for p in kept)  # (large tensors may come advised from elsewhere)
     assert moved_tokens == kept_tokens

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.huge_pages import to_huge_pages
+from tokenmill.huge_pages import end_arena, to_huge_pages
 from tokenmill.layers.quantization.base import NativeLinear, QuantizationConfig, QuantizeMethodBase, set_weight_attrs
 from tokenmill.layers.quantization.registry import QuantOptions, quantize_at_load
 
@@ -324,6 +324,7 @@ class GGUFConfig(QuantizationConfig):
                 module.weight.data = to_huge_pages(split_rows(module.weight.data, method.qtype))
                 done.add(id(module.weight))
             module.table_method = dataclasses.replace(method, qtype=method.qtype + SPLIT)
+        end_arena()  # this model's smaller weights are placed: the next model starts an arena of its own
 
     def keeps_blocks(self, checkpoint_name: str) -> bool:
         """Whether the loader hands this tensor (transformers' name) over as raw block rows."""
