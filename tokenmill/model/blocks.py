@@ -1,6 +1,6 @@
 """Decoder blocks shared by the model families: attention (packed qkv projection, optional q/k RMSNorm,
-rotary, paged attention, output projection), the gated MLP, the decoder layer (pre-norm, or Gemma's
-sandwich norms) and the decoder-only stack with its embedding and LM head.
+rotary, paged attention, output projection), the gated MLP, the decoder layer (pre-norm, Gemma's
+sandwich norms or OLMo 2's post-norms; Granite's residual multiplier) and the decoder-only stack with its embedding and LM head.
 
 A family file turns its Hugging Face config into a DecoderSpec in one function; nothing here reads
 model_type. Input is a packed batch: token ids [T] and positions [T] of every request's new tokens,
@@ -36,6 +36,8 @@ class AttentionSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary
+    qk_norm_all_heads: bool = False  # with qk_norm, OLMo 2's: one RMSNorm over the whole q (k) projection
+    logits_soft_cap: float | None = None  # Gemma 2: cap * tanh(scores / cap) before the softmax
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,12 @@ class DecoderSpec:
     layers: tuple[LayerSpec, ...]
     norm_offset: float = 0.0  # 1.0: Gemma's RMSNorm, x * (1 + w)
     sandwich_norms: bool = False  # Gemma: also norm each block's output, and a separate pre-MLP norm
+    post_norms: bool = False  # OLMo 2: norm only each block's output (post_attention/post_feedforward), no input norms
     embed_scale: float | None = None  # multiply the embeddings by this
     tie_word_embeddings: bool = False
     final_logit_softcapping: float | None = None
+    residual_multiplier: float | None = None  # Granite: each block's output is scaled by this before the residual add
+    logits_scaling: float | None = None  # Granite: the logits are divided by this
     moe: MoESpec | None = None  # set: layers without dense_mlp have a mixture-of-experts block
 
 
@@ -100,19 +105,27 @@ class AttentionBlock(nn.Module):
         self.head_dim = a.head_dim
         self.sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
         self.qk_norm = a.qk_norm
-        if a.qk_norm:
+        self.qk_norm_all_heads = a.qk_norm and a.qk_norm_all_heads
+        if self.qk_norm_all_heads:
+            if build.tp_size > 1:  # the norm's mean of squares would need every rank's heads
+                raise ValueError("q/k norms over all heads (OLMo 2) are not supported with tensor_parallel_size > 1")
+            self.q_norm = build.norm(a.num_heads * a.head_dim, spec)
+            self.k_norm = build.norm(a.num_kv_heads * a.head_dim, spec)
+        elif a.qk_norm:
             self.q_norm = build.norm(a.head_dim, spec)
             self.k_norm = build.norm(a.head_dim, spec)
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, a.head_dim, a.scale, window)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, a.head_dim, a.scale, window, a.logits_soft_cap)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        if self.qk_norm_all_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v, meta)
@@ -141,15 +154,22 @@ class DecoderLayer(nn.Module):
                  prefix: str) -> None:
         super().__init__()
         h = spec.hidden_size
-        self.input_layernorm = build.norm(h, spec)
+        if spec.sandwich_norms and spec.post_norms:
+            raise ValueError("sandwich_norms and post_norms are exclusive")
+        self.post_norms = spec.post_norms
+        if not self.post_norms:
+            self.input_layernorm = build.norm(h, spec)
         self.self_attn = AttentionBlock(spec, rotary, layer.sliding_window, build, f"{prefix}.self_attn")
         # Pre-norm: post_attention_layernorm is the MLP's input norm. Sandwich: it norms the attention
-        # output, and two more norms wrap the MLP.
+        # output, and two more norms wrap the MLP. Post-norms: it norms the attention output, and
+        # post_feedforward_layernorm the MLP's.
         self.post_attention_layernorm = build.norm(h, spec)
         self.sandwich = spec.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = build.norm(h, spec)
+        if self.sandwich or self.post_norms:
             self.post_feedforward_layernorm = build.norm(h, spec)
+        self.residual_multiplier = spec.residual_multiplier
         if spec.moe is not None and not layer.dense_mlp:
             self.mlp = MoEBlock(h, spec.moe, build, f"{prefix}.mlp")
         else:
@@ -159,6 +179,10 @@ class DecoderLayer(nn.Module):
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (block output, residual stream): the caller adds them, fused with the next norm (the
         first layer gets residual=None and x the embeddings)."""
+        if self.post_norms:
+            return self._forward_post_norms(positions, x, meta, residual)
+        if self.residual_multiplier is not None:
+            return self._forward_scaled(positions, x, meta, residual)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -169,6 +193,24 @@ class DecoderLayer(nn.Module):
             return self.post_feedforward_layernorm(self.mlp(x)), residual
         residual, x = self.post_attention_layernorm.add(residual, self.self_attn(positions, x, meta))
         return self.mlp(x), residual
+
+    def _forward_post_norms(self, positions: torch.Tensor, x: torch.Tensor, meta,
+                            residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # OLMo 2: the stream itself (not a norm of it) enters each block; the block's output is normed.
+        stream = x if residual is None else residual + x
+        stream = stream + self.post_attention_layernorm(self.self_attn(positions, stream, meta))
+        return self.post_feedforward_layernorm(self.mlp(stream)), stream
+
+    def _forward_scaled(self, positions: torch.Tensor, x: torch.Tensor, meta,
+                        residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # Granite: pre-norm, each block's output times residual_multiplier before it joins the stream.
+        m = self.residual_multiplier
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            residual, x = self.input_layernorm.add(residual, x)
+        residual, x = self.post_attention_layernorm.add(residual, self.self_attn(positions, x, meta) * m)
+        return self.mlp(x) * m, residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -202,6 +244,7 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = spec.tie_word_embeddings
         self.embed_scale = spec.embed_scale
         self.final_logit_softcapping = spec.final_logit_softcapping
+        self.logits_scaling = spec.logits_scaling
         build = Build(dtype, compute_dtype, quant_config, tp_rank, tp_size, expert_parallel)
         rotary = {}
         for key in {layer.rope for layer in spec.layers}:
@@ -277,6 +320,8 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 [N, vocab]."""
         logits = self.lm_head.compute_logits(hidden)
+        if self.logits_scaling is not None:
+            logits = logits / self.logits_scaling
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

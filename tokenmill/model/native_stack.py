@@ -61,6 +61,12 @@ def _layer_reason(layer) -> str | None:
         return f"{type(layer).__name__}: not an attention block and a dense MLP"
     if layer.sandwich:
         return "sandwich norms"
+    if layer.post_norms:
+        return "post-norms only (OLMo 2)"
+    if layer.residual_multiplier is not None:
+        return "residual multiplier (Granite)"
+    if attn.qk_norm_all_heads:
+        return "q/k norms over all heads (OLMo 2)"
     if mlp.act_name not in ACTIVATIONS:
         return f"activation {mlp.act_name}"
     norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([attn.q_norm, attn.k_norm] if attn.qk_norm

@@ -1,16 +1,24 @@
 """Architecture name (config.json "architectures") -> model class."""
 from __future__ import annotations
 
+from tokenmill.model.gemma2 import Gemma2ForCausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
+from tokenmill.model.granite import GraniteForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.moe_models import MixtralForCausalLM, MoEForCausalLM
+from tokenmill.model.olmo2 import Olmo2ForCausalLM
+from tokenmill.model.phi3 import Phi3ForCausalLM
 
 MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": MoEForCausalLM,
     "Qwen3MoeForCausalLM": MoEForCausalLM,

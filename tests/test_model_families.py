@@ -1,0 +1,146 @@
+"""Granite, OLMo 2, Phi-3 and Gemma 2: greedy tokens and logprobs equal transformers (the oracle) on tiny
+random models, batched, chunked by a 16-token budget (prompt chunks mixed with decodes), again from the
+prefix cache, and under a KV pool so small that requests are preempted. Plus the settings each family
+refuses at load, and which of them run on the native decoder stack."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_parity import NEW_TOKENS, check_against_oracle, hf_greedy, prompts_for
+from tiny import _ARCH_DEFAULTS, build_tokenizer
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.loader import load_hf_config
+from tokenmill.model.native_stack import NativeStack
+
+# Multipliers far from 1 (Granite 3 uses 12, 0.22, 1/128 and 8), so leaving one out changes the tokens.
+GRANITE = dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0)
+# Small caps so that they bind on these logits: attention scores reach a few units, logits ten or so.
+GEMMA2 = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=24, attn_logit_softcapping=2.0,
+              final_logit_softcapping=5.0, num_hidden_layers=4)
+
+FAMILIES = {
+    "granite": ("GraniteConfig", GRANITE),
+    "olmo2": ("Olmo2Config", {}),
+    "phi3": ("Phi3Config", {}),
+    "gemma2": ("Gemma2Config", GEMMA2),
+}
+
+
+def make_family_model(path: Path, config_class: str, seed: int = 0, **overrides) -> Path:
+    """tests/tiny.py's make_tiny_model for a config class it does not build: the same sizes, tokenizer and
+    weight scale."""
+    import transformers as tf
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    cls = getattr(tf, config_class)  # getattr: the transformers config class by name
+    config = cls(**dict(_ARCH_DEFAULTS, vocab_size=len(tok), **overrides))
+    config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    config.bos_token_id = None
+    config.pad_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # peaked logits: greedy is not a coin toss
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [config.eos_token_id]}))
+    return path
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_matches_transformers(tmp_path, family):
+    config_class, overrides = FAMILIES[family]
+    path = make_family_model(tmp_path / family, config_class, **overrides)
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=3)
+
+    llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=128, block_size=16, enable_prefix_caching=True)
+    prompts = prompts_for(llm.engine.vocab_size)
+    oracle = hf_greedy(path, prompts)
+    check_against_oracle(llm.generate(prompts, sp, use_tqdm=False), oracle, "batched")
+    again = llm.generate(prompts, sp, use_tqdm=False)
+    assert sum(o.num_cached_tokens for o in again) > 0
+    check_against_oracle(again, oracle, "prefix hit")
+    chunked = LLM(str(path), max_model_len=128, num_gpu_blocks_override=128, max_num_batched_tokens=16)
+    check_against_oracle(chunked.generate(prompts, sp, use_tqdm=False), oracle, "chunked")
+    tight = LLM(str(path), max_model_len=96, num_gpu_blocks_override=12, block_size=8, max_num_batched_tokens=64,
+                disable_hybrid_kv_cache_manager=True)
+    check_against_oracle(tight.generate(prompts, sp, use_tqdm=False), oracle, "preempted")
+    assert tight.engine.scheduler.num_preemptions > 0
+    for engine in (llm.engine, chunked.engine, tight.engine):
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def _model(path: Path, **kw):
+    from tokenmill.model.registry import resolve
+
+    cfg = load_hf_config(str(path))
+    return resolve(cfg.architectures)(cfg, dtype=torch.float32, compute_dtype=torch.float32, max_positions=64, **kw)
+
+
+def test_family_layers_are_built_as_configured(tmp_path):
+    granite = _model(make_family_model(tmp_path / "granite", "GraniteConfig", **GRANITE))
+    assert granite.embed_scale == 4.0 and granite.logits_scaling == 2.0
+    assert granite.layers[0].residual_multiplier == 0.5 and granite.layers[0].self_attn.attn.scale == 0.2
+    # A Granite whose multipliers are all 1 is a Llama: nothing scaled.
+    plain = _model(make_family_model(tmp_path / "granite1", "GraniteConfig", attention_multiplier=0.125))
+    assert plain.embed_scale is None and plain.logits_scaling is None and plain.layers[0].residual_multiplier is None
+
+    olmo = _model(make_family_model(tmp_path / "olmo2", "Olmo2Config"))
+    attn = olmo.layers[0].self_attn
+    assert attn.q_norm.weight.shape == (4 * 16,) and attn.k_norm.weight.shape == (2 * 16,)
+    assert not hasattr(olmo.layers[0], "input_layernorm")
+
+    gemma = _model(make_family_model(tmp_path / "gemma2", "Gemma2Config", **GEMMA2))
+    assert [layer.self_attn.attn.sliding_window for layer in gemma.layers] == [24, None, 24, None]
+    assert {layer.self_attn.attn.logits_soft_cap for layer in gemma.layers} == {2.0}
+    assert gemma.final_logit_softcapping == 5.0 and gemma.layers[0].self_attn.attn.scale == 24**-0.5
+
+
+def test_native_stack_takes_only_what_it_computes(tmp_path):
+    """Phi-3 is a pre-norm Llama layer once loaded: the native stack runs it (and the parity test above then
+    covers that path). Granite's multiplier and OLMo 2's norms are not in the C++ layer: Python runs them."""
+    from tokenmill.model import native_stack
+
+    if not native_stack.enabled():
+        pytest.skip("native decoder stack not built here")
+    assert NativeStack.why_not(_model(make_family_model(tmp_path / "phi3", "Phi3Config"))) is None
+    granite = _model(make_family_model(tmp_path / "granite", "GraniteConfig", **GRANITE))
+    assert "residual multiplier" in NativeStack.why_not(granite)
+    assert "post-norms" in NativeStack.why_not(_model(make_family_model(tmp_path / "olmo2", "Olmo2Config")))
+
+
+def test_phi3_refuses_longrope_and_partial_rotary(tmp_path):
+    factors = [1.0] * 8  # head_dim 16: 8 frequencies
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": factors, "long_factor": factors}
+    path = make_family_model(tmp_path / "long", "Phi3Config", rope_parameters=longrope,
+                             original_max_position_embeddings=256)
+    with pytest.raises(ValueError, match="longrope"):
+        LLM(str(path), max_model_len=64, num_gpu_blocks_override=16)
+    partial = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    path = make_family_model(tmp_path / "partial", "Phi3Config", rope_parameters=partial)
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        LLM(str(path), max_model_len=64, num_gpu_blocks_override=16)
+
+
+def test_olmo2_refuses_tensor_parallel(tmp_path):
+    path = make_family_model(tmp_path / "olmo2", "Olmo2Config")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        _model(path, tp_rank=0, tp_size=2)
+
+
+def test_phi3_missing_fused_weight_is_named(tmp_path):
+    from safetensors.torch import load_file
+
+    path = make_family_model(tmp_path / "phi3", "Phi3Config")
+    weights = load_file(str(path / "model.safetensors"))
+    assert "model.layers.0.self_attn.qkv_proj.weight" in weights and "model.layers.0.mlp.gate_up_proj.weight" in weights
+    weights.pop("model.layers.1.mlp.gate_up_proj.weight")
+    with pytest.raises(ValueError, match="layers.1.mlp.gate_up_proj.weight"):
+        _model(path).load_weights(weights.items())
