@@ -7,6 +7,7 @@ import logging
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.layers.quantization.base import QuantizationConfig
 
 # The worker's log: its start-up lines keep one name whichever stage writes them.
 log = logging.getLogger("tokenmill.executor.worker")
@@ -41,18 +42,17 @@ def load_worker_model(config: EngineConfig, device: torch.device, rank: int):
     return model, hf_config, max_model_len, quant
 
 
-def log_weights(config: EngineConfig, model: torch.nn.Module, quant) -> None:
+def log_weights(config: EngineConfig, model: torch.nn.Module, quant: QuantizationConfig | None) -> None:
     """The weights' line: resident bytes, streamed ones, the format and its activation path."""
     from tokenmill import native
     from tokenmill.diagnostics import resident_weight_bytes, streamed_parameters, streamed_where
 
     mc = config.model
-    # getattr: quant is None or any QuantizationConfig; only some formats have int8 activations
-    x8 = bool(getattr(quant, "int8_activations", False))
+    x8 = quant is not None and quant.int8_activations
     how = ""
     if x8:
-        per_token = getattr(quant, "per_token_activations", False)  # (as above: only some formats have it)
-        how = f", int8 activations: {'per token, torch._int_mm' if per_token else native.int8_dot_path()}"
+        path = "per token, torch._int_mm" if quant.per_token_activations else native.int8_dot_path()
+        how = f", int8 activations: {path}"
     # Streamed weights are not resident: counting them here contradicted the store's own line above.
     streamed = sum(p.numel() * p.element_size() for p in streamed_parameters(model))
     log.info("weights: %.1f MiB resident%s%s", (resident_weight_bytes(model) - streamed) / 2**20,
