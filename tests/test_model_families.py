@@ -144,3 +144,25 @@ def test_phi3_missing_fused_weight_is_named(tmp_path):
     weights.pop("model.layers.1.mlp.gate_up_proj.weight")
     with pytest.raises(ValueError, match="layers.1.mlp.gate_up_proj.weight"):
         _model(path).load_weights(weights.items())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["gemma2", "granite", "phi3"])
+def test_tp2_equals_tp1(tmp_path, family):
+    """Two ranks (gloo, one process each) give one rank's tokens and logprobs: Phi-3's fused qkv_proj and
+    gate_up_proj split into each rank's heads and rows, Granite's scaled blocks and Gemma 2's capped attention
+    over half the heads. (OLMo 2 refuses tensor parallelism: test_olmo2_refuses_tensor_parallel.)"""
+    from compare import assert_same_outputs
+
+    config_class, overrides = FAMILIES[family]
+    path = make_family_model(tmp_path / family, config_class, **overrides)
+    prompts = prompts_for(384, seed=4)[:4]
+    sp = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, logprobs=3)
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=64, tensor_parallel_size=tp)
+        try:
+            outs.append([o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)])
+        finally:
+            llm.engine.shutdown()
+    assert_same_outputs(outs[0], outs[1], f"{family} tp=2", atol=1e-4)
