@@ -22,10 +22,17 @@ GRANITE = dict(embedding_multiplier=4.0, residual_multiplier=0.5, attention_mult
 GEMMA2 = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=24, attn_logit_softcapping=2.0,
               final_logit_softcapping=5.0, num_hidden_layers=4)
 
+# Phi-3 128k's rope: short factors (head_dim 16: 8 of them, far from 1) while a context is within 256 tokens,
+# and the attention factor of max_position_embeddings / original = 2.
+PHI3_LONGROPE = dict(original_max_position_embeddings=256, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+    "long_factor": [2.0] * 8})
+
 FAMILIES = {
     "granite": ("GraniteConfig", GRANITE),
     "olmo2": ("Olmo2Config", {}),
     "phi3": ("Phi3Config", {}),
+    "phi3-longrope": ("Phi3Config", PHI3_LONGROPE),
     "gemma2": ("Gemma2Config", GEMMA2),
 }
 
@@ -116,13 +123,11 @@ def test_native_stack_takes_only_what_it_computes(tmp_path):
     assert "post-norms" in NativeStack.why_not(_model(make_family_model(tmp_path / "olmo2", "Olmo2Config")))
 
 
-def test_phi3_refuses_longrope_and_partial_rotary(tmp_path):
-    factors = [1.0] * 8  # head_dim 16: 8 frequencies
-    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": factors, "long_factor": factors}
-    path = make_family_model(tmp_path / "long", "Phi3Config", rope_parameters=longrope,
-                             original_max_position_embeddings=256)
-    with pytest.raises(ValueError, match="longrope"):
-        LLM(str(path), max_model_len=64, num_gpu_blocks_override=16)
+def test_phi3_refuses_longrope_past_its_short_range_and_partial_rotary(tmp_path):
+    path = make_family_model(tmp_path / "long", "Phi3Config", **PHI3_LONGROPE)
+    with pytest.raises(ValueError, match="longrope.*--max-model-len 256"):  # 512 by default: the long factors
+        LLM(str(path), num_gpu_blocks_override=16)
+    LLM(str(path), max_model_len=256, num_gpu_blocks_override=16)  # within the short factors' range
     partial = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     path = make_family_model(tmp_path / "partial", "Phi3Config", rope_parameters=partial)
     with pytest.raises(ValueError, match="partial_rotary_factor"):

@@ -3,8 +3,9 @@
 The checkpoint stores q/k/v as one `self_attn.qkv_proj` tensor (q rows, then k, then v) and gate/up
 as one `mlp.gate_up_proj` (gate rows, then up): the same layouts as the packed layers, whose loaders
 split a whole tensor into this rank's shards; so nothing is unpacked (`packed_modules_mapping` empty).
-Refused at load, naming the setting: LongRoPE scaling (`rope_type: longrope`, which switches between
-short and long factors by context length) and partial rotary (`partial_rotary_factor` < 1).
+LongRoPE (`rope_type: longrope`, Phi-3 128k / Phi-3.5) is served up to `original_max_position_embeddings`
+with its short factors and attention factor, as transformers computes it there; a longer max_model_len is
+refused at load, as is partial rotary (`partial_rotary_factor` < 1), each with a ValueError naming the setting.
 """
 from __future__ import annotations
 
@@ -16,12 +17,23 @@ from tokenmill.model.hf_config import hf_get
 from tokenmill.model.llama import llama_spec
 
 
-def phi3_spec(cfg) -> DecoderSpec:
+def phi3_spec(cfg, max_positions: int) -> DecoderSpec:
     rope = hf_get(cfg, "rope_parameters") or hf_get(cfg, "rope_scaling") or {}  # rope_scaling: transformers 4.x
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
+    if rope_type == "longrope":
+        # transformers rotates with the short factors while a sequence is within original_max_position_embeddings
+        # and, once it passes that, recomputes the whole sequence with the long factors: a paged KV cache cannot
+        # rotate its past keys again, so only contexts that never pass it are served (short factors throughout).
+        original = int(rope.get("original_max_position_embeddings")
+                       or hf_get(cfg, "original_max_position_embeddings") or 0)
+        if max_positions > original:
+            raise ValueError(
+                f"Phi-3 rope_type 'longrope' (rope_parameters in config.json) is supported only up to its "
+                f"original_max_position_embeddings ({original}), where the short factors apply; max_model_len is "
+                f"{max_positions}: pass --max-model-len {original} or less")
+    elif rope_type != "default":
         raise ValueError(f"Phi-3 rope scaling rope_type={rope_type!r} (rope_parameters in config.json) is not "
-                         "supported by tokenmill; only plain rotary (rope_type 'default') is")
+                         "supported by tokenmill; only plain rotary ('default') and 'longrope' are")
     partial = float(rope.get("partial_rotary_factor", hf_get(cfg, "partial_rotary_factor", 1.0)) or 1.0)
     if partial != 1.0:
         raise ValueError(f"Phi-3 partial_rotary_factor={partial} is not supported by tokenmill; "
@@ -35,5 +47,5 @@ class Phi3ForCausalLM(DecoderForCausalLM):
     def __init__(self, cfg, dtype: torch.dtype, compute_dtype: torch.dtype, max_positions: int,
                  quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
                  expert_parallel: bool = False, pp_rank: int = 0, pp_size: int = 1) -> None:
-        super().__init__(cfg, phi3_spec(cfg), dtype, compute_dtype, max_positions, quant_config, tp_rank, tp_size,
+        super().__init__(cfg, phi3_spec(cfg, max_positions), dtype, compute_dtype, max_positions, quant_config, tp_rank, tp_size,
                          expert_parallel, pp_rank, pp_size)
