@@ -33,6 +33,10 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", {}),
     "phi3": ("Phi3Config", {}),
     "phi3-longrope": ("Phi3Config", PHI3_LONGROPE),
+    # Phi-4-mini's shape: LongRoPE on 3/4 of each head (12 of 16 features: 6 factors), the rest not rotated.
+    "phi4mini-partial-longrope": ("Phi3Config", dict(PHI3_LONGROPE, rope_parameters=dict(
+        PHI3_LONGROPE["rope_parameters"], partial_rotary_factor=0.75, short_factor=[1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
+        long_factor=[2.0] * 6), tie_word_embeddings=True)),
     "gemma2": ("Gemma2Config", GEMMA2),
 }
 
@@ -118,20 +122,28 @@ def test_native_stack_takes_only_what_it_computes(tmp_path):
     if not native_stack.enabled():
         pytest.skip("native decoder stack not built here")
     assert NativeStack.why_not(_model(make_family_model(tmp_path / "phi3", "Phi3Config"))) is None
+    config_class, overrides = FAMILIES["phi4mini-partial-longrope"]
+    partial = make_family_model(tmp_path / "phi4mini", config_class, **overrides)
+    assert NativeStack.why_not(_model(partial)) == "partial rotary"
     granite = _model(make_family_model(tmp_path / "granite", "GraniteConfig", **GRANITE))
     assert "residual multiplier" in NativeStack.why_not(granite)
     assert "post-norms" in NativeStack.why_not(_model(make_family_model(tmp_path / "olmo2", "Olmo2Config")))
 
 
-def test_phi3_refuses_longrope_past_its_short_range_and_partial_rotary(tmp_path):
+def test_phi3_refuses_longrope_past_its_short_range_and_odd_partial_rotary(tmp_path):
     path = make_family_model(tmp_path / "long", "Phi3Config", **PHI3_LONGROPE)
     with pytest.raises(ValueError, match="longrope.*--max-model-len 256"):  # 512 by default: the long factors
         LLM(str(path), num_gpu_blocks_override=16)
     LLM(str(path), max_model_len=256, num_gpu_blocks_override=16)  # within the short factors' range
     partial = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     path = make_family_model(tmp_path / "partial", "Phi3Config", rope_parameters=partial)
-    with pytest.raises(ValueError, match="partial_rotary_factor"):
-        LLM(str(path), max_model_len=64, num_gpu_blocks_override=16)
+    assert _model(path).layers[0].self_attn.rotary.rotary_dim == 8
+    with open(path / "config.json") as f:
+        cfg = json.load(f)
+    cfg["rope_parameters"]["partial_rotary_factor"] = 0.1  # int(1.6) = 1 feature of 16: not an even count
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.1"):
+        _model(path)
 
 
 def test_olmo2_refuses_tensor_parallel(tmp_path):

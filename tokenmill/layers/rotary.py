@@ -30,8 +30,13 @@ def rope_inv_freq(hf_config, head_dim: int, layer_type: str | None = None) -> tu
 
 
 class RotaryEmbedding(nn.Module):
+    """The table's width is 2 * len(inv_freq): `rotary_dim`. A head wider than that (partial rotary, Phi-4-mini's
+    partial_rotary_factor) has only its first rotary_dim features rotated, the rest passed through, as
+    transformers does."""
+
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0) -> None:
         super().__init__()
+        self.rotary_dim = 2 * inv_freq.numel()
         t = torch.arange(max_positions, dtype=torch.float)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -40,4 +45,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hk, D], positions: [T]. Rotate-half convention (as transformers)."""
-        return fused.rotary(q, k, positions, self.cos, self.sin)
+        rd = self.rotary_dim
+        if rd == q.shape[-1]:
+            return fused.rotary(q, k, positions, self.cos, self.sin)
+        qr, kr = fused.rotary(q[..., :rd], k[..., :rd], positions, self.cos, self.sin)  # strided views: no copy
+        return torch.cat([qr, q[..., rd:]], dim=-1), torch.cat([kr, k[..., rd:]], dim=-1)

@@ -38,6 +38,7 @@ class AttentionSpec:
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary
     qk_norm_all_heads: bool = False  # with qk_norm, OLMo 2's: one RMSNorm over the whole q (k) projection
     logits_soft_cap: float | None = None  # Gemma 2: cap * tanh(scores / cap) before the softmax
+    rotary_dim: int | None = None  # partial rotary: rotate only the first rotary_dim features; None: head_dim
 
 
 @dataclass(frozen=True)
@@ -248,7 +249,7 @@ class DecoderForCausalLM(nn.Module):
         build = Build(dtype, compute_dtype, quant_config, tp_rank, tp_size, expert_parallel)
         rotary = {}
         for key in {layer.rope for layer in spec.layers}:
-            inv_freq, scaling = rope_inv_freq(cfg, spec.attention.head_dim, layer_type=key)
+            inv_freq, scaling = rope_inv_freq(cfg, spec.attention.rotary_dim or spec.attention.head_dim, layer_type=key)
             rotary[key] = RotaryEmbedding(inv_freq, max_positions, scaling)
         # Pipeline parallelism: this stage holds layers [start, end); the first stage the embedding, the last
         # the final norm and LM head (and the embedding too when the head is tied to it). Layers of other

@@ -5,9 +5,12 @@ as one `mlp.gate_up_proj` (gate rows, then up): the same layouts as the packed l
 split a whole tensor into this rank's shards; so nothing is unpacked (`packed_modules_mapping` empty).
 LongRoPE (`rope_type: longrope`, Phi-3 128k / Phi-3.5) is served up to `original_max_position_embeddings`
 with its short factors and attention factor, as transformers computes it there; a longer max_model_len is
-refused at load, as is partial rotary (`partial_rotary_factor` < 1), each with a ValueError naming the setting.
+refused at load with a ValueError naming the setting. Partial rotary (`partial_rotary_factor`, Phi-4-mini's
+0.75) rotates the first features of each head only.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -34,11 +37,16 @@ def phi3_spec(cfg, max_positions: int) -> DecoderSpec:
     elif rope_type != "default":
         raise ValueError(f"Phi-3 rope scaling rope_type={rope_type!r} (rope_parameters in config.json) is not "
                          "supported by tokenmill; only plain rotary ('default') and 'longrope' are")
+    spec = llama_spec(cfg)
+    # Phi-4-mini rotates 3/4 of each head (transformers' int(head_dim * factor)); the rest passes through.
     partial = float(rope.get("partial_rotary_factor", hf_get(cfg, "partial_rotary_factor", 1.0)) or 1.0)
-    if partial != 1.0:
-        raise ValueError(f"Phi-3 partial_rotary_factor={partial} is not supported by tokenmill; "
-                         "only full rotary (1.0) is")
-    return llama_spec(cfg)
+    rotary_dim = int(spec.attention.head_dim * partial)
+    if rotary_dim % 2 or not 0 < rotary_dim <= spec.attention.head_dim:
+        raise ValueError(f"Phi-3 partial_rotary_factor={partial} gives {rotary_dim} rotary features of a "
+                         f"{spec.attention.head_dim}-wide head: it must be an even number up to the head size")
+    if rotary_dim == spec.attention.head_dim:
+        return spec
+    return replace(spec, attention=replace(spec.attention, rotary_dim=rotary_dim))
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
