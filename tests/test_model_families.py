@@ -1,7 +1,8 @@
-"""Granite, OLMo 2, Phi-3 and Gemma 2: greedy tokens and logprobs equal transformers (the oracle) on tiny
-random models, batched, chunked by a 16-token budget (prompt chunks mixed with decodes), again from the
-prefix cache, and under a KV pool so small that requests are preempted. Plus the settings each family
-refuses at load, and which of them run on the native decoder stack."""
+"""Granite, OLMo 2, Phi-3 (and Phi-4-mini's rotary), Gemma 2 and GLM-4: greedy tokens and logprobs equal
+transformers (the oracle) on tiny random models, batched, chunked by a 16-token budget (prompt chunks mixed with
+decodes), again from the prefix cache, under a KV pool so small that requests are preempted, and over two
+tensor-parallel ranks. Plus the settings each family refuses at load, and which of them run on the native
+decoder stack."""
 from __future__ import annotations
 
 import json
@@ -38,12 +39,15 @@ FAMILIES = {
         PHI3_LONGROPE["rope_parameters"], partial_rotary_factor=0.75, short_factor=[1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
         long_factor=[2.0] * 6), tie_word_embeddings=True)),
     "gemma2": ("Gemma2Config", GEMMA2),
+    # Rotary on half of each head (GLM's default partial_rotary_factor), interleaved; q/k/v bias; fused gate_up.
+    "glm": ("GlmConfig", {}),
+    "glm4": ("Glm4Config", {}),  # and GLM-4-0414's four norms
 }
 
 
 def make_family_model(path: Path, config_class: str, seed: int = 0, **overrides) -> Path:
     """tests/tiny.py's make_tiny_model for a config class it does not build: the same sizes, tokenizer and
-    weight scale."""
+    weight scale, and every norm weight and bias made distinct."""
     import transformers as tf
 
     path.mkdir(parents=True, exist_ok=True)
@@ -55,10 +59,12 @@ def make_family_model(path: Path, config_class: str, seed: int = 0, **overrides)
     config.pad_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # peaked logits: greedy is not a coin toss
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
+                p.normal_(0.0, 0.08)  # peaked logits: greedy is not a coin toss
+            else:  # norm weights and biases off their init (ones, zeros): a norm loaded in the wrong place shows
+                p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [config.eos_token_id]}))
@@ -164,11 +170,12 @@ def test_phi3_missing_fused_weight_is_named(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["gemma2", "granite", "phi3"])
+@pytest.mark.parametrize("family", ["gemma2", "glm4", "granite", "phi3"])
 def test_tp2_equals_tp1(tmp_path, family):
     """Two ranks (gloo, one process each) give one rank's tokens and logprobs: Phi-3's fused qkv_proj and
     gate_up_proj split into each rank's heads and rows, Granite's scaled blocks and Gemma 2's capped attention
-    over half the heads. (OLMo 2 refuses tensor parallelism: test_olmo2_refuses_tensor_parallel.)"""
+    over half the heads, GLM-4's interleaved half-head rotary. (OLMo 2 refuses tensor parallelism:
+    test_olmo2_refuses_tensor_parallel.)"""
     from compare import assert_same_outputs
 
     config_class, overrides = FAMILIES[family]

@@ -32,11 +32,18 @@ def rope_inv_freq(hf_config, head_dim: int, layer_type: str | None = None) -> tu
 class RotaryEmbedding(nn.Module):
     """The table's width is 2 * len(inv_freq): `rotary_dim`. A head wider than that (partial rotary, Phi-4-mini's
     partial_rotary_factor) has only its first rotary_dim features rotated, the rest passed through, as
-    transformers does."""
+    transformers does. `interleaved` (GLM's GPT-J style) pairs features (2i, 2i+1) instead of (i, i + rotary_dim/2):
+    the same rotation applied to the features reordered evens-then-odds, and ordered back."""
 
-    def __init__(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0) -> None:
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0,
+                 interleaved: bool = False) -> None:
         super().__init__()
-        self.rotary_dim = 2 * inv_freq.numel()
+        self.rotary_dim = rd = 2 * inv_freq.numel()
+        self.interleaved = interleaved
+        if interleaved:
+            order = torch.cat([torch.arange(0, rd, 2), torch.arange(1, rd, 2)])
+            self.register_buffer("order", order, persistent=False)
+            self.register_buffer("unorder", torch.argsort(order), persistent=False)
         t = torch.arange(max_positions, dtype=torch.float)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -46,7 +53,14 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hk, D], positions: [T]. Rotate-half convention (as transformers)."""
         rd = self.rotary_dim
-        if rd == q.shape[-1]:
+        if rd == q.shape[-1] and not self.interleaved:
             return fused.rotary(q, k, positions, self.cos, self.sin)
-        qr, kr = fused.rotary(q[..., :rd], k[..., :rd], positions, self.cos, self.sin)  # strided views: no copy
+        qr, kr = q[..., :rd], k[..., :rd]  # strided views: no copy
+        if self.interleaved:
+            qr, kr = qr[..., self.order], kr[..., self.order]
+        qr, kr = fused.rotary(qr, kr, positions, self.cos, self.sin)
+        if self.interleaved:
+            qr, kr = qr[..., self.unorder], kr[..., self.unorder]
+        if rd == q.shape[-1]:
+            return qr, kr
         return torch.cat([qr, q[..., rd:]], dim=-1), torch.cat([kr, k[..., rd:]], dim=-1)

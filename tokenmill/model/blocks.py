@@ -39,6 +39,7 @@ class AttentionSpec:
     qk_norm_all_heads: bool = False  # with qk_norm, OLMo 2's: one RMSNorm over the whole q (k) projection
     logits_soft_cap: float | None = None  # Gemma 2: cap * tanh(scores / cap) before the softmax
     rotary_dim: int | None = None  # partial rotary: rotate only the first rotary_dim features; None: head_dim
+    rotary_interleaved: bool = False  # GLM: rotate feature pairs (2i, 2i+1), not (i, i + rotary_dim/2)
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,7 @@ class DecoderForCausalLM(nn.Module):
         rotary = {}
         for key in {layer.rope for layer in spec.layers}:
             inv_freq, scaling = rope_inv_freq(cfg, spec.attention.rotary_dim or spec.attention.head_dim, layer_type=key)
-            rotary[key] = RotaryEmbedding(inv_freq, max_positions, scaling)
+            rotary[key] = RotaryEmbedding(inv_freq, max_positions, scaling, spec.attention.rotary_interleaved)
         # Pipeline parallelism: this stage holds layers [start, end); the first stage the embedding, the last
         # the final norm and LM head (and the embedding too when the head is tied to it). Layers of other
         # stages are empty placeholders, so parameter names keep their global layer index.

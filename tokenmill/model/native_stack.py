@@ -69,6 +69,8 @@ def _layer_reason(layer) -> str | None:
         return "q/k norms over all heads (OLMo 2)"
     if attn.rotary.rotary_dim != attn.head_dim:
         return "partial rotary"
+    if attn.rotary.interleaved:
+        return "interleaved rotary"
     if mlp.act_name not in ACTIVATIONS:
         return f"activation {mlp.act_name}"
     norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([attn.q_norm, attn.k_norm] if attn.qk_norm

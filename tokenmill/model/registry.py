@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from tokenmill.model.gemma2 import Gemma2ForCausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
+from tokenmill.model.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from tokenmill.model.granite import GraniteForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.moe_models import MixtralForCausalLM, MoEForCausalLM
@@ -16,6 +17,8 @@ MODELS = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
