@@ -69,6 +69,11 @@ inline void soft_cap(float* x, int64_t n, float cap) {
   for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
 }
 
+// The thread count that decode partitions are planned for (0: the threads of the moment). The engine's thread
+// governor (executor/thread_governor.py) runs some steps on fewer threads when another process holds a core;
+// planning for its full count keeps every partition, and so every request's sums, the same on any step.
+std::atomic<int64_t> PLAN_THREADS{0};
+
 // Runs fn(i) for i in [0, n), threads taking the next item as they finish (work is ragged).
 template <typename F>
 void run_items(int64_t n, const F& fn) {
@@ -545,7 +550,8 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
   int64_t decode_tokens = 0;
   for (int64_t r = 0; r < B; ++r)
     if (ql[r] == 1) decode_tokens += g.window > 0 ? std::min<int64_t>(kl[r], g.window) : kl[r];
-  int64_t part = (decode_tokens + threads * 4 - 1) / (threads * 4);
+  const int64_t fixed = PLAN_THREADS.load(std::memory_order_relaxed), plan = fixed > 0 ? fixed : threads;
+  int64_t part = (decode_tokens + plan * 4 - 1) / (plan * 4);
   part = std::clamp<int64_t>((part + 63) / 64 * 64, 256, 4096);
 
   std::vector<PrefillItem> prefill;
@@ -840,6 +846,10 @@ void paged_attention_quant(at::Tensor out, const at::Tensor& q, const at::Tensor
 
 std::string cpu_capability() { return TOKENMILL_STR(CPU_CAPABILITY); }
 
+// Decode partitions planned for n threads whatever the threads of a step (0: the threads of the moment);
+// returns the previous setting.
+int64_t set_attention_plan_threads(int64_t n) { return PLAN_THREADS.exchange(std::max<int64_t>(0, n)); }
+
 }  // namespace
 }  // namespace tokenmill
 
@@ -856,4 +866,5 @@ TORCH_LIBRARY(tokenmill, m) {
       "float v_scale) -> ()");
   m.impl("paged_attention_quant", c10::DispatchKey::CPU, &tokenmill::paged_attention_quant);
   m.def("cpu_capability() -> str", &tokenmill::cpu_capability);
+  m.def("set_attention_plan_threads(int n) -> int", &tokenmill::set_attention_plan_threads);
 }

@@ -26,6 +26,7 @@ from tokenmill.executor.kv_groups import KVGroup, OffReasons, describe, plan_kv_
 from tokenmill.executor.pipeline_stage import PipelineStage, micro_batches  # noqa: F401  (micro_batches re-exported)
 from tokenmill.executor.prompt_logprobs import PromptLogprobRows
 from tokenmill.executor.step_sampling import StepSampling
+from tokenmill.executor.thread_governor import make_governor
 from tokenmill.executor.tree_verify import TreeVerification
 from tokenmill.layers import collectives
 from tokenmill.layers.attention import Attention
@@ -64,6 +65,8 @@ class ModelRunner(GraphCapture, PipelineStage, StepSampling, TreeVerification, P
         self.num_blocks = 0
         self.kv_dtype: torch.dtype | None = None
         self.attn_timer = _attention_timer(torch.device(device))
+        # The GGUF row loops' thread count, chosen by timing steps (a busy neighbour core: thread_governor.py).
+        self.governor = make_governor(torch.device(device).type, torch.get_num_threads(), model)
         for a in self.attn_layers:
             a.timer = self.attn_timer
         # For the K/V bytes attention reads per step: (sliding window or None, K+V bytes per token summed
@@ -154,6 +157,9 @@ class ModelRunner(GraphCapture, PipelineStage, StepSampling, TreeVerification, P
         if timer is not None:
             timer.total = 0.0
         clock = ForwardClock(self.device)
+        governor = self.governor
+        if governor is not None:
+            governor.begin(inp.input_ids.shape[0])
         clock.start()
         split = self.token_split
         if graph is not None:
@@ -170,6 +176,8 @@ class ModelRunner(GraphCapture, PipelineStage, StepSampling, TreeVerification, P
         prompt_lps = self._prompt_logprobs(hidden, inp)
         out.prompt_logprobs = prompt_lps
         forward_s = clock.seconds()
+        if governor is not None:
+            governor.end(forward_s)
         if self.spec is not None:
             self._propose(inp, batch, hidden, out, forward_s)
         layout = inp.layout
