@@ -14,12 +14,13 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from tokenmill.layers import collectives
 from tokenmill.layers.activation import act_fn, gated
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.quantization.base import QuantizationConfig
+from tokenmill.layers.quantization.base import QuantizationConfig, set_weight_attrs
 from tokenmill.layers.rotary import RotaryEmbedding, rope_inv_freq
 from tokenmill.model.moe_block import MoEBlock, MoESpec
 from tokenmill.model import native_stack
@@ -94,6 +95,29 @@ class Build:
         return RMSNorm(dim, spec.rms_norm_eps, offset=spec.norm_offset, dtype=self.params_dtype)
 
 
+class ShardedHeadsRMSNorm(nn.Module):
+    """RMSNorm over a whole q or k projection that tensor parallelism splits by heads (OLMo 2): this rank holds its
+    heads' slice of the weight, and the sum of squares is all-reduced; where each KV head is on `replicas` ranks,
+    the sum counted it that many times."""
+
+    def __init__(self, total: int, local: int, shard: int, replicas: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.total, self.local, self.shard, self.replicas, self.eps = total, local, shard, replicas, eps
+        self.weight = nn.Parameter(torch.ones(local, dtype=dtype), requires_grad=False)
+        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
+
+    def weight_loader(self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if loaded_weight.shape != (self.total,):
+            raise ValueError(f"has shape {tuple(loaded_weight.shape)}, expected ({self.total},)")
+        param.data.copy_(loaded_weight[self.shard * self.local:(self.shard + 1) * self.local])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = collectives.all_reduce(xf.pow(2).sum(-1, keepdim=True))
+        inv = torch.rsqrt(squares / (self.replicas * self.total) + self.eps)
+        return (xf * inv * self.weight.float()).to(x.dtype)
+
+
 class AttentionBlock(nn.Module):
     def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, window: int | None, build: Build,
                  prefix: str) -> None:
@@ -108,11 +132,18 @@ class AttentionBlock(nn.Module):
         self.sizes = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
         self.qk_norm = a.qk_norm
         self.qk_norm_all_heads = a.qk_norm and a.qk_norm_all_heads
-        if self.qk_norm_all_heads:
-            if build.tp_size > 1:  # the norm's mean of squares would need every rank's heads
-                raise ValueError("q/k norms over all heads (OLMo 2) are not supported with tensor_parallel_size > 1")
+        if self.qk_norm_all_heads and build.tp_size == 1:
             self.q_norm = build.norm(a.num_heads * a.head_dim, spec)
             self.k_norm = build.norm(a.num_kv_heads * a.head_dim, spec)
+        elif self.qk_norm_all_heads:  # each rank norms its heads with the squares of all
+            if spec.norm_offset:
+                raise ValueError("q/k norms over all heads with a norm offset are not supported under tensor parallelism")
+            qkv, eps = self.qkv_proj, spec.rms_norm_eps
+            replicas = qkv.num_kv_head_replicas
+            self.q_norm = ShardedHeadsRMSNorm(a.num_heads * a.head_dim, qkv.q_size, build.tp_rank, 1, eps,
+                                              build.params_dtype)
+            self.k_norm = ShardedHeadsRMSNorm(a.num_kv_heads * a.head_dim, qkv.kv_size, build.tp_rank // replicas,
+                                              replicas, eps, build.params_dtype)
         elif a.qk_norm:
             self.q_norm = build.norm(a.head_dim, spec)
             self.k_norm = build.norm(a.head_dim, spec)

@@ -3,7 +3,8 @@
 No norm before attention or the MLP: each block reads the residual stream itself and its output is
 normed (post_attention_layernorm, post_feedforward_layernorm) before the residual add. q and k are
 RMSNorm'd over the whole projection (all heads at once, weights of num_heads * head_dim), before
-rotary; that norm needs every head, so tensor parallelism is refused.
+rotary; under tensor parallelism each rank norms its heads with the all-reduced sum of squares of all
+(blocks.ShardedHeadsRMSNorm).
 """
 from __future__ import annotations
 
