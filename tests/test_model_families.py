@@ -185,3 +185,21 @@ def test_tp2_equals_tp1(tmp_path, family):
         finally:
             llm.engine.shutdown()
     assert_same_outputs(outs[0], outs[1], f"{family} tp=2", atol=1e-4)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bfloat16_weights_close_to_float32(tmp_path, family):
+    """Stored in bfloat16 (the fused and Python paths' casts, Gemma 2's rounded embedding scale, GLM's reordering of
+    rotary features): the first token's logprob stays near float32's."""
+    config_class, overrides = FAMILIES[family]
+    path = make_family_model(tmp_path / family, config_class, **overrides)
+    prompts = prompts_for(384, seed=3)[:4]
+    sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    f32 = LLM(str(path), dtype="float32", max_model_len=128, num_gpu_blocks_override=32)
+    b16 = LLM(str(path), dtype="bfloat16", max_model_len=128, num_gpu_blocks_override=32)
+    assert next(b16.engine.model.parameters()).dtype == torch.bfloat16
+    for x, y in zip(f32.generate(prompts, sp, use_tqdm=False), b16.generate(prompts, sp, use_tqdm=False)):
+        first = x.outputs[0].token_ids[0]
+        top = y.outputs[0].logprobs[0]
+        assert first in top, (family, first, sorted(top))  # float32's choice is among bfloat16's top 5
+        assert abs(x.outputs[0].logprobs[0][first].logprob - top[first].logprob) < 0.1, family
