@@ -55,7 +55,7 @@ class StepView:
     def source_row(self, i: int) -> int:
         """The packed row whose hidden state produced request i's last emitted token: its position is the
         sequence's length - 2, and the step's rows start at position starts[i] (accepted tree paths are moved
-        into chain order first, model_runner._propose)."""
+        into chain order first: DraftProposal._propose in executor/draft_proposal.py)."""
         return int(self.row_starts[i]) + self.length(i) - 2 - int(self.starts[i])
 
     def tokens(self, i: int, a: int, b: int) -> list[int]:
