@@ -108,3 +108,16 @@ def test_gguf_weights_moved_and_output_unchanged(tmp_path, monkeypatch):
     kept_tokens, kept = run()
     assert not all("hg" in vm_flags(p.data_ptr()) for p in kept)  # (large tensors may come advised from elsewhere)
     assert moved_tokens == kept_tokens
+
+
+@needs_thp
+def test_separate_mappings_for_models_whose_layers_stream():
+    """A model whose layers will stream from disk loads with no arena: small tensors stay put, large ones get a
+    mapping of their own (freed with the tensor when the store replaces it by a view of its file)."""
+    small = torch.ones(300_000, dtype=torch.uint8)
+    large = torch.ones(2 * huge_pages.HUGE + 5, dtype=torch.uint8)
+    with huge_pages.separate_mappings():
+        assert huge_pages.to_huge_pages(small) is small
+        moved = huge_pages.to_huge_pages(large)
+    assert moved.data_ptr() % huge_pages.HUGE == 0 and torch.equal(moved, large)
+    assert huge_pages.to_huge_pages(small) is not small  # outside: the arena again

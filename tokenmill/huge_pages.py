@@ -17,11 +17,13 @@ TOKENMILL_HUGE_PAGES=0 keeps the allocator's pages.
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import sys
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -50,7 +52,9 @@ def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu" or not t.is_contiguous() or t.nbytes < MIN_BYTES or not available():
         return t
     n = t.nbytes
-    out = _ARENA.place(n) if n < ARENA_BYTES // 2 else _mapping(n)
+    if _SEPARATE.active and n < 2 * HUGE:
+        return t
+    out = _ARENA.place(n) if n < ARENA_BYTES // 2 and not _SEPARATE.active else _mapping(n)
     out = out.view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
@@ -93,6 +97,26 @@ class _Arena:
 
 
 _ARENA = _Arena()
+
+
+class _Separate(threading.local):
+    active = False
+
+
+_SEPARATE = _Separate()
+
+
+@contextlib.contextmanager
+def separate_mappings() -> Iterator[None]:
+    """Loads inside keep no arena: a tensor holding two or more huge pages gets a mapping of its own, smaller ones
+    stay where they are. For a model some of whose layers are then replaced by views of a file (weights streamed
+    from disk, model/weight_store.py): a replaced tensor's own mapping goes with it, where an arena would have
+    kept its pages for the sake of its resident neighbours."""
+    _SEPARATE.active = True
+    try:
+        yield
+    finally:
+        _SEPARATE.active = False
 
 
 def end_arena() -> None:

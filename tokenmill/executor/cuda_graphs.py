@@ -128,7 +128,7 @@ class DecodeGraphs:
         self.stats = GraphStats()
         # EAGLE-3 targets: the forward also sets model.aux_hidden_states (a Python attribute a replay would not
         # set again): the graph returns it beside the hidden states and each replay sets it from there.
-        self.aux = bool(getattr(model, "aux_hidden_layers", ()))  # DecoderForCausalLM has it; other models not
+        self.aux = bool(model.aux_hidden_layers)
 
     @torch.inference_mode()
     def capture(self) -> None:

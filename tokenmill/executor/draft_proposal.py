@@ -26,7 +26,7 @@ class DraftProposal:
                     if sp and r.req_id in sampled]
         self.spec.observe(batch.num_tokens, forward_s, verified)
         lay = inp.layout
-        aux = getattr(self.model, "aux_hidden_states", None)  # EAGLE-3 targets set it; other models not
+        aux = self.model.aux_hidden_states  # EAGLE-3 targets set it; None otherwise
         moved, self._path_rows = self._path_rows, None
         if moved is not None:  # accepted tree paths: their hidden rows in chain order too, as their K/V
             src, dst = (self.input_batch.uploader.upload(x) for x in moved)

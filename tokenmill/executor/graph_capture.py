@@ -42,8 +42,8 @@ class GraphCapture:
             (self.lora is not None, "LoRA adapters (slots chosen per step on the host)"),
             (self.token_split is not None, "context parallelism"),
             # getattr: DecoderForCausalLM sets pp_size, WeightStore / HostOffload weight_store; other models not
-            (getattr(self.model, "pp_size", 1) > 1, "pipeline parallelism"),
-            (getattr(self.model, "weight_store", None) is not None, "streamed or host-offloaded weights"),
+            (self.model.pp_size > 1, "pipeline parallelism"),
+            (self.model.weight_store is not None, "streamed or host-offloaded weights"),
             (self.attn_timer is not None and self.attn_timer.sync,
              f"attention timing ({TIME_ATTENTION_ENV}=1: it synchronises the device per layer)"),
             (any(isinstance(m, FusedMoE) and not m.graph_safe() for m in self.model.modules()),

@@ -50,7 +50,7 @@ class ModelRunner(GraphCapture, PipelineStage, StepSampling, TreeVerification, P
         self.backend = backend
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         # Every layer's window in the whole model (a pipeline stage holds only some of the layers).
-        decoder = getattr(model, "spec", None)  # DecoderForCausalLM has one
+        decoder = model.spec  # (every model is a DecoderForCausalLM)
         self.model_windows = ({layer.sliding_window for layer in decoder.layers} if decoder is not None
                               else {a.sliding_window for a in self.attn_layers})
         self.input_batch = InputBatch(block_size, device, vocab_size)
@@ -146,7 +146,7 @@ class ModelRunner(GraphCapture, PipelineStage, StepSampling, TreeVerification, P
         self._path_rows = None
         if not batch:
             return ModelRunnerOutput()
-        if getattr(self.model, "pp_size", 1) > 1:  # DecoderForCausalLM sets it
+        if self.model.pp_size > 1:
             return self._execute_stage(batch, t0)
         inp = self.input_batch.prepare(batch)
         if self.lora is not None:
@@ -191,7 +191,7 @@ class ModelRunner(GraphCapture, PipelineStage, StepSampling, TreeVerification, P
         return out
 
     def _weight_wait(self) -> float:
-        store = getattr(self.model, "weight_store", None)  # set by WeightStore / HostOffload only
+        store = self.model.weight_store  # set by WeightStore / HostOffload only
         return store.take_wait() if store is not None else 0.0
 
     def _metadata(self, inp: StepInputs):

@@ -2,10 +2,12 @@
 loaded, the layers beyond a resident budget streamed or offloaded to the host, and the weights' log line."""
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
+from tokenmill import huge_pages
 from tokenmill.config import EngineConfig
 from tokenmill.layers.quantization.base import QuantizationConfig
 
@@ -24,10 +26,13 @@ def load_worker_model(config: EngineConfig, device: torch.device, rank: int):
                                     activations=mc.activation_quantization)
     tp, cp = par.tensor_parallel_size, par.context_parallel_size
     model_rank = rank // cp  # context-parallel ranks hold the same weights (innermost in the rank order)
-    model, hf_config, max_model_len = load_model(mc.model, mc.dtype, mc.max_model_len, str(device),
-                                                 quant_config=quant, tp_rank=model_rank % tp, tp_size=tp,
-                                                 expert_parallel=par.enable_expert_parallel,
-                                                 pp_rank=model_rank // tp, pp_size=par.pipeline_parallel_size)
+    # Layers that will stream from disk must not leave their pages in a shared huge-page arena (huge_pages.py).
+    streamed = mc.weights_resident_gb is not None
+    with huge_pages.separate_mappings() if streamed else contextlib.nullcontext():
+        model, hf_config, max_model_len = load_model(mc.model, mc.dtype, mc.max_model_len, str(device),
+                                                     quant_config=quant, tp_rank=model_rank % tp, tp_size=tp,
+                                                     expert_parallel=par.enable_expert_parallel,
+                                                     pp_rank=model_rank // tp, pp_size=par.pipeline_parallel_size)
     # getattr: a model loaded from a pre-quantized checkpoint carries its QuantizationConfig (from config.json)
     quant = getattr(model, "quant_config", quant)
     if mc.weights_resident_gb is not None:  # the layers beyond the budget stream from disk (model/weight_store.py)

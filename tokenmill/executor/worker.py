@@ -130,7 +130,7 @@ class Worker(KVSizing, GraphPlanning, TransferRPCs):
             self.connector = ConnectorWorker(self.runner.kv_caches(), store_path(kv_transfer))
         torch.manual_seed(self.config.model.seed)  # after loading, so sampling draws the same in any process
         targets = self.runner.lora.targets if self.runner.lora is not None else None
-        store = getattr(model, "weight_store", None)  # set by WeightStore / HostOffload.attach only
+        store = model.weight_store  # set by WeightStore / HostOffload.attach only
         # The core's pool: every rank's local blocks (context parallelism: global block b is rank b % cp's b // cp).
         return WorkerInfo(num_blocks * cp, cache.block_size, self.runner.bytes_per_block, self.max_model_len, vocab,
                           str(self.device), str(kv_dtype).removeprefix("torch."),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from torch import nn
 from tokenmill.huge_pages import end_arena, to_huge_pages
 from tokenmill.layers.quantization.base import NativeLinear, QuantizationConfig, QuantizeMethodBase, set_weight_attrs
 from tokenmill.layers.quantization.registry import QuantOptions, quantize_at_load
+
+if TYPE_CHECKING:
+    from tokenmill.model.blocks import DecoderForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +264,7 @@ class GGUFConfig(QuantizationConfig):
 
         naming = model_cls.weight_naming
         self._param_name = lambda n: naming.param_name(n, tied=False)
-        self.packed = dict(getattr(model_cls, "packed_modules_mapping", {}))  # some model classes only
+        self.packed = dict(model_cls.packed_modules_mapping)  # (a DecoderForCausalLM subclass)
         names = gguf_to_hf_names(path, cfg)
         fallback: Counter[str] = Counter()
         for t in read_gguf(path).tensors:
@@ -289,11 +292,10 @@ class GGUFConfig(QuantizationConfig):
         self.kept.update(names)
         return GGUFLinearMethod(qtype, self.int8_activations)
 
-    def prepare_model(self, model: nn.Module) -> None:
+    def prepare_model(self, model: DecoderForCausalLM) -> None:
         """Token embedding and LM head as blocks (unsharded tables only: vocabulary-parallel ones stay float)."""
-        # getattr: model is any registered nn.Module; decoders have these
-        embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
-        tied = bool(getattr(model, "tie_word_embeddings", False))
+        embed, head = model.embed_tokens, model.lm_head  # (None on pipeline stages without them)
+        tied = model.tie_word_embeddings
         shared = None
         qtype = self.types.get("embed_tokens.weight")
         if embed is not None and embed.tp_size == 1 and qtype in KERNEL_TYPES:
@@ -306,7 +308,7 @@ class GGUFConfig(QuantizationConfig):
             keep_embedding_blocks(head, qtype, int8_activations=self.int8_activations)
             self.kept.add("lm_head.weight")
 
-    def finish_model(self, model: nn.Module) -> None:
+    def finish_model(self, model: DecoderForCausalLM) -> None:
         """Once loaded: the token embedding's and LM head's Q4_0 / Q4_1 / Q8_0 tables into split rows (a tied
         table once, for both), where the kernels run. Their lookups unsplit only the rows they read."""
         import dataclasses
@@ -314,9 +316,8 @@ class GGUFConfig(QuantizationConfig):
         from tokenmill.layers.embedding import GGUFBlockRows
 
         done: set[int] = set()
-        # getattr: decoders have these modules, and only GGUF tables a table_method
-        for module in (getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)):
-            method = getattr(module, "table_method", None)
+        for module in (model.embed_tokens, model.lm_head):
+            method = module.table_method if module is not None else None
             if not isinstance(method, GGUFBlockRows) or method.qtype not in SPLIT_BASES or not splits_rows() \
                     or not _native_ok(module.weight):
                 continue
