@@ -2,14 +2,14 @@
 // of one output row (K / block_size blocks). Types: Q4_0, Q4_1, Q8_0 (blocks of 32) and Q4_K, Q5_K, Q6_K
 // (super-blocks of 256); the layouts are the ones gguf-py's numpy dequantizers read.
 // - Few rows of x (decode, M < GEMM_MIN_ROWS): the blocks are widened in registers and multiplied at once,
-//   reading each weight byte once per call. Per block of 32: integer weights as 4 float vectors, 4 FMAs
-//   with x, one scaled accumulate; the min/offset term of Q4_0/Q4_1/Q4_K/Q5_K is one multiply by the
-//   block's sum of x, summed once per call (xsum). K-quants decode their sub-block scales once per
-//   super-block. At batch 1, Q4_0/Q4_1 take two weight rows per pass so they share the loads of x. Weights
-//   under PARALLEL_MIN_BYTES run on one thread. From 2 rows of x (several decodes, or speculative drafts being
-//   verified), each weight row is instead dequantized once into an L1 buffer and multiplied with every row.
+//   reading each weight byte once per call. Q4_0 / Q4_1 / Q8_0 are repacked at load into split rows (scales,
+//   mins, then quants: split_rows_f32, four blocks per prefetch step into four accumulators; with AVX-512 a
+//   nibble becomes a float by one permute from a table). K-quants decode their sub-block scales once per
+//   super-block; their min/offset term is one multiply by the block's sum of x (xsum). Weights under
+//   PARALLEL_MIN_BYTES run on one thread. From 2 rows of x over file-order blocks, each weight row is instead
+//   dequantized once into an L1 buffer and multiplied with every row.
 // - More rows: panels of weight rows dequantized into a per-thread L2-sized buffer, each multiplied by SGEMM.
-// - int8 activations (--activation-quantization, the GGUF default): rows of x against Q4_0 / Q4_1 / Q8_0
+// - int8 activations (--activation-quantization int8, off by default): rows of x against Q4_0 / Q4_1 / Q8_0
 //   quantized to int8 and multiplied with integer dot products, any number of rows (gemm_x8, int8_dot.h).
 #include "vec.h"
 #include "int8_dot.h"
