@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.huge_pages import end_arena, to_huge_pages
-from tokenmill.layers.quantization.base import NativeLinear, QuantizationConfig, QuantizeMethodBase, set_weight_attrs
+from tokenmill.layers.quantization.base import (NativeLinear, QuantizationConfig, QuantizeMethodBase, layer_name,
+                                                set_weight_attrs)
 from tokenmill.layers.quantization.registry import QuantOptions, quantize_at_load
 
 if TYPE_CHECKING:
@@ -183,7 +184,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
         block, _ = block_format(self.qtype)
         if input_size_per_partition % block:
-            raise ValueError(f"layer {getattr(layer, 'prefix', '') or '?'}: its input shard of "
+            raise ValueError(f"layer {layer_name(layer)}: its input shard of "
                              f"{input_size_per_partition} columns is not a whole number of {type_name(self.qtype)} "
                              f"blocks ({block} columns)")
         weight = nn.Parameter(torch.empty(sum(output_partition_sizes), row_bytes(self.qtype, input_size_per_partition),
