@@ -177,3 +177,90 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype=None,
     w.write_tensors_to_file()
     w.close()
     return Path(out)
+
+
+# ---- Granite, OLMo 2, Phi-3, Gemma 2, GLM-4 (llama.cpp's convert_hf_to_gguf.py layouts) ----------------------
+FAMILY_ARCH = {"granite": "granite", "olmo2": "olmo2", "phi3": "phi3", "gemma2": "gemma2", "glm4": "glm4"}
+FAMILY_NAMES = {
+    "granite": dict(LAYER_NAMES, **LLAMA_NORMS),
+    "olmo2": dict(LAYER_NAMES, post_attention_layernorm="post_attention_norm",
+                  post_feedforward_layernorm="post_ffw_norm"),
+    "phi3": dict(LAYER_NAMES, **{"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}, **LLAMA_NORMS),
+    "gemma2": dict(LAYER_NAMES, **GEMMA_NORMS),
+    "glm4": dict(LAYER_NAMES, **{"mlp.gate_up_proj": "ffn_up", "post_self_attn_layernorm": "post_attention_norm",
+                                 "post_attention_layernorm": "ffn_norm", "post_mlp_layernorm": "post_ffw_norm"}),
+}
+
+
+def family_gguf_name(arch: str, name: str) -> str:
+    """The GGUF tensor name llama.cpp gives a transformers tensor of these families."""
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if name in top:
+        return top[name]
+    parts = name.split(".")
+    i, rest, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
+    return f"blk.{i}.{FAMILY_NAMES[arch][rest]}.{kind}"
+
+
+def write_family_gguf(hf_dir: str | Path, out: str | Path, qtype=None) -> Path:
+    """A Granite / OLMo 2 / Phi-3 / Gemma 2 / GLM-4 folder as llama.cpp's converter writes it: its metadata keys,
+    Granite's Q/K rows permuted (a LlamaModel subclass there), Gemma 2's norms with the 1 added, Phi-3's and
+    GLM-4's fused qkv / gate_up kept fused. `qtype` for every matrix (None: float32)."""
+    import gguf
+    from safetensors.torch import load_file
+    import transformers as tf
+
+    cfg = tf.AutoConfig.from_pretrained(hf_dir)
+    arch = FAMILY_ARCH[cfg.model_type]
+    qtype = qtype or gguf.GGMLQuantizationType.F32
+    w = gguf.GGUFWriter(str(out), arch)
+    add_common_header(w, cfg)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if arch != "gemma2":  # llama.cpp's Gemma 2 converter writes no rope base (10000)
+        w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    if arch == "granite":
+        w.add_rope_dimension_count(head_dim)
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
+    elif arch == "phi3":
+        partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0
+        w.add_rope_dimension_count(int(partial * cfg.hidden_size) // cfg.num_attention_heads)
+        w.add_sliding_window(cfg.sliding_window or 0)  # 0: none (Phi-4)
+        w.add_rope_scaling_orig_ctx_len(getattr(cfg, "original_max_position_embeddings", None)
+                                        or cfg.max_position_embeddings)
+    elif arch == "gemma2":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        w.add_sliding_window(cfg.sliding_window)
+    elif arch == "glm4":
+        partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 0.5)) or 0.5
+        if getattr(cfg, "head_dim", None):
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+        w.add_rope_dimension_count(int(head_dim * partial))
+    state = load_file(str(Path(hf_dir) / "model.safetensors"))
+    for name, t in state.items():
+        a = t.float().numpy()
+        g = family_gguf_name(arch, name)
+        if arch == "granite" and g.endswith("attn_q.weight"):
+            a = permute(a, cfg.num_attention_heads)
+        if arch == "granite" and g.endswith("attn_k.weight"):
+            a = permute(a, cfg.num_key_value_heads)
+        if arch == "gemma2" and g.endswith("norm.weight"):
+            a = a + 1.0
+        if a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            q = quantize(a, qtype)
+            w.add_tensor(g, q, raw_shape=q.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(out)

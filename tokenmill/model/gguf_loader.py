@@ -33,10 +33,20 @@ ARCHS = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM"),
 }
 MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")  # llama.cpp writes Mixtral as "llama" with an expert count
 # Architectures whose Q/K rows llama.cpp permuted for its rope layout.
-PERMUTED_QK = {"llama", "mistral"}
+PERMUTED_QK = {"llama", "mistral", "granite"}  # llama.cpp's GraniteModel is its LlamaModel's subclass
+# Gemma's (1 + w) norms: llama.cpp stores them with the 1 added.
+NORM_PLUS_ONE = {"gemma2", "gemma3"}
+# Architectures whose rotary covers part of each head: the head size is key_length or hidden / heads, never
+# rope.dimension_count (the rotated features).
+PARTIAL_ROPE = {"phi3", "glm4"}
 
 
 @lru_cache(maxsize=4)
@@ -56,6 +66,10 @@ def hf_config_from_gguf(path: str):
     tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
         raise NotImplementedError("GGUF files with precomputed rope_freqs (Llama 3.1 rope scaling) are not supported yet")
+    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+        raise ValueError(f"GGUF architecture {arch!r} with LongRoPE factors (rope_factors_long/short tensors: "
+                         "Phi-3 128k / Phi-3.5 / Phi-4-mini) is not supported from GGUF yet; load the safetensors "
+                         "folder instead")
 
     def m(key, default=None):
         return meta.get(f"{arch}.{key}", default)
@@ -79,7 +93,10 @@ def hf_config_from_gguf(path: str):
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
-    head_dim = m("attention.key_length") or m("rope.dimension_count")
+    if arch in PARTIAL_ROPE:
+        head_dim = int(m("attention.key_length") or hidden // num_heads)
+    else:
+        head_dim = m("attention.key_length") or m("rope.dimension_count")
     if head_dim:
         kw["head_dim"] = int(head_dim)
     rope = {"rope_type": "default", "rope_theta": float(m("rope.freq_base", 10000.0))}
@@ -101,6 +118,7 @@ def hf_config_from_gguf(path: str):
         kw["rope_parameters"] = rope
         if m("attention.sliding_window"):
             kw["sliding_window"] = int(m("attention.sliding_window"))
+    kw.update(_family_kwargs(arch, m, tensors, kw))
     if arch == "qwen2":
         kw["tie_word_embeddings"] = kw["tie_word_embeddings"]
     kw.update(_moe_kwargs(arch, m, tensors))
@@ -110,6 +128,36 @@ def hf_config_from_gguf(path: str):
     cfg.dtype = torch.float32
     cfg.gguf_architecture = arch
     return cfg
+
+
+def _family_kwargs(arch: str, m, tensors: dict, kw: dict) -> dict:
+    """The config fields of Granite, OLMo 2, Phi-3, Gemma 2 and GLM-4 from llama.cpp's metadata keys (as its
+    convert_hf_to_gguf.py writes them); empty for the other architectures."""
+    head_dim = int(kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"])
+    if arch == "granite":
+        # llama.cpp: attention.scale 0 or absent means 1/sqrt(head_dim); the others absent mean 1
+        return dict(embedding_multiplier=float(m("embedding_scale", 1.0) or 1.0),
+                    residual_multiplier=float(m("residual_scale", 1.0) or 1.0),
+                    attention_multiplier=float(m("attention.scale", 0.0) or head_dim**-0.5),
+                    logits_scaling=float(m("logit_scale", 1.0) or 1.0))
+    if arch == "gemma2":
+        # llama.cpp's gemma2 scales queries by 1/sqrt(head_dim), but by 1/sqrt(hidden / heads) for the 27B
+        # (46 layers), which is what that checkpoint's query_pre_attn_scalar says; the file has no key for it
+        scalar = kw["hidden_size"] // kw["num_attention_heads"] if kw["num_hidden_layers"] == 46 else head_dim
+        out = dict(head_dim=head_dim, query_pre_attn_scalar=int(scalar),
+                   hidden_activation="gelu_pytorch_tanh", sliding_window=int(m("attention.sliding_window", 4096)))
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if m(key) is not None:
+                out[key] = float(m(key))
+        return out
+    if arch in PARTIAL_ROPE:
+        rope_dim = int(m("rope.dimension_count") or (head_dim // 2 if arch == "glm4" else head_dim))
+        rope = dict(kw["rope_parameters"], partial_rotary_factor=rope_dim / head_dim)
+        out = dict(rope_parameters=rope, partial_rotary_factor=rope_dim / head_dim)
+        if arch == "glm4":
+            out["attention_bias"] = "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors
+        return out
+    return {}
 
 
 def _moe_kwargs(arch: str, m, tensors: dict) -> dict:
@@ -139,12 +187,22 @@ _LAYER_PARTS = [
     "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj",
     "mlp.shared_expert_gate",
 ]
+# Tensors that llama.cpp's generic map names ambiguously for an architecture (Phi-3's and GLM-4's fused gate_up
+# is its ffn_up; GLM-4-0414's post_attention_layernorm is the pre-MLP norm, ffn_norm): GGUF block part ->
+# transformers part, applied over gguf-py's map.
+_FAMILY_PARTS = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "glm4": {"ffn_up": "mlp.gate_up_proj",
+             "post_attention_norm": "post_self_attn_layernorm", "ffn_norm": "post_attention_layernorm",
+             "post_ffw_norm": "post_mlp_layernorm"},
+}
 # Older llama.cpp Mixtral files: one tensor per expert, blk.N.ffn_gate.E.weight (gguf-py no longer maps them).
 _LEGACY_EXPERT = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 
 
 def _hf_names(cfg) -> list[str]:
-    """transformers module names a Llama-family or Gemma 3 checkpoint may hold."""
+    """transformers module names a checkpoint of the GGUF architectures may hold (generic parts; _FAMILY_PARTS
+    settles the ones llama.cpp names ambiguously)."""
     names = ["model.embed_tokens", "model.norm", "lm_head"]
     for i in range(cfg.num_hidden_layers):
         names.extend(f"model.layers.{i}.{part}" for part in _LAYER_PARTS)
@@ -163,6 +221,10 @@ def gguf_to_hf_names(path: str, cfg) -> dict[str, str]:
         if g is not None:
             out[f"{g}.weight"] = f"{hf}.weight"
             out[f"{g}.bias"] = f"{hf}.bias"
+    for i in range(cfg.num_hidden_layers):
+        for g, hf in _FAMILY_PARTS.get(arch, {}).items():
+            for kind in ("weight", "bias"):
+                out[f"blk.{i}.{g}.{kind}"] = f"model.layers.{i}.{hf}.{kind}"
     # Mixtral names num_local_experts, Qwen MoE num_experts, dense models neither
     experts = hf_get(cfg, "num_local_experts") or hf_get(cfg, "num_experts") or 0
     for i in range(cfg.num_hidden_layers):
@@ -217,7 +279,7 @@ def iter_gguf_weights(path: str, cfg, dtype: torch.dtype,
             continue
         if hf.endswith("shared_expert_gate.weight") and w.ndim == 1:
             w = w.reshape(1, -1)  # llama.cpp stores Qwen2-MoE's [1, hidden] gate as a vector
-        if arch == "gemma3" and t.name.endswith("norm.weight"):
+        if arch in NORM_PLUS_ONE and t.name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
         yield hf, torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
 
