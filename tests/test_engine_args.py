@@ -16,6 +16,8 @@ from tokenmill.llm import LLM, parse_prompts
 ROUND_TRIP = {
     "model": (["some/model"], "some/model", "model.model"),
     "tokenizer": (["--tokenizer", "tok"], "tok", "model.tokenizer"),
+    "revision": (["--revision", "v1.0"], "v1.0", "model.revision"),
+    "download_dir": (["--download-dir", "/var/tmp/hf"], "/var/tmp/hf", "model.download_dir"),
     "dtype": (["--dtype", "bfloat16"], "bfloat16", "model.dtype"),
     "max_model_len": (["--max-model-len", "300"], 300, "model.max_model_len"),
     "seed": (["--seed", "7"], 7, "model.seed"),

@@ -17,6 +17,10 @@ SPEC_METHODS = ("ngram", "draft_model", "quantized_self", "eagle", "eagle3", "mt
 class ModelConfig:
     model: str | None = None  # None: the embedded default model
     tokenizer: str | None = None
+    # Hugging Face ids (model/hub.py): the branch, tag or commit of the model's repository, and the cache folder
+    # (None: HF_HUB_CACHE, else HF_HOME/hub)
+    revision: str | None = None
+    download_dir: str | None = None
     dtype: str = "auto"  # storage dtype of weights: auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0

@@ -53,9 +53,16 @@ def _arg(default: Any, help: str, *, parse: Callable[[str], Any] | None = None, 
 class EngineArgs:
     # model
     model: str | None = _arg(
-        ModelConfig.model, "Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).",
-        positional=True)
-    tokenizer: str | None = _arg(ModelConfig.tokenizer, "Tokenizer folder (default: the model's).")
+        ModelConfig.model, "Hugging Face model folder or .gguf file, or a Hugging Face Hub id fetched into its cache: "
+        "ORG/NAME (safetensors), ORG/NAME:QUANT or ORG/NAME/FILE.gguf (a GGUF repository's file); a local path "
+        "that exists wins over an id; HF_TOKEN for private and gated repositories, HF_HUB_OFFLINE=1 reads the "
+        "cache only (default: the embedded SmolLM2-135M-Instruct).", positional=True)
+    tokenizer: str | None = _arg(ModelConfig.tokenizer, "Tokenizer folder or Hub id (default: the model's).")
+    revision: str | None = _arg(ModelConfig.revision, "The branch, tag or commit of a Hub id's repository "
+                                "(default: main).")
+    download_dir: str | None = _arg(ModelConfig.download_dir, "The Hugging Face cache folder Hub ids are fetched "
+                                    "into and read from (default: $HF_HUB_CACHE, else $HF_HOME/hub, else "
+                                    "~/.cache/huggingface/hub).", metavar="DIR")
     dtype: str = _arg(ModelConfig.dtype, "Weight dtype; auto keeps the model's dtype where this device computes in it, "
                       "else float32 (default: %(default)s).", choices=DTYPES)
     max_model_len: int | None = _arg(
@@ -250,7 +257,8 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         config = EngineConfig(
-            model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+            model=ModelConfig(model=self.model, tokenizer=self.tokenizer, revision=self.revision,
+                              download_dir=self.download_dir, dtype=self.dtype,
                               max_model_len=self.max_model_len, seed=self.seed, quantization=self.quantization,
                               quantization_group_size=self.quantization_group_size,
                               activation_quantization=self.activation_quantization,

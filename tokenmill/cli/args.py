@@ -20,11 +20,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    """Keyword arguments for LLM(...) from the engine flags; resolves the model path."""
-    from tokenmill.model.default import resolve_model
+    """Keyword arguments for LLM(...) from the engine flags; resolves the model path (a Hub id: fetched into the
+    Hugging Face cache) and the tokenizer's."""
+    from tokenmill.model.default import resolve_paths
 
     engine_args = EngineArgs.from_cli_args(args)
-    engine_args.model = resolve_model(engine_args.model)
+    engine_args.model, engine_args.tokenizer = resolve_paths(engine_args.model, engine_args.tokenizer,
+                                                             engine_args.revision, engine_args.download_dir)
     return asdict(engine_args)
 
 

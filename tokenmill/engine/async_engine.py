@@ -80,10 +80,10 @@ class AsyncLLMEngine:
     def from_config(cls, config, own_process: bool = True, observer: EngineObserver | None = None) -> AsyncLLMEngine:
         """Start the core (in its own process by default), load the tokenizer here meanwhile."""
         from tokenmill.engine.engine import model_facts
-        from tokenmill.model.default import resolve_model
+        from tokenmill.model.default import resolve_model_config
         from tokenmill.model.loader import load_tokenizer
 
-        config.model.model = resolve_model(config.model.model)
+        resolve_model_config(config.model)  # Hub ids -> the Hugging Face cache
         t0 = time.monotonic()
         client = make_core_client(config, own_process)
         try:

@@ -34,10 +34,10 @@ def model_facts(config: EngineConfig, core_info, tokenizer, load_time_s: float =
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
-        from tokenmill.model.default import resolve_model
+        from tokenmill.model.default import resolve_model_config
         from tokenmill.model.loader import load_tokenizer
 
-        config.model.model = resolve_model(config.model.model)
+        resolve_model_config(config.model)  # Hub ids -> the Hugging Face cache
         t0 = time.monotonic()
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config.model.model, config.model.tokenizer)
