@@ -2,6 +2,7 @@
 (names, Q/K row permutation for Llama, +1 on Gemma norms), optionally quantized."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -230,8 +231,14 @@ def write_family_gguf(hf_dir: str | Path, out: str | Path, qtype=None) -> Path:
         partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0
         w.add_rope_dimension_count(int(partial * cfg.hidden_size) // cfg.num_attention_heads)
         w.add_sliding_window(cfg.sliding_window or 0)  # 0: none (Phi-4)
-        w.add_rope_scaling_orig_ctx_len(getattr(cfg, "original_max_position_embeddings", None)
-                                        or cfg.max_position_embeddings)
+        original = (rope.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+                    or cfg.max_position_embeddings)
+        w.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("rope_type") == "longrope":  # two F32 factor tensors and the attention factor, as llama.cpp
+            scale = cfg.max_position_embeddings / original
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+            w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+            w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     elif arch == "gemma2":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gguf_tiny import write_family_gguf
-from test_model_families import GRANITE, make_family_model
+from test_model_families import FAMILIES as HF_FAMILIES, GRANITE, make_family_model
 from test_parity import check_against_oracle, hf_greedy, prompts_for, NEW_TOKENS
 from tokenmill import LLM, SamplingParams
 
@@ -27,6 +27,10 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", {}),
     "phi3": ("Phi3Config", {}),
     "phi4mini-partial": ("Phi3Config", dict(partial_rotary_factor=0.75, tie_word_embeddings=True)),
+    # LongRoPE (short factors up to original_max_position_embeddings = 256; max_model_len 128 here), also on 3/4
+    # of each head as Phi-4-mini: factors from the rope_factors_long/short tensors, attention factor from its key
+    "phi3-longrope": HF_FAMILIES["phi3-longrope"],
+    "phi4mini-partial-longrope": HF_FAMILIES["phi4mini-partial-longrope"],
     "gemma2": ("Gemma2Config", GEMMA2),
     "glm4": ("Glm4Config", {}),
 }
@@ -104,26 +108,13 @@ def test_unsupported_gguf_architecture_is_named(tmp_path):
         hf_config_from_gguf(str(path))
 
 
-def test_phi3_longrope_gguf_refused(tmp_path):
-    """Phi-3 128k's GGUF carries its LongRoPE factors as tensors: refused at load, naming it."""
+def test_phi3_longrope_gguf_without_its_context_length_refused(tmp_path, monkeypatch):
+    """LongRoPE factors without rope.scaling.original_context_length: refused at load, naming what is missing."""
     from tokenmill.model.gguf_loader import hf_config_from_gguf
 
-    folder = make_family_model(tmp_path / "phi3", "Phi3Config")
-    path = tmp_path / "phi3.gguf"
-    import gguf_tiny
-
-    write = gguf_tiny.write_family_gguf(folder, path)
-    # the same file with one more tensor: rewrite with rope_factors_long
-    w = gguf.GGUFWriter(str(tmp_path / "phi3-long.gguf"), "phi3")
-    reader = gguf.GGUFReader(str(write))
-    for key in ("block_count", "embedding_length", "attention.head_count"):
-        field = reader.fields[f"phi3.{key}"]
-        w.add_uint32(f"phi3.{key}", int(field.contents()))
-    w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
-    w.add_tensor("rope_factors_long.weight", np.ones(8, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ValueError, match="phi3.*LongRoPE"):
-        hf_config_from_gguf(str(tmp_path / "phi3-long.gguf"))
+    config_class, overrides = FAMILIES["phi3-longrope"]
+    folder = make_family_model(tmp_path / "phi3", config_class, **overrides)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_scaling_orig_ctx_len", lambda self, value: None)
+    path = write_family_gguf(folder, tmp_path / "phi3-long.gguf")
+    with pytest.raises(ValueError, match="phi3.*LongRoPE needs.*original_context_length"):
+        hf_config_from_gguf(str(path))

@@ -66,10 +66,10 @@ def hf_config_from_gguf(path: str):
     tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
         raise NotImplementedError("GGUF files with precomputed rope_freqs (Llama 3.1 rope scaling) are not supported yet")
-    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
-        raise ValueError(f"GGUF architecture {arch!r} with LongRoPE factors (rope_factors_long/short tensors: "
-                         "Phi-3 128k / Phi-3.5 / Phi-4-mini) is not supported from GGUF yet; load the safetensors "
-                         "folder instead")
+    longrope = "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors
+    if longrope and arch != "phi3":
+        raise ValueError(f"GGUF architecture {arch!r} with LongRoPE factors (rope_factors_long/short tensors) is "
+                         "not supported by tokenmill; only phi3's are")
 
     def m(key, default=None):
         return meta.get(f"{arch}.{key}", default)
@@ -118,7 +118,7 @@ def hf_config_from_gguf(path: str):
         kw["rope_parameters"] = rope
         if m("attention.sliding_window"):
             kw["sliding_window"] = int(m("attention.sliding_window"))
-    kw.update(_family_kwargs(arch, m, tensors, kw))
+    kw.update(_family_kwargs(arch, m, tensors, kw, reader))
     if arch == "qwen2":
         kw["tie_word_embeddings"] = kw["tie_word_embeddings"]
     kw.update(_moe_kwargs(arch, m, tensors))
@@ -130,7 +130,7 @@ def hf_config_from_gguf(path: str):
     return cfg
 
 
-def _family_kwargs(arch: str, m, tensors: dict, kw: dict) -> dict:
+def _family_kwargs(arch: str, m, tensors: dict, kw: dict, reader: GGUFFile) -> dict:
     """The config fields of Granite, OLMo 2, Phi-3, Gemma 2 and GLM-4 from llama.cpp's metadata keys (as its
     convert_hf_to_gguf.py writes them); empty for the other architectures."""
     head_dim = int(kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"])
@@ -153,11 +153,38 @@ def _family_kwargs(arch: str, m, tensors: dict, kw: dict) -> dict:
     if arch in PARTIAL_ROPE:
         rope_dim = int(m("rope.dimension_count") or (head_dim // 2 if arch == "glm4" else head_dim))
         rope = dict(kw["rope_parameters"], partial_rotary_factor=rope_dim / head_dim)
+        if arch == "phi3" and ("rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors):
+            rope.update(_phi3_longrope(arch, m, tensors, reader))
         out = dict(rope_parameters=rope, partial_rotary_factor=rope_dim / head_dim)
+        if "original_max_position_embeddings" in rope:
+            out["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
         if arch == "glm4":
             out["attention_bias"] = "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors
         return out
     return {}
+
+
+def _phi3_longrope(arch: str, m, tensors: dict, reader: GGUFFile) -> dict:
+    """Phi-3 128k / Phi-3.5 / Phi-4-mini: llama.cpp's converter writes LongRoPE as two F32 tensors of rope_dim / 2
+    factors, the original context length and the attention factor it computed as transformers does."""
+    import gguf
+
+    missing = [n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n not in tensors]
+    original = m("rope.scaling.original_context_length")
+    if missing or not original:
+        raise ValueError(f"GGUF architecture {arch!r}: LongRoPE needs rope_factors_long, rope_factors_short and "
+                         f"{arch}.rope.scaling.original_context_length; missing "
+                         f"{', '.join(missing) or f'{arch}.rope.scaling.original_context_length'}")
+    factors = {}
+    for name in ("long", "short"):
+        t = tensors[f"rope_factors_{name}.weight"]
+        raw = reader.raw(t)
+        factors[f"{name}_factor"] = [float(x) for x in gguf.quants.dequantize(
+            raw, gguf.GGMLQuantizationType(t.ggml_type)).reshape(-1)]
+    out = dict(rope_type="longrope", original_max_position_embeddings=int(original), **factors)
+    if m("rope.scaling.attn_factor") is not None:
+        out["attention_factor"] = float(m("rope.scaling.attn_factor"))
+    return out
 
 
 def _moe_kwargs(arch: str, m, tensors: dict) -> dict:
