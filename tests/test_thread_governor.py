@@ -42,6 +42,9 @@ def test_a_busy_neighbour_switches_to_one_thread_and_back_when_it_goes():
     gov = tg.ThreadGovernor(2, applied.append)
     run(gov, 40, {2: 0.030, 1: 0.018})
     assert gov.threads == 1 and gov.switches == 1 and applied[-1] == 1
+    gov.close()  # an engine that stops now gives the process its threads back
+    assert applied[-1] == 2
+    gov._applied = 1  # (as it was: the engine ran on)
     run(gov, 600, {2: 0.010, 1: 0.018})  # the neighbour stopped: a probe with 2 threads wins
     assert gov.threads == 2 and gov.switches == 2 and applied[-1] == 2
 
@@ -99,6 +102,7 @@ def test_switching_threads_every_step_changes_no_result(tmp_path, monkeypatch):
         monkeypatch.setattr(tg, "MARGIN", 1e9)  # every probe wins: the count flips every step
         tokens, lps, gov = run()
         assert gov is not None and gov.switches >= 8
+        assert torch.get_num_threads() == 2  # closing the engine gave the threads back
         assert tokens == base_tokens and lps == base_lps
     finally:
         torch.set_num_threads(threads)

@@ -69,6 +69,10 @@ class ThreadGovernor:
         self._set(n)
         self._step = (tokens, n, probing)
 
+    def close(self) -> None:
+        """The engine stops: every thread back (an engine in the caller's process shares its thread count)."""
+        self._set(self.max_threads)
+
     def _set(self, n: int) -> None:
         if n != self._applied:
             self.apply(n)

@@ -165,6 +165,8 @@ class Worker(KVSizing, GraphPlanning, TransferRPCs):
             torch.cuda.empty_cache()
 
     def shutdown(self) -> None:
+        if self.runner is not None and self.runner.governor is not None:
+            self.runner.governor.close()  # the process gets its threads back (an in-process engine shares them)
         if self.transfer is not None:
             self.transfer.close()
         self.release_memory()
