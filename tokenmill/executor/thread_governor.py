@@ -35,7 +35,8 @@ MAX_TOKENS = 8  # steps of more tokens run the prompt GEMMs, which take torch's 
 
 @dataclass
 class ThreadGovernor:
-    """Per step: `begin(tokens)` before the forward (sets the cap through `apply`), `end(seconds)` after it."""
+    """Per step: `begin(tokens)` before the forward (sets the thread count through `apply`), `end(seconds)`
+    after it."""
 
     max_threads: int
     apply: Callable[[int], object]
@@ -83,24 +84,18 @@ class ThreadGovernor:
             return
         tokens, n, probing = self._step
         self._step = None
-        if probing:  # back to the choice now, not at the next step: the caller's process keeps its threads
-            self._set(self.threads)
-        if not probing:
-            old = self.mean.get((tokens, n))
-            self.mean[(tokens, n)] = seconds if old is None else old + ALPHA * (seconds - old)
-            return
-        current = self.mean[(tokens, self.threads)]
-        if seconds < MARGIN * current:
+        if probing and seconds < MARGIN * self.mean[(tokens, self.threads)]:
             log.info("thread governor: %d thread(s) ran a %d-token step in %.1f ms against %.1f ms with %d: "
                      "switching (another process is using a core, or it stopped)", n, tokens, seconds * 1e3,
-                     current * 1e3, self.threads)
+                     self.mean[(tokens, self.threads)] * 1e3, self.threads)
             self.threads, self.every, self.switches = n, PROBE_EVERY, self.switches + 1
             self.mean[(tokens, n)] = seconds
-            self._set(n)
         else:
-            self.every = min(2 * self.every, MAX_PROBE_EVERY)
-            old = self.mean.get((tokens, n))  # what the other count costs, for the log above
+            if probing:  # the choice stands: probe less often
+                self.every = min(2 * self.every, MAX_PROBE_EVERY)
+            old = self.mean.get((tokens, n))
             self.mean[(tokens, n)] = seconds if old is None else old + ALPHA * (seconds - old)
+        self._set(self.threads)  # after a probe, back to the choice now: the caller's process keeps its threads
 
 
 def make_governor(device_type: str, threads: int, model: object) -> ThreadGovernor | None:
