@@ -167,12 +167,22 @@ def write_gguf(hf_dir: str | Path, out: str | Path, qtype=None,
                 a = permute(a, cfg.num_key_value_heads)
         if arch == "gemma3" and g.endswith("norm.weight"):
             a = a + 1.0
-        t = types(g) if types is not None else qtype
-        if a.ndim == 2 and t is not None and t != gguf.GGMLQuantizationType.F32:
-            q = quantize(a, t)
-            w.add_tensor(g, q, raw_shape=q.shape, raw_dtype=t)
-        else:
-            w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
+        add_tensor(w, g, a, types(g) if types is not None else qtype)
+    return finish(w, out)
+
+
+def add_tensor(w, name: str, a: np.ndarray, qtype) -> None:
+    """A matrix as `qtype` blocks (None or F32: float32), anything else as float32."""
+    import gguf
+
+    if a.ndim == 2 and qtype is not None and qtype != gguf.GGMLQuantizationType.F32:
+        q = quantize(a, qtype)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+    else:
+        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+
+
+def finish(w, out: str | Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -261,13 +271,5 @@ def write_family_gguf(hf_dir: str | Path, out: str | Path, qtype=None) -> Path:
             a = permute(a, cfg.num_key_value_heads)
         if arch == "gemma2" and g.endswith("norm.weight"):
             a = a + 1.0
-        if a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            q = quantize(a, qtype)
-            w.add_tensor(g, q, raw_shape=q.shape, raw_dtype=qtype)
-        else:
-            w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return Path(out)
+        add_tensor(w, g, a, qtype)
+    return finish(w, out)
