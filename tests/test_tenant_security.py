@@ -86,6 +86,14 @@ ROUTE_CALLS = [
     ("POST", "/v1/load_lora_adapter", {"lora_name": "probe", "lora_path": "missing"}, "admin"),
     ("POST", "/v1/unload_lora_adapter", {"lora_name": "never-loaded"}, "admin"),
     ("POST", "/admin/reload", None, "admin"),
+    ("POST", "/v1/responses", {"model": "base", "input": "hi", "max_output_tokens": 1}, "tenant"),
+    ("GET", "/v1/responses/{response_id}", None, "tenant"),
+    ("DELETE", "/v1/responses/{response_id}", None, "tenant"),
+    ("POST", "/v1/messages", {"model": "base", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
+     "tenant"),
+    ("POST", "/v1/messages/count_tokens", {"model": "base", "messages": [{"role": "user", "content": "hi"}]},
+     "tenant"),
+    ("POST", "/v1/embeddings", {"model": "base", "input": "hi"}, "tenant"),
 ]
 CALLERS = {"nobody": None, "wrong key": "sk-wrong", "tenant": "sk-a", "internal": INTERNAL, "admin": ADMIN}
 RANK = {"nobody": 0, "wrong key": 0, "tenant": 1, "internal": 2, "admin": 3}

@@ -16,9 +16,12 @@ from tokenmill.serve.body import validation_error
 from tokenmill.serve.errors import APIError, BodyTimeout, BodyTooLarge
 from tokenmill.serve.middleware import GuardMiddleware, too_large
 from tokenmill.serve.routes.admin import add_admin_routes
+from tokenmill.serve.routes.embeddings import add_embeddings_routes
 from tokenmill.serve.routes.generation import add_generation_routes
 from tokenmill.serve.routes.internal_kv import add_internal_kv_routes
+from tokenmill.serve.routes.messages import add_messages_routes
 from tokenmill.serve.routes.models import add_model_routes, register_lora_modules
+from tokenmill.serve.routes.responses import add_responses_routes
 from tokenmill.serve.state import ServerState
 from tokenmill.serve.tenants.keys import reload_on_sighup
 
@@ -90,6 +93,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     add_generation_routes(app, state)
+    add_responses_routes(app, state)
+    add_messages_routes(app, state)
+    add_embeddings_routes(app, state)
     add_model_routes(app, state)
     add_admin_routes(app, state)
     add_internal_kv_routes(app, state)

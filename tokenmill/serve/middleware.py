@@ -22,7 +22,8 @@ MISSING_KEY = ("You didn't provide an API key. You need to provide your API key 
                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
 WRONG_KEY = "Incorrect API key provided."
 # The routes that run the model: a tenant's limits apply to these.
-GENERATING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                              "/v1/embeddings"})
 ADMIN_PREFIX = "/admin/"
 # The single --api-key's tenant when a keys file is given too: every model, no limits.
 DEFAULT_TENANT = Tenant("default")
