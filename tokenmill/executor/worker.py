@@ -48,6 +48,7 @@ class WorkerInfo:
     # The KV cache groups' attention windows (executor/kv_groups.py; None: full attention), in group order.
     kv_group_windows: tuple[int | None, ...] = (None,)
     weights: dict | None = None  # --weights-resident-gb: model/weight_store.WeightStore.describe()
+    hidden_size: int = 0  # the model's final hidden state: an embedding's length
 
 
 class Worker(KVSizing, GraphPlanning, TransferRPCs):
@@ -136,7 +137,8 @@ class Worker(KVSizing, GraphPlanning, TransferRPCs):
                           str(self.device), str(kv_dtype).removeprefix("torch."),
                           str(model.compute_dtype).removeprefix("torch."), self.model_cost(), offload,
                           self.runner.backend.name, targets.shapes if targets else None, targets.num_layers if targets else 0,
-                          self.kv_group_windows, store.describe() if store is not None else None)
+                          self.kv_group_windows, store.describe() if store is not None else None,
+                          model.spec.hidden_size if model.spec is not None else 0)
 
     def model_cost(self):
         from tokenmill.diagnostics import ModelCost
