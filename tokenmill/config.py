@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.sampling_params import POOLING_TYPES  # embeddings: sampling_params.PoolingParams, executor/pooling.py
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV cache: the float dtypes, or quantized (vLLM names; fp8 = fp8_e4m3), see attention_backends/kv_quant.py.
 KV_CACHE_DTYPES = DTYPES + ("int8", "fp8", "fp8_e4m3")
@@ -38,6 +40,9 @@ class ModelConfig:
     # GPU: keep this many GiB of the weights in (pinned) host memory, copied to the device layer by layer each
     # step on a side stream (model/host_offload.py; vLLM's --cpu-offload-gb); 0: every weight on the device
     cpu_offload_gb: float = 0.0
+    # Embedding requests (LLM.embed, /v1/embeddings): the final hidden state of the prompt's last token, or the mean
+    # over every prompt token (a request may choose its own).
+    pooling: str = "last"
 
 
 @dataclass
@@ -325,6 +330,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {c.kv_cache_dtype!r}.")
         if (c.kv_offload_bytes or c.kv_offload_dir) and not c.enable_prefix_caching:
             raise ValueError("kv_offload_bytes / kv_offload_dir need prefix caching (enable_prefix_caching=True).")
+        if m.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {m.pooling!r}.")
         if s.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {s.policy!r}.")
         if s.slo_shed and s.policy != "slo":

@@ -19,6 +19,7 @@ from tokenmill.config import (
     DTYPES,
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
+    POOLING_TYPES,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
@@ -101,6 +102,9 @@ class EngineArgs:
         ModelConfig.cpu_offload_gb, "GPU: keep N GiB of the weights (whole decoder layers, spread over the stack) in "
         "pinned host memory, copied to the device layer by layer each step on a side stream, ahead of use; the "
         "speed is then the host link's for those bytes (default: %(default)s).", parse=float, metavar="N")
+    pooling: str = _arg(ModelConfig.pooling, "Embedding requests (POST /v1/embeddings, LLM.embed): last pools the "
+                        "final hidden state (after the final norm) of the prompt's last token, mean averages it over "
+                        "every prompt token (default: %(default)s).", choices=POOLING_TYPES)
     device: str = _arg(EngineConfig.device, "Torch device, e.g. cpu or cuda (default: %(default)s).")
     attention_backend: str | None = _arg(
         EngineConfig.attention_backend, "Attention backend by registry name, e.g. torch_sdpa (default: the "
@@ -264,7 +268,7 @@ class EngineArgs:
                               activation_quantization=self.activation_quantization,
                               weights_resident_gb=self.weights_resident_gb,
                               weights_stream_dir=self.weights_stream_dir,
-                              cpu_offload_gb=self.cpu_offload_gb),
+                              cpu_offload_gb=self.cpu_offload_gb, pooling=self.pooling),
             cache=CacheConfig(
                 block_size=self.block_size,
                 kv_cache_dtype=self.kv_cache_dtype,

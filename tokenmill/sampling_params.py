@@ -72,6 +72,30 @@ class StructuredOutputsParams:
         return kind, value
 
 
+POOLING_TYPES = ("last", "mean")
+
+
+@dataclass
+class PoolingParams:
+    """What makes a request an embedding request (`LLM.embed`, POST /v1/embeddings): its prompt's final hidden
+    states (after the final norm) are pooled into one vector, the request's output instead of tokens. It runs
+    through the same scheduler as any prompt (chunked prefill included) and ends after its last prompt chunk,
+    sampling nothing."""
+
+    pooling: str | None = None  # "last" (the last prompt token's state) | "mean" (every one's); None: --pooling
+    normalize: bool = True  # L2-normalised, as OpenAI's embeddings are
+    dimensions: int | None = None  # Matryoshka: keep the first `dimensions` values (renormalised when normalize)
+
+    def __post_init__(self) -> None:
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}.")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be a boolean, got {self.normalize!r}.")
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {d!r}.")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -95,6 +119,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Set: an embedding request (see PoolingParams); nothing is sampled, so the fields above mostly do not apply.
+    pooling: PoolingParams | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -107,6 +133,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.pooling, dict):
+            self.pooling = PoolingParams(**self.pooling)
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias and not all(type(k) is int for k in self.logit_bias):
@@ -175,3 +203,10 @@ class SamplingParams:
             for tok, value in self.logit_bias.items():  # keys: ints since __post_init__
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                     bad("logit_bias", f"values must be finite numbers, got {value!r} for token {tok}.")
+        if self.pooling is not None:  # one vector per prompt: nothing to sample, score or constrain
+            if self.n != 1:
+                bad("n", f"must be 1 for an embedding request, got {self.n}.")
+            for name, value in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs),
+                                ("structured_outputs", self.structured_outputs)):
+                if value is not None:
+                    bad(name, "is not supported for an embedding request.")
