@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI-compatible routes over an AsyncLLMEngine (serve/routes/, one module per surface),
-errors always in OpenAI's shape, request bodies parsed by serve/body.py."""
+errors always in OpenAI's shape (Anthropic's on /v1/messages: APIError.response picks by path), request bodies
+parsed by serve/body.py."""
 from __future__ import annotations
 
 import asyncio
@@ -51,44 +52,50 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+def _path(request: Request) -> str:
+    """The route's path (without a root path): the error's shape follows the surface asked."""
+    return request.scope["path"]
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return e.response()
+        return e.response(_path(request))
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(request: Request, e: BodyTooLarge):
-        return too_large(app.state.tokenmill.settings.max_request_body_bytes).response()
+        return too_large(app.state.tokenmill.settings.max_request_body_bytes).response(_path(request))
 
     @app.exception_handler(BodyTimeout)
     async def _body_timeout(request: Request, e: BodyTimeout):
         limit = app.state.tokenmill.settings.request_body_timeout_s
         return APIError(408, f"The request body did not arrive within {limit:g} s.", None, "request_timeout",
-                        headers={"Connection": "close"}).response()
+                        headers={"Connection": "close"}).response(_path(request))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
-        return validation_error(e.errors()).response()
+        return validation_error(e.errors()).response(_path(request))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
         if e.status_code == 404:
             message = f"Unknown request URL: {request.method} {request.url.path}. Please check the URL for typos."
-            return APIError(404, message, None, "unknown_url").response()
+            return APIError(404, message, None, "unknown_url").response(_path(request))
         if e.status_code == 405:
             message = f"Method {request.method} is not allowed for {request.url.path}."
-            return APIError(405, message, None, "method_not_allowed").response()
-        return APIError(e.status_code, str(e.detail), None, None).response()
+            return APIError(405, message, None, "method_not_allowed").response(_path(request))
+        return APIError(e.status_code, str(e.detail), None, None).response(_path(request))
 
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, e: EngineError):  # engine.call: e.g. 503 engine_dead
         return APIError(e.status, e.message, None, e.code,
-                        headers={"Retry-After": "1"} if e.status == 503 else None).response()
+                        headers={"Retry-After": "1"} if e.status == 503 else None).response(_path(request))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"Internal server error: {type(e).__name__}", None, "internal_error").response()
+        return APIError(500, f"Internal server error: {type(e).__name__}", None, "internal_error"
+                        ).response(_path(request))
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:

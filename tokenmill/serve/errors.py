@@ -1,4 +1,7 @@
-"""Every error leaves the server as OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""Every error leaves the server as OpenAI's shape: {"error": {"message", "type", "param", "code"}}, except on the
+Anthropic Messages API's paths (/v1/messages...), where it takes Anthropic's: {"type": "error", "error": {"type",
+"message"}}. One APIError renders either; `response(path)` picks by the request's path, so the middleware's refusals,
+body parsing and every exception handler answer each surface in its own shape."""
 from __future__ import annotations
 
 import json
@@ -19,6 +22,24 @@ _TYPES = {
     503: "server_error",
 }
 
+# Anthropic's error `type` for each status (its API's error reference); other 4xx are invalid requests, 5xx api errors.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def is_anthropic_path(path: str | None) -> bool:
+    """The Anthropic Messages API's routes (and unknown URLs under them) answer errors in Anthropic's shape."""
+    return path is not None and (path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"))
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
@@ -34,12 +55,23 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        """Anthropic's shape: no param or code, a type per status."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str | None = None) -> JSONResponse:
+        """The answer to a request for `path`: Anthropic's shape on its paths, OpenAI's everywhere else."""
+        body = self.anthropic_body() if is_anthropic_path(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
     def sse(self) -> str:
         """The error as one Server-Sent Event, for failures after a stream has started."""
         return f"data: {json.dumps(self.body())}\n\n"
+
+    def anthropic_sse(self) -> str:
+        """Anthropic's stream error event (its SDK raises it as the status's exception)."""
+        return f"event: error\ndata: {json.dumps(self.anthropic_body())}\n\n"
 
 
 class BodyTooLarge(Exception):

@@ -1,7 +1,8 @@
 """Plain ASGI middleware (no BaseHTTPMiddleware, so streaming and disconnects pass straight through):
-bearer-token auth on every route that does work (one --api-key, or the tenants of --api-keys-file, whose
-tenant the route handlers find in `request.state.tenant`), the tenants' admission limits on the generating
-routes, the admin key on /admin, a request-body size limit and a body-arrival timeout."""
+bearer-token auth (or Anthropic's x-api-key header) on every route that does work (one --api-key, or the tenants of
+--api-keys-file, whose tenant the route handlers find in `request.state.tenant`), the tenants' admission limits on
+the generating routes, the admin key on /admin, a request-body size limit and a body-arrival timeout. Refusals
+answer in the shape of the surface asked (APIError.response by path)."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,7 @@ from tokenmill.serve.tenants.usage import UsageStore
 OPEN_PATHS = frozenset({"/health", "/version", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 MISSING_KEY = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
-               "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+               "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY), or in an x-api-key header.")
 WRONG_KEY = "Incorrect API key provided."
 # The routes that run the model: a tenant's limits apply to these.
 GENERATING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
@@ -46,6 +47,16 @@ def _header(scope, name: bytes) -> bytes | None:
         if k.lower() == name:
             return v
     return None
+
+
+def _given_key(scope) -> bytes | None:
+    """The key as `Bearer KEY`: from the Authorization header (OpenAI's clients), else from x-api-key (Anthropic's
+    clients send the key there). The same keys, tenants and roles hold either way."""
+    given = _header(scope, b"authorization")
+    if given is None:
+        key = _header(scope, b"x-api-key")
+        given = b"Bearer " + key if key is not None else None
+    return given
 
 
 class GuardMiddleware:
@@ -83,7 +94,7 @@ class GuardMiddleware:
         if error is not None:
             if generating and tenant is not None:
                 self._meter(scope, tenant, error.status)
-            return await error.response()(scope, receive, send)
+            return await error.response(scope["path"])(scope, receive, send)
         if not generating or (tenant is None and self.usage is None):
             try:
                 return await self.app(scope, self._limited(receive), send)
@@ -140,7 +151,7 @@ class GuardMiddleware:
         route = route_role(path)
         if route is Role.OPEN or path in self.open_paths:
             return None, None
-        given = _header(scope, b"authorization")
+        given = _given_key(scope)
         caller = self._caller(given)
         if caller is not None:
             state = scope.setdefault("state", {})
