@@ -1,4 +1,4 @@
-"""Offline batch inference with vLLM's shape: LLM(model=...).generate(prompts, SamplingParams)."""
+"""Offline batch inference with vLLM's shape: LLM(model=...).generate(prompts, SamplingParams), .embed(prompts)."""
 from __future__ import annotations
 
 import itertools
@@ -8,8 +8,8 @@ from typing import Any, Sequence, Union
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine_args import EngineArgs
 from tokenmill.lora.request import LoRARequest
-from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 
 # vLLM's prompt shapes: text, token ids, {"prompt": text} (TextPrompt), {"prompt_token_ids": ids} (TokensPrompt).
 PromptType = Union[str, list[int], dict]
@@ -116,6 +116,36 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`.embedding`): the final hidden state (after the final norm) of the prompt's
+        last token, or the mean over its tokens (LLM(..., pooling="mean"), or PoolingParams.pooling), L2-normalised
+        unless PoolingParams(normalize=False), truncated to PoolingParams.dimensions. The prompts run through the
+        same scheduler as generation. Raises EngineError if one failed in the engine."""
+        from tokenmill.engine.output import EngineError
+
+        prompts = parse_prompts(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        if isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params] * len(prompts)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(pooling_params)} pooling_params.")
+        params = [SamplingParams(max_tokens=1, pooling=p) for p in pooling_params]
+        outs = self.generate([{"prompt": t} if t is not None else {"prompt_token_ids": ids} for t, ids in prompts],
+                             params, use_tqdm, lora_request=lora_request, cache_salt=cache_salt)
+        for o in outs:
+            error = o.extra.get("error")
+            if error is not None:
+                raise EngineError(f"embedding request {o.request_id} failed: {error['message']}", 500, error["code"])
+        return outs
 
     def chat(
         self,

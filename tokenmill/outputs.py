@@ -1,4 +1,4 @@
-"""What generation returns (vLLM's shapes)."""
+"""What generation and embedding requests return (vLLM's shapes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,3 +48,26 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # the pooled final hidden state: truncated to `dimensions`, L2-normalised unless asked not
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What an embedding request returns (vLLM's shape: `outputs.embedding`; `.embedding` for short)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.outputs.embedding

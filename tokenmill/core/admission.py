@@ -163,7 +163,7 @@ class Admission:
         other (the n sequences of one prompt; equal prompts). The running one progresses every step, so the wait
         ends; the last block that is not full is each one's own."""
         kv = self.kv
-        if not kv.enable_prefix_caching or req.params.prompt_logprobs is not None or req.num_computed_tokens:
+        if not kv.enable_prefix_caching or not req.reads_prefix_cache or req.num_computed_tokens:
             return False
         if hit >= (req.num_tokens - 1) // kv.block_size:
             return False
@@ -175,6 +175,6 @@ class Admission:
         return req.block_hashes[hit] in fill.inflight
 
     def _add_inflight(self, fill: StepFill, req: Request) -> None:
-        # (a request with prompt logprobs reads no hits, so its hashes were only made for the blocks it named)
+        # (a request that reads no hits, prompt logprobs or mean pooling, has hashes only for the blocks it named)
         self.kv.update_hashes(req, req.num_tokens - 1)
         fill.inflight.update(req.block_hashes)

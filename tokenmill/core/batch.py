@@ -119,6 +119,8 @@ class ModelRunnerOutput:
     # Speculative decoding: drafts proposed for each request's next step (the scheduler verifies them then).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_parents: dict[str, list[int]] = field(default_factory=dict)  # the drafts that are trees: their parents
+    # Embedding requests whose prompt ended in this step: the pooled final hidden state (float32 values), by id.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
     timings: StepTimings = field(default_factory=StepTimings)
 
     def merge(self, other: "ModelRunnerOutput") -> None:
@@ -129,5 +131,6 @@ class ModelRunnerOutput:
         self.prompt_logprobs.update(other.prompt_logprobs)
         self.spec_token_ids.update(other.spec_token_ids)
         self.spec_parents.update(other.spec_parents)
+        self.pooled.update(other.pooled)
         for name, value in vars(other.timings).items():  # every StepTimings field, by name: each one adds up
             setattr(self.timings, name, getattr(self.timings, name) + value)

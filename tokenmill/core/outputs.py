@@ -27,6 +27,8 @@ class EngineCoreOutput:
     error: str | None = None  # the request failed in the core: a grammar that did not compile (400), a step (500)
     error_status: int = 400
     error_code: str | None = None  # OpenAI's error `code` (None: derived from the status)
+    # An embedding request's pooled final hidden state (raw: the output processor normalises and truncates it).
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -35,7 +35,7 @@ class PrefixLookup:
     def get_computed_blocks(self, req: Request) -> list[int]:
         """Longest chain of cached blocks for req's tokens. At least the last token is always left to
         compute (its logits are needed), so a full hit never covers the final token."""
-        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or not req.reads_prefix_cache:
             return []
         self.update_hashes(req, req.num_tokens - 1)
         # block_hashes may already name a block holding the last token (named when it was allocated).
@@ -79,7 +79,7 @@ class PrefixLookup:
     def get_offloaded_chain(self, req: Request, num_device_blocks: int) -> list[bytes]:
         """Hashes that continue req's device hit (`num_device_blocks` long) in the host/disk tiers, cut
         to the prefix whose load beats recomputing it. Like a device hit, never covers the last token."""
-        if self.offload is None or not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
+        if self.offload is None or not self.enable_prefix_caching or not req.reads_prefix_cache:
             return []
         self.update_hashes(req, req.num_tokens - 1)
         if self.num_groups > 1:
@@ -120,7 +120,7 @@ class PrefixLookup:
     def get_remote_chain(self, req: Request, num_local_blocks: int) -> list[bytes]:
         """Hashes that continue req's local hit (device + lower tiers, `num_local_blocks` long) in the KV
         connector's store (a prefill instance's blocks). Like a device hit, never covers the last token."""
-        if self.connector is None or req.params.prompt_logprobs is not None:
+        if self.connector is None or not req.reads_prefix_cache:
             return []
         self.update_hashes(req, req.num_tokens - 1)
         found = []

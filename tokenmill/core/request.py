@@ -130,6 +130,19 @@ class Request:
     def finished(self) -> bool:
         return self.status.finished
 
+    @property
+    def pooling(self) -> str | None:
+        """An embedding request's pooling ("last" | "mean", resolved by the processor); None: it generates."""
+        p = self.params.pooling
+        return p.pooling if p is not None else None
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether a prefix-cache hit may stand in for computing its first tokens: not when the output needs every
+        prompt position computed (prompt logprobs; mean pooling, whose mean is over every position's hidden
+        state, which a cached block does not hold: only its K/V)."""
+        return self.params.prompt_logprobs is None and self.pooling != "mean"
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 

@@ -100,7 +100,7 @@ class Scheduler(Admission, StepUpdate, WorkerDiffs):
             raise ValueError(f"LoRA adapter {req.lora.lora_name!r} requested, but this engine runs without adapters "
                              "(start it with --enable-lora).")
         room = self.capacity_tokens - req.num_prompt_tokens
-        if room < 1:
+        if room < (0 if req.pooling else 1):  # an embedding request needs its prompt only, no generated token
             raise ValueError(f"the prompt ({req.num_prompt_tokens} tokens) does not fit the KV cache "
                              f"({self.capacity_tokens} tokens for one request).")
         req.max_tokens = min(req.max_tokens, room)

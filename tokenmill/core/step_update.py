@@ -62,6 +62,8 @@ class StepUpdate:
         req.num_computed_tokens = before + n - rejected
         self.prompt_tokens += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - min(before, req.num_prompt_tokens))
         req.spec_token_ids, req.spec_parents = [], None
+        if req.pooling is not None:  # an embedding request: done once its prompt is, with no token sampled
+            return self._pooled(req, result, now) if req.num_computed_tokens >= req.num_prompt_tokens else None
         prompt_lps = result.prompt_logprobs.get(rid)
         if not new and prompt_lps is None:
             return None
@@ -91,6 +93,18 @@ class StepUpdate:
             rid, accepted, lps[: len(accepted)] if lps is not None else None, prompt_lps,
             req.status.value if req.finished else None, req.stop_reason, max(req.num_cached_tokens, 0),
             req.first_scheduled_time, req.first_token_time, req.finished_time, grammar_done)
+
+    def _pooled(self, req: Request, result: ModelRunnerOutput, now: float) -> EngineCoreOutput:
+        """An embedding request whose last prompt chunk ran: it finishes with the pooled vector (its blocks freed)."""
+        vector = result.pooled.get(req.request_id)
+        if vector is None:  # (update_from_output fails the request alone)
+            raise RuntimeError("the step computed its prompt but returned no pooled hidden state")
+        req.first_token_time = now  # the vector is its first (and only) output
+        self.finish_request(req, RequestStatus.FINISHED_STOPPED)
+        return EngineCoreOutput(req.request_id, [], finish_reason=req.status.value,
+                                num_cached_tokens=max(req.num_cached_tokens, 0),
+                                first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
+                                finished_time=req.finished_time, pooled=vector)
 
     def _append(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None]:
         """Append tokens until one finishes the request. Stop strings are the output processor's job."""

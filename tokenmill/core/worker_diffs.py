@@ -40,7 +40,8 @@ class WorkerDiffs:
                     b.spec_parents[rid] = req.spec_parents[: len(spec)]
                 b.num_sample_rows.append(len(spec) + 1)
             else:
-                b.num_sample_rows.append(1 if start + n >= req.num_tokens else 0)
+                # (an embedding request samples nothing: the runner pools its hidden states instead)
+                b.num_sample_rows.append(1 if start + n >= req.num_tokens and req.params.pooling is None else 0)
             if req.sent is None:
                 tables = [self._table(req, g) for g in range(len(req.tables))]
                 b.new_requests.append(NewRequestData(

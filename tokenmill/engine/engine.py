@@ -29,7 +29,8 @@ def model_facts(config: EngineConfig, core_info, tokenizer, load_time_s: float =
     return ModelFacts(core_info.max_model_len, core_info.vocab_size, frozenset(eos), core_info.num_blocks,
                       core_info.block_size, load_time_s, int(core_info.model_cost.weight_bytes),
                       core_info.bytes_per_block, core_info.lora_shapes, core_info.num_layers,
-                      config.lora.max_lora_rank if config.lora is not None else 0)
+                      config.lora.max_lora_rank if config.lora is not None else 0, core_info.hidden_size,
+                      config.model.pooling)
 
 
 class LLMEngine:

@@ -17,11 +17,14 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
+
 from tokenmill.core.batch import PromptLogprobs, TokenLogprobs
 from tokenmill.core.outputs import EngineCoreOutput
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, PositionLogprobs,
+                               RequestMetrics, RequestOutput)
+from tokenmill.sampling_params import PoolingParams, SamplingParams
 from tokenmill.testing import faults
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,7 @@ class RequestDelta:
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # once, with the first generated token
     error: EngineError | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, with its final delta
 
 
 @dataclass
@@ -118,6 +122,7 @@ class RequestState:
     prompt_logprobs_sent: bool = False
     error: EngineError | None = None  # processing its output failed: it ended with this error
     adapter: str | None = None  # the LoRA adapter it ran with, by name (metrics)
+    embedding: list[float] | None = None  # an embedding request's vector, once its prompt ran
 
     @property
     def finished(self) -> bool:
@@ -227,6 +232,8 @@ class OutputProcessor:
             if o.prompt_logprobs is not None and seq.index == 0 and state.prompt_logprobs is not None:
                 entries = rows.get(id(o)) if rows is not None else None
                 self._record_prompt_logprobs(state, o.prompt_logprobs, entries)
+            if o.pooled is not None:
+                state.embedding = embedding_of(o.pooled, state.params.pooling)
             stop = self._append(state, seq, o)
             if stop is not None:
                 seq.finish_reason, seq.stop_reason, seq.finished_time = "stop", stop, time.monotonic()
@@ -293,7 +300,9 @@ class OutputProcessor:
         state.prompt_logprobs.extend(entries[skip:])
 
     # ---- what callers see ----------------------------------------------------------------
-    def make_output(self, state: RequestState) -> RequestOutput:
+    def make_output(self, state: RequestState) -> RequestOutput | EmbeddingRequestOutput:
+        if state.params.pooling is not None:
+            return self._embedding_output(state)
         outs = [
             CompletionOutput(
                 index=s.index,
@@ -319,6 +328,20 @@ class OutputProcessor:
                                    first.finished_time),
             extra={"error": state.error.openai()} if state.error is not None else {},
         )
+
+    @staticmethod
+    def _embedding_output(state: RequestState) -> EmbeddingRequestOutput:
+        first = state.seqs[0]
+        error = state.error
+        if error is None and state.embedding is None and first.finished:  # ended in the core without its vector
+            error = EngineError(str(first.stop_reason or "the request was aborted"), 500, "engine_error")
+        return EmbeddingRequestOutput(
+            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+            outputs=EmbeddingOutput(state.embedding if state.embedding is not None else []),
+            finished=state.finished, num_cached_tokens=state.num_cached_tokens,
+            metrics=RequestMetrics(state.arrival_time, first.first_scheduled_time, first.first_token_time,
+                                   first.finished_time),
+            extra={"error": error.openai()} if error is not None else {})
 
     def make_delta(self, state: RequestState, tag: int, itl: list[float], error: EngineError | None = None,
                    force_final: bool = False) -> RequestDelta:
@@ -353,8 +376,9 @@ class OutputProcessor:
         if ready and not state.prompt_logprobs_sent and any(s.sent for s in state.seqs):
             prompt_lps = list(state.prompt_logprobs)
             state.prompt_logprobs_sent = True
-        return RequestDelta(state.request_id, tag, seqs, all(s.done for s in state.seqs), len(state.prompt_token_ids),
-                            state.num_cached_tokens, prompt_lps, error)
+        finished = all(s.done for s in state.seqs)
+        return RequestDelta(state.request_id, tag, seqs, finished, len(state.prompt_token_ids),
+                            state.num_cached_tokens, prompt_lps, error, state.embedding if finished else None)
 
     @staticmethod
     def _error_delta(state: RequestState, tag: int, error: EngineError) -> RequestDelta:
@@ -380,3 +404,14 @@ class OutputProcessor:
             finished_time=max(ends) if ends else now,
             adapter=state.adapter,
         )
+
+
+def embedding_of(pooled: list[float], p: PoolingParams) -> list[float]:
+    """An embedding request's vector as its caller sees it: the pooled hidden state's first `dimensions` values
+    (Matryoshka truncation), then L2-normalised (`normalize`; as torch's F.normalize, eps 1e-12), in float32."""
+    v = np.asarray(pooled, dtype=np.float32)
+    if p.dimensions is not None:
+        v = v[: p.dimensions]
+    if p.normalize:
+        v = v / np.float32(max(float(np.linalg.norm(v.astype(np.float64))), 1e-12))
+    return v.tolist()

@@ -27,6 +27,8 @@ class ModelFacts:
     lora_shapes: dict | None = None  # --enable-lora: projection -> (in, out), to check adapters at admission
     num_layers: int = 0
     max_lora_rank: int = 0
+    hidden_size: int = 0  # the final hidden state's size: an embedding's (0: unknown)
+    pooling: str = "last"  # the engine's pooling (--pooling) for embedding requests that do not choose
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class Processor:
                 raise ValueError("prompt must not be empty.")
             prompt_token_ids = self.tokenize(prompt)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
-        self.validate_prompt(prompt_token_ids)
+        self.validate_prompt(prompt_token_ids, embedding=params.pooling is not None)
         params = self.check_params(params)
         self.check_lora(options.lora_request)
         if params.structured_outputs is not None:
@@ -101,6 +103,8 @@ class Processor:
         slo = options.slo
         room = self.facts.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.pooling is not None:
+            max_tokens = 0  # an embedding request ends with its prompt
         # The prompt's logprobs are the same for all n sequences: only the first computes them (the output
         # processor reads them from it). The others read its prompt KV from the prefix cache, which a request
         # with prompt logprobs cannot (it computes every row), instead of computing the prompt n times.
@@ -136,13 +140,25 @@ class Processor:
             changes["top_k"] = 0
         if params.seed is not None and not 0 <= params.seed < SEED_RANGE:
             changes["seed"] = params.seed % SEED_RANGE  # negative seeds are valid for OpenAI
+        pooling = params.pooling
+        if pooling is not None:
+            hidden = self.facts.hidden_size
+            if pooling.dimensions is not None and hidden and pooling.dimensions > hidden:
+                raise ValueError(f"dimensions must be at most the model's hidden size {hidden}, "
+                                 f"got {pooling.dimensions}.")
+            if pooling.pooling is None:  # the engine's choice, fixed here: the core and workers read it off the request
+                changes["pooling"] = replace(pooling, pooling=self.facts.pooling)
         return replace(params, **changes) if changes else params
 
-    def validate_prompt(self, ids: list[int]) -> None:
+    def validate_prompt(self, ids: list[int], embedding: bool = False) -> None:
+        """`embedding`: the prompt of an embedding request, which generates nothing (it may fill max_model_len)."""
         max_len = self.facts.max_model_len
         if not ids:
             raise ValueError("prompt must not be empty.")
-        if len(ids) >= max_len:
+        if embedding and len(ids) > max_len:
+            raise ValueError(f"input is {len(ids)} tokens, but max_model_len is {max_len}: the input to embed must "
+                             f"be at most max_model_len tokens.")
+        if not embedding and len(ids) >= max_len:
             raise ValueError(
                 f"prompt is {len(ids)} tokens, but max_model_len is {max_len}: "
                 f"the prompt must be shorter than max_model_len to leave room for at least one generated token."

@@ -39,6 +39,10 @@ class CachedRequestState:
     lora: Any = None  # lora.request.LoRARequest of an adapter request
     sampling_slot: int = -1  # the request's slot in InputBatch.sampling
     row: int = -1  # the request's row of InputBatch's persistent arrays
+    # An embedding request with mean pooling: the sum of its prompt's final hidden states over the chunks run so
+    # far (float32, on the device) and how many positions it holds (executor/pooling.py).
+    pool_sum: Any = None
+    pool_count: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -86,6 +90,7 @@ class InputBatch:
         self.block_table = np.zeros((num_groups, 0, 0), dtype=np.int32)  # [groups, rows, cap]; 0 past each row's blocks
         self.num_blocks = np.zeros(0, dtype=np.int64)
         self.free_rows: list[int] = []
+        self.pooling: set[str] = set()  # held embedding requests (a step without any skips pooling at once)
 
     def update(self, batch: ScheduledBatch) -> None:
         for rid in batch.finished_req_ids:
@@ -103,6 +108,8 @@ class InputBatch:
                                                     state.eos_token_ids)
             self._add_row(state, new.group_block_ids)
             self.requests[new.req_id] = state
+            if new.params.pooling is not None:
+                self.pooling.add(new.req_id)
         if batch.cached_requests:
             self._apply_diffs(batch.cached_requests)
 
@@ -178,6 +185,7 @@ class InputBatch:
     def _remove(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
         if state is not None:
+            self.pooling.discard(req_id)
             self.sampling.remove(state.sampling_slot)
             row = state.row
             self.block_table[:, row, : self.num_blocks[row]] = 0  # the next request in this row pads with 0

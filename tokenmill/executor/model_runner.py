@@ -6,7 +6,8 @@ updated from the batch's diffs, and returns a picklable ModelRunnerOutput.
 This module is the runner's core (KV pool set-up, forward dispatch, step timings); each further stage of a step
 is a module of its own, mixed into ModelRunner: CUDA graphs (graph_capture.py), pipeline micro-batches
 (pipeline_stage.py), sampling (step_sampling.py), tree verification with its KV moves (tree_verify.py), prompt
-logprobs (prompt_logprobs.py) and draft proposal (draft_proposal.py).
+logprobs (prompt_logprobs.py), draft proposal (draft_proposal.py) and the embedding requests' pooled hidden states
+(pooling.py).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tokenmill.executor.graph_capture import GraphCapture
 from tokenmill.executor.input_batch import InputBatch, StepInputs
 from tokenmill.executor.kv_groups import KVGroup, OffReasons, describe, plan_kv_groups, share_kv_cache
 from tokenmill.executor.pipeline_stage import PipelineStage, micro_batches  # noqa: F401  (micro_batches re-exported)
+from tokenmill.executor.pooling import Pooling
 from tokenmill.executor.prompt_logprobs import PromptLogprobRows
 from tokenmill.executor.step_sampling import StepSampling
 from tokenmill.executor.thread_governor import make_governor
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner(GraphCapture, PipelineStage, StepSampling, TreeVerification, PromptLogprobRows,
-                  DraftProposal):
+                  DraftProposal, Pooling):
     """One device's model and KV pool; `execute_model` runs a step. The stages it mixes in share its state."""
 
     def __init__(self, model: torch.nn.Module, vocab_size: int, block_size: int, device: torch.device,
@@ -173,6 +175,7 @@ class ModelRunner(GraphCapture, PipelineStage, StepSampling, TreeVerification, P
         clock.stop()  # (no device sync: CUDA events, read after the results' copy to the host)
         collective_s = collectives.take_time()
         out = self._sample(logits, inp, batch) if logits is not None else ModelRunnerOutput()
+        out.pooled = self._pool(hidden, inp)  # embedding requests whose prompt ended (none: nothing done)
         prompt_lps = self._prompt_logprobs(hidden, inp)
         out.prompt_logprobs = prompt_lps
         forward_s = clock.seconds()

@@ -67,6 +67,7 @@ class PipelineStage:
                 result = self._sample(logits, whole, batch)
             for h, inp in zip(hidden, inputs):
                 result.prompt_logprobs.update(self._prompt_logprobs(h, inp))
+                result.pooled.update(self._pool(h, inp))
         else:
             t2 = time.perf_counter()
         lay = [inp.layout for inp in inputs]
