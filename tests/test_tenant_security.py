@@ -123,8 +123,13 @@ def test_route_by_role(setup, method, path, body, needs):
             assert r.status_code not in (401, 403), (caller, r.status_code, r.text)
             continue
         assert r.status_code in (401, 403), (caller, r.status_code, r.text)
-        error = r.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"}
+        if path.startswith("/v1/messages"):  # the Anthropic Messages API answers in Anthropic's error shape
+            body = r.json()
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, r.text
+            assert body["error"]["type"] == {401: "authentication_error", 403: "permission_error"}[r.status_code]
+        else:
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
         assert "team-" not in r.text and str(root) not in r.text and "/tmp" not in r.text, r.text
 
 
