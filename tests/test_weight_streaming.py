@@ -221,6 +221,7 @@ def test_streamed_steps_overlap_a_slow_disk(tmp_path, monkeypatch):
     assert disk.bytes_read - before >= len(steps) * store.streamed_bytes - store.streamed[0].nbytes
     read_s = store.streamed_bytes / store.read_bytes_per_s  # the logged bound: ~50 ms a layer
     assert read_s >= 0.04 * len(store.streamed)
-    for s in steps:
-        compute_s = s.forward_s - s.weight_wait_s
-        assert s.forward_s <= 1.3 * max(read_s, compute_s), (s.forward_s, read_s, compute_s)
+    # The 1.3x for the typical (median) step; every step within 2x (the bug was 10x), so that one step
+    # a loaded machine descheduled for a while does not fail the test.
+    ratios = sorted(s.forward_s / max(read_s, s.forward_s - s.weight_wait_s) for s in steps)
+    assert ratios[len(ratios) // 2] <= 1.3 and ratios[-1] <= 2.0, ratios

@@ -24,8 +24,11 @@ stream file, and which bound sets the step's speed: the streamed bytes at that s
 compute time (docs/long_context.md). The native decoder stack (one C++ call for all layers) is off while
 layers stream: each layer's forward must be seen.
 
-Parameters that cannot be views of a file stay resident and count against N: oneDNN-packed weights (an opaque
-layout) and non-contiguous tensors. The model is whole in memory while it loads (writing the stream file
+bf16/fp16 weights that were packed for oneDNN (layers/quantization/onednn_pack.py: an opaque layout, which no
+file can hold) are unpacked to their plain layout in the layers chosen to stream, the same values, so a bf16 model
+streams as a float32 one does (before, every packed weight stayed resident and a bf16 model's budget was refused);
+those layers' matmuls then go through F.linear, which reorders per call, a cost the layer's read hides. Parameters
+that cannot be views of a file stay resident and count against N: non-contiguous tensors. The model is whole in memory while it loads (writing the stream file
 happens after), so N bounds the running process, not the load's peak.
 """
 from __future__ import annotations
@@ -56,6 +59,22 @@ _MADV_POPULATE_READ = 22  # Linux 5.14+: read a range in and map it (page tables
 
 def _streamable(p: torch.Tensor) -> bool:
     return p.device.type == "cpu" and not p.is_mkldnn and p.is_contiguous() and p.numel() > 0
+
+
+def _stream_bytes(layer: nn.Module) -> int:
+    """Bytes of a layer that can stream: its plain parameters and its oneDNN-packed ones (unpacked if it does)."""
+    return sum(p.numel() * p.element_size() for p in layer.parameters() if _streamable(p) or p.is_mkldnn)
+
+
+def _unpack(layer: nn.Module) -> None:
+    """Every oneDNN-packed weight of `layer` back in its plain [N, K] layout (the same values: the packing is a
+    reorder), a parameter with the packed one's attributes; dense_matmul then takes F.linear for it."""
+    for module in layer.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_mkldnn:
+                plain = nn.Parameter(p.data.to_dense().contiguous(), requires_grad=False)
+                plain.__dict__.update(vars(p))  # the loader's attributes (input_dim, output_dim, ...)
+                setattr(module, name, plain)
 
 
 def _param_bytes(module: nn.Module) -> int:
@@ -95,7 +114,7 @@ class WeightStore:
     def __init__(self, model: nn.Module, budget_bytes: int, directory: str | None = None) -> None:
         layers = list(model.own_layers)
         total = _param_bytes(model)
-        sizes = [sum(p.numel() * p.element_size() for p in layer.parameters() if _streamable(p)) for layer in layers]
+        sizes = [_stream_bytes(layer) for layer in layers]
         fixed = total - sum(sizes)  # embeddings, head, norms, and what cannot stream
         if fixed > budget_bytes:
             # In MiB, and the least value the flag accepts: in GiB at 3 digits the two often read the same.
@@ -142,6 +161,7 @@ class WeightStore:
         layout = []
         for i in chosen:
             start = offset
+            _unpack(layers[i])
             params = [p for p in layers[i].parameters() if _streamable(p)]
             places = []
             for p in params:
