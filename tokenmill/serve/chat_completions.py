@@ -7,8 +7,8 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
-from tokenmill.sampling_params import StructuredOutputsParams
-from tokenmill.serve.admission import admit
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.serve.admission import Admission, admit
 from tokenmill.serve.chat import render_chat
 from tokenmill.serve.chat_output import ChatPlan, ChoiceParts, chat_plan
 from tokenmill.serve.chat_prompt import chat_prompt
@@ -42,6 +42,24 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                  arrival_time: float | None = None):
     adm = admit(state, raw, model=req.model, slo=req.slo, priority=req.priority, cache_salt=req.cache_salt,
                 arrival_time=arrival_time)
+    plan, text, ids, params = await prepare_chat(state, req, adm)
+    sub = await adm.submit([ids], [text], [params])
+    model = adm.model
+    if req.stream:
+        return SSEResponse(_stream(state, req, sub, model, plan))
+    await sub.run_to_end(raw)
+    # Many logprobs (n x max_tokens x top_logprobs) are built in the slow lane, off the event loop.
+    size = sum(len(c.token_ids) for c in sub.choices) * ((req.top_logprobs or 0) + 1) if req.logprobs else 0
+    return Response(await state.run_blocking(_response_json, state, req, sub, model, plan, size=size)
+                    if size > LARGE_INPUT else _response_json(state, req, sub, model, plan),
+                    media_type="application/json")
+
+
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
+                       adm: Admission) -> tuple[ChatPlan, str, list[int], SamplingParams]:
+    """What a chat request does between admit() and submit(), for every chat-shaped surface (chat completions,
+    the Responses API): its output plan (tools, reasoning) and constraint, the cheap list checks, its sequence
+    slots, the prompt rendered and tokenized, the grammar checked and the SamplingParams built."""
     tok = state.engine.tokenizer
     plan = chat_plan(req, state.settings, tok)
     so, so_param = request_constraint(req)
@@ -63,16 +81,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if so is not None:
         await check_constraint(state, so, so_param)
     params = build_sampling_params(req, [len(ids)], state.limits, so)
-    sub = await adm.submit([ids], [text], [params])
-    model = adm.model
-    if req.stream:
-        return SSEResponse(_stream(state, req, sub, model, plan))
-    await sub.run_to_end(raw)
-    # Many logprobs (n x max_tokens x top_logprobs) are built in the slow lane, off the event loop.
-    size = sum(len(c.token_ids) for c in sub.choices) * ((req.top_logprobs or 0) + 1) if req.logprobs else 0
-    return Response(await state.run_blocking(_response_json, state, req, sub, model, plan, size=size)
-                    if size > LARGE_INPUT else _response_json(state, req, sub, model, plan),
-                    media_type="application/json")
+    return plan, text, ids, params
 
 
 def _response_json(state: ServerState, req: ChatCompletionRequest, sub: Submission, model: str,
