@@ -10,6 +10,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = DTYPES + ("int8", "fp8", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")  # core/policies registers one of each
 ACTIVATION_QUANTIZATIONS = ("none", "int8", "int8_per_token")
+QUANTIZED_BATCH_DTYPES = ("float32", "bfloat16")
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 # Speculative decoding proposers (vLLM's names; "deepseek_mtp" is taken as "mtp").
 SPEC_METHODS = ("ngram", "draft_model", "quantized_self", "eagle", "eagle3", "mtp", "medusa", "dflash")
@@ -33,6 +34,9 @@ class ModelConfig:
     # 32 columns, as llama.cpp; int8_per_token: int8 weights take one scale per row and torch._int_mm (W8A8,
     # vLLM's dynamic per-token), the others as int8; none: float32 activations (exact against transformers)
     activation_quantization: str = "none"
+    # bfloat16: batches of 32+ rows through GGUF block weights dequantize each weight once into bf16 and run one
+    # bf16 GEMM (AMX / AVX-512 BF16 through oneDNN); float32 (default): float panels and SGEMM, exact
+    quantized_batch_dtype: str = "float32"
     # CPU: keep at most this many GiB of weights in memory and stream the other decoder layers from a file on
     # disk each step (model/weight_store.py); None: every weight resident
     weights_resident_gb: float | None = None

@@ -19,6 +19,7 @@ from tokenmill.config import (
     DTYPES,
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
+    QUANTIZED_BATCH_DTYPES,
     POOLING_TYPES,
     SCHEDULING_POLICIES,
     CacheConfig,
@@ -91,6 +92,14 @@ class EngineArgs:
         "exact int32 product (torch._int_mm: oneDNN's VNNI/AMX kernels; W8A8 as vLLM's dynamic per-token), "
         "4-5x float32 from 16 rows where the CPU has VNNI. none keeps float32 activations, exact against "
         "transformers (default: %(default)s).", choices=ACTIVATION_QUANTIZATIONS)
+    quantized_batch_dtype: str = _arg(
+        ModelConfig.quantized_batch_dtype, "bfloat16: batches of 32 or more rows through GGUF block weights (prompt "
+        "processing, many sequences decoding) dequantize each weight once per call into bf16 and run one bf16 GEMM "
+        "(oneDNN: AMX or AVX-512 BF16 where the CPU has them; 4-5x float32 for a 512-token prompt on a Xeon with "
+        "AMX). Activations, weights and results are rounded to bf16, so outputs differ slightly from float32; "
+        "decode of fewer rows is unchanged. Slower than float32 on CPUs without native bf16 (AVX2 only). "
+        "float32 keeps float panels and SGEMM, exact against transformers (default: %(default)s).",
+        choices=QUANTIZED_BATCH_DTYPES)
     weights_resident_gb: float | None = _arg(
         ModelConfig.weights_resident_gb, "CPU: keep at most N GiB of weights in memory and stream the other decoder "
         "layers from a file on disk every step, read ahead on a background thread (output unchanged; the speed is "
@@ -266,6 +275,7 @@ class EngineArgs:
                               max_model_len=self.max_model_len, seed=self.seed, quantization=self.quantization,
                               quantization_group_size=self.quantization_group_size,
                               activation_quantization=self.activation_quantization,
+                              quantized_batch_dtype=self.quantized_batch_dtype,
                               weights_resident_gb=self.weights_resident_gb,
                               weights_stream_dir=self.weights_stream_dir,
                               cpu_offload_gb=self.cpu_offload_gb, pooling=self.pooling),

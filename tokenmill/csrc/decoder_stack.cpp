@@ -79,6 +79,7 @@ struct Linear {
   at::Tensor scale, zero;  // int8: scale [N]; int4: scale, zero [N, K/group]
   int64_t qtype = 0, K = 0, group = 0;
   bool x8 = false;  // int8 activations (the kernels' batch-1 switch)
+  bool bf16 = false;  // GGUF: batches as bf16 GEMMs (--quantized-batch-dtype bfloat16)
 
   at::Tensor operator()(const at::Tensor& x) const {
     switch (kind) {
@@ -90,8 +91,8 @@ struct Linear {
       case Kind::GGUF: {
         static auto h = op("tokenmill::gguf_linear")
                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const OptTensor&,
-                                              bool)>();
-        return h.call(x, w, qtype, K, bias, x8);
+                                              bool, bool)>();
+        return h.call(x, w, qtype, K, bias, x8, bf16);
       }
       case Kind::Int8: {
         static auto h = op("tokenmill::int8_linear")
@@ -145,8 +146,8 @@ struct DecoderStack : torch::CustomClassHolder {
   std::vector<Layer> layers;
 
   int64_t add_linear(const std::string& kind, const at::Tensor& w, const OptTensor& bias, const OptTensor& scale,
-                     const OptTensor& zero, int64_t qtype, int64_t K, int64_t group, bool x8) {
-    Linear l{kind_of(kind), w, bias, or_empty(scale), or_empty(zero), qtype, K, group, x8};
+                     const OptTensor& zero, int64_t qtype, int64_t K, int64_t group, bool x8, bool bf16) {
+    Linear l{kind_of(kind), w, bias, or_empty(scale), or_empty(zero), qtype, K, group, x8, bf16};
     TORCH_CHECK(w.device().is_cpu(), "decoder_stack: CPU weights only");
     if (l.kind == Kind::Dense) TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "decoder_stack: dense "
                                            "weights must be float32 [N, K]");

@@ -9,6 +9,9 @@
 //   PARALLEL_MIN_BYTES run on one thread. From 2 rows of x over file-order blocks, each weight row is instead
 //   dequantized once into an L1 buffer and multiplied with every row.
 // - More rows: panels of weight rows dequantized into a per-thread L2-sized buffer, each multiplied by SGEMM.
+// - bfloat16 batches (--quantized-batch-dtype bfloat16, off by default): from BF16_MIN_ROWS rows, the whole
+//   weight is dequantized once into a per-thread bf16 scratch and multiplied by one bf16 GEMM (oneDNN: AMX or
+//   AVX-512 BF16 where the CPU has them), x and the result rounded to bf16.
 // - int8 activations (--activation-quantization int8, off by default): rows of x against Q4_0 / Q4_1 / Q8_0
 //   quantized to int8 and multiplied with integer dot products, any number of rows (gemm_x8, int8_dot.h).
 #include "vec.h"
@@ -50,6 +53,9 @@ inline int64_t base_type(int64_t qt) { return is_split(qt) ? qt - SPLIT : qt; }
 inline int64_t split_header(int64_t qt, int64_t nb) { return (base_type(qt) == Q4_1 ? 4 : 2) * nb; }
 
 constexpr int64_t GEMM_MIN_ROWS = 8;         // from this many rows of x: dequantize, then SGEMM
+// --quantized-batch-dtype bfloat16: from this many rows of x. The dequantization writes 2 bytes per weight (a
+// fixed cost per call), which the bf16 GEMM's speed repays from ~30 rows on a 2048 x 8192 Q4_0 weight (AMX, Xeon).
+constexpr int64_t BF16_MIN_ROWS = 32;
 constexpr int64_t MAX_FUSED_ROWS = 4;        // rows of x sharing one pass over a weight row
 constexpr int64_t PANEL_BYTES = 192 * 1024;  // SGEMM path: one thread's dequantized weight rows (fits L2)
 // Decode: a weight smaller than this runs on one thread. Waking a second one costs microseconds on an idle
@@ -1047,13 +1053,37 @@ void dequant_rows(int64_t qt, const Format& f, const uint8_t* wp, int64_t n0, in
   });
 }
 
+// The bf16 batch path's weight: the calling thread's scratch, grown to the largest weight seen and kept, so a
+// step does not page-fault in a fresh buffer per layer (the engine calls from one thread; tests from several).
+at::Tensor bf16_weight_scratch(int64_t N, int64_t K) {
+  thread_local at::Tensor scratch;
+  if (!scratch.defined() || scratch.numel() < N * K) scratch = at::empty({N * K}, at::TensorOptions().dtype(at::kBFloat16));
+  return scratch.narrow(0, 0, N * K).view({N, K});
+}
+
+// Every row of blocks into bf16 (round to nearest even, as Tensor.to(torch.bfloat16)).
+void dequant_rows_bf16(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K, c10::BFloat16* dst) {
+  const int64_t rb = (K / f.block) * f.bytes;
+  at::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
+    std::vector<float> row(K);
+    for (int64_t n = a; n < b; ++n) {
+#ifdef TOKENMILL_GGUF_AVX2
+      dequant_row_avx2(qt, f, wp + n * rb, K, row.data());
+#else
+      dequant_row(qt, f, wp + n * rb, K, row.data());
+#endif
+      at::vec::convert(row.data(), dst + n * K, K);
+    }
+  });
+}
+
 }  // namespace
 
 // x [M, K] float (other float dtypes are converted), blocks uint8 [N, row_bytes] of ggml type `qtype`.
 // int8_activations: Q4_0 / Q4_1 / Q8_0 quantize every row of x to int8 (gemm_x8; other types and builds
 // without AVX2 ignore it).
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtype, int64_t K,
-                       const c10::optional<at::Tensor>& bias, bool int8_activations) {
+                       const c10::optional<at::Tensor>& bias, bool int8_activations, bool bf16_batches) {
   (void)int8_activations;  // used by the AVX2 build only
   const Format f = format_of(qtype);
   check_blocks(w, qtype, K, f);
@@ -1068,7 +1098,11 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtyp
 #else
     const bool x8 = false;  // no int8 kernels without AVX2: float activations
 #endif
-    if (x8) {
+    if (bf16_batches && M >= BF16_MIN_ROWS) {
+      at::Tensor wb = bf16_weight_scratch(N, K);
+      dequant_rows_bf16(qtype, f, wp, N, K, wb.data_ptr<c10::BFloat16>());
+      y.copy_(at::mm(x.to(at::kBFloat16), wb.t()));
+    } else if (x8) {
 #ifdef TOKENMILL_GGUF_AVX2
       gemm_x8(qtype, f, wp, N, K, x.data_ptr<float>(), M, y.data_ptr<float>());
 #endif
@@ -1133,7 +1167,8 @@ std::string int8_dot_path() {
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("int8_dot_path() -> str", &tokenmill::int8_dot_path);
-  m.def("gguf_linear(Tensor x, Tensor blocks, int qtype, int K, Tensor? bias, bool int8_activations=False) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor blocks, int qtype, int K, Tensor? bias, bool int8_activations=False, "
+        "bool bf16_batches=False) -> Tensor");
   m.impl("gguf_linear", c10::DispatchKey::CPU, &tokenmill::gguf_linear);
   m.def("gguf_dequantize(Tensor blocks, int qtype, int K) -> Tensor");
   m.impl("gguf_dequantize", c10::DispatchKey::CPU, &tokenmill::gguf_dequantize);

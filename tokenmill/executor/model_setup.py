@@ -23,7 +23,7 @@ def load_worker_model(config: EngineConfig, device: torch.device, rank: int):
 
     mc, par = config.model, config.parallel
     quant = get_quantization_config(mc.quantization, mc.quantization_group_size, model=mc.model, device=str(device),
-                                    activations=mc.activation_quantization)
+                                    activations=mc.activation_quantization, batch_dtype=mc.quantized_batch_dtype)
     tp, cp = par.tensor_parallel_size, par.context_parallel_size
     model_rank = rank // cp  # context-parallel ranks hold the same weights (innermost in the rank order)
     # Layers that will stream from disk must not leave their pages in a shared huge-page arena (huge_pages.py).
@@ -58,6 +58,9 @@ def log_weights(config: EngineConfig, model: torch.nn.Module, quant: Quantizatio
     if x8:
         path = "per token, torch._int_mm" if quant.per_token_activations else native.int8_dot_path()
         how = f", int8 activations: {path}"
+    bf16 = quant is not None and quant.name == "gguf" and mc.quantized_batch_dtype == "bfloat16"
+    if bf16:
+        how += ", batches of 32+ rows in bf16"
     # Streamed weights are not resident: counting them here contradicted the store's own line above.
     streamed = sum(p.numel() * p.element_size() for p in streamed_parameters(model))
     log.info("weights: %.1f MiB resident%s%s", (resident_weight_bytes(model) - streamed) / 2**20,
@@ -66,3 +69,6 @@ def log_weights(config: EngineConfig, model: torch.nn.Module, quant: Quantizatio
     if mc.activation_quantization != "none" and not x8:
         log.warning("--activation-quantization %s acts on gguf, int8 and int4 weights; with %s weights "
                     "activations stay float32", mc.activation_quantization, quant.name if quant else "float")
+    if mc.quantized_batch_dtype != "float32" and not bf16:
+        log.warning("--quantized-batch-dtype %s acts on GGUF block weights kept as blocks; with %s weights batches "
+                    "stay as they are", mc.quantized_batch_dtype, quant.name if quant else "float")

@@ -104,7 +104,7 @@ class NativeStack:
 
     def _add(self, lin: NativeLinear) -> int:
         return self.stack.add_linear(lin.kind, lin.weight, lin.bias, lin.scale, lin.zero, lin.qtype, lin.K, lin.group,
-                                     lin.int8_activations)
+                                     lin.int8_activations, lin.bf16_batches)
 
     @staticmethod
     def why_not(model) -> str | None:

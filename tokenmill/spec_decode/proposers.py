@@ -83,7 +83,7 @@ def _draft_model(ctx: ProposerContext, path: str, quant_method: str | None, warn
 
     mc = ctx.config.model
     quant = get_quantization_config(quant_method, mc.quantization_group_size, model=path, device=str(ctx.device),
-                                    activations=mc.activation_quantization)
+                                    activations=mc.activation_quantization, batch_dtype=mc.quantized_batch_dtype)
     module, draft_cfg, _ = load_model(path, mc.dtype, ctx.max_model_len, str(ctx.device), quant_config=quant)
     draft_vocab = int(draft_cfg.vocab_size)
     if warn_vocab and draft_vocab < ctx.vocab_size:

@@ -23,6 +23,7 @@ class NativeLinear:
     K: int = 0  # gguf: input columns
     group: int = 0  # int4: columns per scale
     int8_activations: bool = False
+    bf16_batches: bool = False  # gguf: batches of 32+ rows as bf16 GEMMs (--quantized-batch-dtype bfloat16)
 
 
 class QuantizeMethodBase(ABC):

@@ -140,12 +140,15 @@ def dequantize(blocks: torch.Tensor, qtype: int, K: int) -> torch.Tensor:
 
 
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, K: int,
-                bias: torch.Tensor | None = None, int8_activations: bool = False) -> torch.Tensor:
+                bias: torch.Tensor | None = None, int8_activations: bool = False,
+                bf16_batches: bool = False) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) for W as block rows; returns x's dtype. int8_activations: a single row of x
-    is quantized to int8 per 32 columns for Q4_0 / Q4_1 / Q8_0 (llama.cpp's numerics; the kernel's only)."""
+    is quantized to int8 per 32 columns for Q4_0 / Q4_1 / Q8_0 (llama.cpp's numerics; the kernel's only).
+    bf16_batches: from 32 rows, W dequantized into bf16 and one bf16 GEMM (the kernel's only; the reference
+    path without kernels stays float32)."""
     x2 = x.reshape(-1, K)
     if _native_ok(x2):
-        y = torch.ops.tokenmill.gguf_linear(x2, blocks, qtype, K, bias, int8_activations)
+        y = torch.ops.tokenmill.gguf_linear(x2, blocks, qtype, K, bias, int8_activations, bf16_batches)
     else:
         y = F.linear(x2.float(), reference_dequantize(blocks, qtype, K), None if bias is None else bias.float())
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
@@ -174,11 +177,12 @@ def _block_loader(layer: nn.Module, qtype: int, inner: Callable | None) -> Calla
 class GGUFLinearMethod(QuantizeMethodBase):
     """One ggml block type for the whole (possibly merged, possibly sharded) layer."""
 
-    def __init__(self, qtype: int, int8_activations: bool = False) -> None:
+    def __init__(self, qtype: int, int8_activations: bool = False, bf16_batches: bool = False) -> None:
         if qtype not in KERNEL_TYPES:
             raise ValueError(f"no GGUF block kernel for {type_name(qtype)}; kernels: {', '.join(KERNEL_TYPES.values())}")
         self.qtype = qtype
         self.int8_activations = int8_activations
+        self.bf16_batches = bf16_batches
 
     def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
@@ -205,14 +209,15 @@ class GGUFLinearMethod(QuantizeMethodBase):
             layer.weight.data = to_huge_pages(layer.weight.data)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return gguf_matmul(x, layer.weight, self.qtype, layer.input_size_per_partition, bias, self.int8_activations)
+        return gguf_matmul(x, layer.weight, self.qtype, layer.input_size_per_partition, bias, self.int8_activations,
+                           self.bf16_batches)
 
     def native_linear(self, layer: nn.Module) -> NativeLinear | None:
         b = layer.bias
         if b is not None and b.dtype != torch.float32:
             return None
         return NativeLinear("gguf", layer.weight, b, qtype=self.qtype, K=layer.input_size_per_partition,
-                            int8_activations=self.int8_activations)
+                            int8_activations=self.int8_activations, bf16_batches=self.bf16_batches)
 
 
 def keep_embedding_blocks(module: nn.Module, qtype: int, shared: nn.Parameter | None = None,
@@ -252,8 +257,9 @@ class GGUFConfig(QuantizationConfig):
     name = "gguf"
     quantize_lm_head = False  # the head keeps the file's own format
 
-    def __init__(self, int8_activations: bool = False) -> None:
+    def __init__(self, int8_activations: bool = False, bf16_batches: bool = False) -> None:
         self.int8_activations = int8_activations  # --activation-quantization int8
+        self.bf16_batches = bf16_batches  # --quantized-batch-dtype bfloat16
         self.types: dict[str, int] = {}  # parameter name (layers.0.self_attn.q_proj.weight) -> ggml type
         self.kept: set[str] = set()  # parameter names loaded as blocks
         self.packed: dict[str, list[str]] = {}
@@ -291,7 +297,7 @@ class GGUFConfig(QuantizationConfig):
         if qtype not in KERNEL_TYPES:
             return None
         self.kept.update(names)
-        return GGUFLinearMethod(qtype, self.int8_activations)
+        return GGUFLinearMethod(qtype, self.int8_activations, self.bf16_batches)
 
     def prepare_model(self, model: DecoderForCausalLM) -> None:
         """Token embedding and LM head as blocks (unsharded tables only: vocabulary-parallel ones stay float)."""
@@ -335,4 +341,5 @@ class GGUFConfig(QuantizationConfig):
 
 @quantize_at_load("gguf")
 def gguf_config(options: QuantOptions) -> GGUFConfig:
-    return GGUFConfig(int8_activations=options.int8_activations)  # blocks have their own group size
+    # blocks have their own group size
+    return GGUFConfig(int8_activations=options.int8_activations, bf16_batches=options.bf16_batches)

@@ -28,6 +28,7 @@ class QuantOptions:
     symmetric: bool = False
     int8_activations: bool = False
     per_token_activations: bool = False  # int8_per_token: int8 weights take one activation scale per row (W8A8)
+    bf16_batches: bool = False  # --quantized-batch-dtype bfloat16: GGUF batches as bf16 GEMMs
 
 
 @dataclass(frozen=True)
