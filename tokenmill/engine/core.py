@@ -274,6 +274,9 @@ class EngineCore:
             if not tainted.isdisjoint(req.held_block_ids()):  # reads KV a failed request was to write: recompute it later
                 sched.preempt(req)
                 continue
+            if forget and req.pooling == "mean" and req.num_computed_tokens:
+                sched.preempt(req)  # the workers dropped its sum over the chunks already run: it starts again
+                continue
             one = SchedulerOutput([(req, n)], spec={k: v for k, v in out.spec.items() if k == req.request_id})
             batch = None
             try:
