@@ -42,8 +42,13 @@ async def create_message(state: ServerState, req: MessagesRequest, raw: Request,
                           '--enable-auto-tool-choice and --tool-call-parser; or use tool_choice "any", "tool" or '
                           '"none".', "tool_choice")
     plan = chat_plan(chat, settings, state.engine.tokenizer)
-    # A forced call (tool_choice any / tool) is generated under the tools' JSON schema, as chat completions does.
-    so = StructuredOutputsParams(json=plan.tool_schema()) if plan.constrained_tools else None
+    so = _output_format(req)
+    if plan.constrained_tools:
+        # A forced call (tool_choice any / tool) is generated under the tools' JSON schema, as chat completions does.
+        if so is not None:
+            raise bad_request("output_config.format cannot be combined with tool_choice \"any\" or \"tool\": the "
+                              "tool call is the output's format.", "output_config")
+        so = StructuredOutputsParams(json=plan.tool_schema())
     check_lists(chat, state.limits)  # cheap refusals before the template renders
     adm.take_sequences(1)
     text, ids = await chat_prompt(state, chat.messages, chat.add_generation_prompt, chat.continue_final_message,
@@ -54,7 +59,7 @@ async def create_message(state: ServerState, req: MessagesRequest, raw: Request,
         if so is not None and not plan.reasoning_ended:
             so.start_after_token_ids = tuple(reasoning.end_token_ids())  # the call follows the reasoning
     if so is not None:
-        await check_constraint(state, so, "tools")
+        await check_constraint(state, so, "tools" if plan.constrained_tools else "output_config")
     params = build_sampling_params(chat, [len(ids)], state.limits, so)
     sub = await adm.submit([ids], [text], [params])
     if req.stream:
@@ -67,6 +72,11 @@ async def create_message(state: ServerState, req: MessagesRequest, raw: Request,
     answer = MessageResponse(id=message_id(), model=adm.model, content=content_blocks(reasoning_text, content, calls),
                              stop_reason=reason, stop_sequence=sequence, usage=usage(sub))
     return Response(answer.model_dump_json(), media_type="application/json")
+
+
+def _output_format(req: MessagesRequest) -> StructuredOutputsParams | None:
+    fmt = req.output_config.format if req.output_config is not None else None
+    return StructuredOutputsParams(json=fmt.schema_) if fmt is not None else None
 
 
 async def count_tokens(state: ServerState, req: CountTokensRequest, raw: Request) -> CountTokensResponse:

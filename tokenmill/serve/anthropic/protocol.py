@@ -73,8 +73,20 @@ class ToolChoiceParam(_Request):
 class ThinkingParam(_Request):
     """Maps to the chat template's `enable_thinking` (Qwen3 and others read it); `budget_tokens` is not enforced."""
 
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: Int | None = None
+
+
+class OutputFormatParam(_Request):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfigParam(_Request):
+    """Structured output: the answer's text follows `format`'s JSON schema (the grammar the engine enforces).
+    `effort` is accepted and ignored."""
+
+    format: OutputFormatParam | None = None
 
 
 class MetadataParam(_Request):
@@ -102,6 +114,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: Float | None = None
     top_k: Int | None = None
     metadata: MetadataParam | None = None  # accepted; user_id is not used
+    output_config: OutputConfigParam | None = None
     # tokenmill extensions, as on chat completions
     seed: Int | None = None
     ignore_eos: Bool = False
