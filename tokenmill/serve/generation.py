@@ -59,6 +59,7 @@ class PromptState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finished: bool = False
+    embedding: list[float] | None = None  # an embedding request's vector (serve/embeddings.py)
 
 
 class Submission:
@@ -120,6 +121,8 @@ class Submission:
         prompt.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             prompt.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            prompt.embedding = delta.embedding
         for s in delta.sequences:
             c = self.choices[delta.tag * self.n + s.index]
             if s.text:
