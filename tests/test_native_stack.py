@@ -56,13 +56,15 @@ def test_same_output_as_python_layers(tmp_path, monkeypatch, arch, kw):
     _same(monkeypatch, make_tiny_model(tmp_path / arch, arch), **kw)
 
 
-@pytest.mark.parametrize("x8", [False, True])
-def test_gguf_blocks_mixed_with_a_dequantized_layer(tmp_path, monkeypatch, x8):
-    """GGUF blocks (Q4_0 / Q4_1 / Q8_0) next to a Q5_0 layer dequantized at load to dense float32."""
+@pytest.mark.parametrize("kw", [{}, {"activation_quantization": "int8"}, {"quantized_batch_dtype": "bfloat16"}],
+                         ids=["float", "x8", "bf16-batches"])
+def test_gguf_blocks_mixed_with_a_dequantized_layer(tmp_path, monkeypatch, kw):
+    """GGUF blocks (Q4_0 / Q4_1 / Q8_0) next to a Q5_0 layer dequantized at load to dense float32 (bf16 batches:
+    the 32-token prompt chunks take the bf16 GEMM, in both paths alike)."""
     folder = make_tiny_model(tmp_path / "m", "llama", tie_word_embeddings=True)
 
     path = write_gguf(folder, tmp_path / "m.gguf", types=smollm2_layout)
-    _same(monkeypatch, path, tokenizer=str(folder), activation_quantization="int8" if x8 else "none")
+    _same(monkeypatch, path, tokenizer=str(folder), **kw)
 
 
 def test_quantized_cache_steps_run_the_python_layers(tmp_path, monkeypatch):
@@ -96,9 +98,9 @@ def test_bad_arguments_are_refused():
     s = torch.classes.tokenmill.DecoderStack()
     w = torch.zeros(4, 4)
     with pytest.raises(RuntimeError, match="unknown linear kind"):
-        s.add_linear("fp4", w, None, None, None, 0, 0, 0, False)
+        s.add_linear("fp4", w, None, None, None, 0, 0, 0, False, False)
     with pytest.raises(RuntimeError, match="float32"):
-        s.add_linear("dense", w.to(torch.bfloat16), None, None, None, 0, 0, 0, False)
+        s.add_linear("dense", w.to(torch.bfloat16), None, None, None, 0, 0, 0, False, False)
     with pytest.raises(RuntimeError, match="no linear"):
         s.add_layer(w[0], w[0], 1e-5, 0.0, None, None, 0, 0, 0, 0, 1, 1, 4, 1.0, 0, 0.0, w, w, 0)
     assert native.available()
