@@ -31,6 +31,7 @@ ROUND_TRIP = {
     "weights_resident_gb": (["--weights-resident-gb", "1.5"], 1.5, "model.weights_resident_gb"),
     "weights_stream_dir": (["--weights-stream-dir", "/var/tmp/w"], "/var/tmp/w", "model.weights_stream_dir"),
     "cpu_offload_gb": (["--cpu-offload-gb", "4"], 4.0, "model.cpu_offload_gb"),
+    "pooling": (["--pooling", "mean"], "mean", "model.pooling"),
     "device": (["--device", "cuda"], "cuda", "device"),
     "attention_backend": (["--attention-backend", "torch_sdpa"], "torch_sdpa", "attention_backend"),
     "enforce_eager": (["--enforce-eager"], True, "enforce_eager"),
