@@ -7,6 +7,7 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -36,45 +37,84 @@ def test_cpu_offload_is_accepted_on_a_gpu_and_refused_on_the_cpu():
         EngineConfig(model=ModelConfig(cpu_offload_gb=1.0), device="cpu").validate()
 
 
-# The quick starts, run as written against a live server on a tiny random model. Only what must differ here is
-# rewritten, by this mapping (a key of the docs → what it becomes in the test):
+# The examples that talk to a server, run as written against a live server on a tiny random model.
+#
+# The convention (README.md and docs/*.md):
+# - every fenced bash/sh/shell or python block that names the server's address (`localhost:8000`,
+#   `127.0.0.1:8000`) is an example and runs here;
+# - a line `<!-- docs-test: skip: WHY -->` right above its fence (blank lines between are fine) skips it, the
+#   reason shown by pytest: for blocks that need what a test does not have (downloads, a GPU, minutes of load, a
+#   server of their own);
+# - `<!-- docs-test: run -->` above any other bash or python block makes it an example too (README's offline
+#   quick start).
+# Only what must differ here is rewritten, by this mapping (a key of the docs → what it becomes in the test):
 #   http://127.0.0.1:8000, localhost:8000  → the test server's address (a free port)
 #   "SmolLM2-135M-Instruct"                → served as such (--served-model-name), so not rewritten
 #   LLM()  (README: the embedded model)    → LLM("<tiny model folder>")
 #   BASE                                   → the tiny model's folder
 #   /adapters/sql, /adapters/fr.gguf       → a PEFT adapter of it and the same as a GGUF LoRA file
 #   sk-...                                 → the test's key
-# A doc's `tokenmill serve ...` line is not run by the shell: its arguments start the server (so a key it sets
+# A block's `tokenmill serve ...` line is not run by the shell: its arguments start the server (so a key it sets
 # is a key the server needs), and every other command of the block runs as written, curl failing on any HTTP
-# error (a 401 from a missing Authorization header fails the test).
+# error (a 401 from a missing Authorization header fails the test). A block without a serve line talks to a
+# server with no flags beyond the mapping's (no key).
 SERVED = "SmolLM2-135M-Instruct"
 KEY = "sk-docs-test"
-QUICK_STARTS = {  # doc → (section, the languages of its blocks that are quick starts)
-    "README.md": [("### curl", "bash"), ("### The `openai` client", "python"),
-                  ("## Quick start", "python")],  # not its command-line block: an interactive REPL, a router
-    "docs/lora.md": [("# LoRA adapters", "bash python")],
-    "docs/server.md": [("## curl", "bash")],
-}
+ADDRESS = re.compile(r"(localhost|127\.0\.0\.1):8000\b")
+MARKER = re.compile(r"^<!--\s*docs-test:\s*(skip|run)\s*:?\s*(.*?)\s*-->\s*$")
+SHELL, PYTHON = {"bash", "sh", "shell"}, {"python", "py"}
 
 
-def section_blocks(doc: str, heading: str) -> list[tuple[str, str]]:
-    """(language, code) of the fenced blocks between `heading` (a line starting with it) and the next heading."""
-    lines = (REPO / doc).read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
-    out, lang, code = [], None, []
-    for line in lines[start + 1:]:
-        if lang is None and line.startswith("#"):
-            break
-        if line.startswith("```"):
-            if lang is None:
-                lang, code = line[3:].strip(), []
-            else:
-                out.append((lang, "\n".join(code)))
-                lang = None
-        elif lang is not None:
-            code.append(line)
-    assert out, f"{doc}: no code under {heading!r}"
+@dataclass
+class Block:
+    doc: str  # relative to the repo
+    line: int  # of the opening fence, 1-based
+    lang: str  # "bash" or "python"
+    code: str
+    skip: str | None  # the marker's reason, when skipped
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+def doc_blocks(doc: Path) -> list[Block]:
+    """Every example of one doc by the convention above, skipped ones included."""
+    out, lines = [], doc.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        if not lines[i].startswith("```"):
+            i += 1
+            continue
+        lang, start = lines[i][3:].strip().lower(), i
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), len(lines))
+        code = "\n".join(lines[i + 1:end])
+        i = end + 1
+        above = next((lines[j].strip() for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        marker = MARKER.match(above)
+        kind = lang if lang in PYTHON else "bash" if lang in SHELL else None
+        if kind is None or not (ADDRESS.search(code) or (marker and marker[1] == "run")):
+            continue
+        kind = "python" if kind in PYTHON else kind
+        skip = (marker[2] or "no reason given") if marker and marker[1] == "skip" else None
+        out.append(Block(str(doc.relative_to(REPO)), start + 1, kind, code, skip))
     return out
+
+
+BLOCKS = [b for doc in DOCS for b in doc_blocks(doc)]
+
+
+def test_the_convention_finds_the_quick_starts():
+    """The examples this test must run are found, and none is skipped without a reason (a marker's typo would
+    otherwise turn a refused example into a silent pass)."""
+    ran = {b.doc for b in BLOCKS if b.skip is None}
+    assert {"README.md", "docs/lora.md", "docs/server.md"} <= ran, ran
+    assert any(b.doc == "README.md" and "LLM()" in b.code and b.skip is None for b in BLOCKS)
+    assert all(b.skip != "no reason given" for b in BLOCKS), [b.id for b in BLOCKS if b.skip == "no reason given"]
+    for doc in DOCS:  # every docs-test comment is one the convention reads
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            if "docs-test" in line:
+                assert MARKER.match(line.strip()), f"{doc.name}:{n}: {line}"
 
 
 def split_serve(script: str) -> tuple[list[str] | None, str]:
@@ -111,7 +151,8 @@ def files(tmp_path_factory) -> dict[str, str]:
 
 def rewrite(code: str, files: dict[str, str], base_url: str | None) -> str:
     if base_url:
-        code = code.replace("http://127.0.0.1:8000", base_url).replace("localhost:8000", base_url)
+        code = code.replace("http://127.0.0.1:8000", base_url).replace("http://localhost:8000", base_url)
+        code = code.replace("localhost:8000", base_url)
     code = code.replace("LLM()", f'LLM("{files["BASE"]}")').replace("sk-...", KEY)
     for name in sorted(files, key=len, reverse=True):  # /adapters/fr.gguf before a shorter prefix of it
         code = re.sub(rf"(?<![\w/]){re.escape(name)}(?![\w.])", files[name], code)
@@ -138,7 +179,8 @@ def run_python(code: str, where: str) -> str:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """One live server per distinct serve line (the docs without one share the README's: no key)."""
+    """One live server per distinct serve line, started when first needed (the blocks without one share one with
+    no key): most blocks of the module share one server."""
     live: dict[tuple[str, ...], LiveServer] = {}
     root = tmp_path_factory.mktemp("servers")
 
@@ -154,21 +196,24 @@ def servers(tmp_path_factory):
         srv.stop()
 
 
-@pytest.mark.parametrize("doc", sorted(QUICK_STARTS))
-def test_quick_starts_run_as_written(doc, files, servers):
-    """Each quick start's bash and python blocks against a server started from the doc's own serve line (else
-    the README's: no key), rewritten only by the mapping above."""
-    blocks = [(h, lang, code) for h, langs in QUICK_STARTS[doc] for lang, code in section_blocks(doc, h)
-              if lang in langs.split()]
-    serve_args = next((a for _, lang, c in blocks if lang == "bash" for a in [split_serve(c)[0]] if a), [])
-    args = shlex.split(rewrite(shlex.join(serve_args), files, None))
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_examples_run_as_written(block, files, servers):
+    """One example against a server started from its own serve line (else the shared one), rewritten only by the
+    mapping above."""
+    if block.skip is not None:
+        pytest.skip(f"docs-test: skip: {block.skip}")
+    where = f"{block.id} ({block.lang})"
+    serve_args, script = split_serve(block.code) if block.lang == "bash" else (None, block.code)
+    args = shlex.split(rewrite(shlex.join(serve_args or []), files, None))
     model = args.pop(0) if args and not args[0].startswith("-") else files["BASE"]
-    needs_key = "--api-key" in args
+    if not ADDRESS.search(block.code):  # an offline example (docs-test: run): no server
+        run_python(rewrite(script, files, None), where) if block.lang == "python" else \
+            run_shell(rewrite(script, files, None), False, where)
+        return
     srv = servers(model, args)
-    for heading, lang, code in blocks:
-        where = f"{doc} {heading} ({lang})"
-        if lang == "bash":
-            out = run_shell(rewrite(split_serve(code)[1], files, srv.base_url), needs_key, where)
+    if block.lang == "bash":
+        out = run_shell(rewrite(script, files, srv.base_url), "--api-key" in args, where)
+        if "completions" in script:
             assert "choices" in out, f"{where}: no completion in\n{out}"
-        elif lang == "python":
-            run_python(rewrite(code, files, srv.base_url), where)
+    else:
+        run_python(rewrite(script, files, srv.base_url), where)
