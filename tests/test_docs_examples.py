@@ -162,7 +162,8 @@ def rewrite(code: str, files: dict[str, str], base_url: str | None) -> str:
 def run_shell(script: str, needs_key: bool, where: str) -> str:
     for cmd in re.split(r"\n(?=curl)", script):
         if cmd.startswith("curl") and needs_key:
-            assert "Authorization: Bearer" in cmd, f"{where}: the server needs a key, this curl sends none:\n{cmd}"
+            assert re.search(r"Authorization: Bearer|x-api-key:", cmd, re.I), \
+                f"{where}: the server needs a key, this curl sends none:\n{cmd}"
     # --fail-with-body: an HTTP error fails the block, its body shown
     prelude = 'set -euo pipefail\ncurl() { command curl -sS --fail-with-body --max-time 60 "$@"; }\n'
     done = subprocess.run(["bash", "-c", prelude + script], capture_output=True, text=True, timeout=120)
