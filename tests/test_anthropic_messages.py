@@ -37,6 +37,7 @@ WEATHER = {"name": "get_weather", "description": "Current weather in a city.",
                             "required": ["city", "unit"], "additionalProperties": False}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NO_THINKING = {"type": "disabled"}
+INTERNAL = "sk-internal"  # reads /metrics
 # SDK 2.x has no temperature / top_p / top_k arguments any more; the API (and this server) still reads them.
 GREEDY = {"temperature": 0, "ignore_eos": True}  # ignore_eos, seed: tokenmill extensions, as on chat completions
 
@@ -50,7 +51,8 @@ def server(tmp_path_factory):
     srv = start_server(path, root / "server.log", "--served-model-name", MODEL, "--kv-cache-memory-bytes", "32M",
                        "--max-model-len", "2048", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                        "--reasoning-parser", "deepseek_r1", "--chat-template", str(root / "think.jinja"),
-                       "--api-keys-file", str(root / "keys.yaml"), "--usage-db", str(root / "usage.db"))
+                       "--api-keys-file", str(root / "keys.yaml"), "--usage-db", str(root / "usage.db"),
+                       "--internal-api-key", INTERNAL)
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -276,13 +278,36 @@ def test_output_config_json_schema(client):
     assert "output_config" in e.value.body["error"]["message"]
 
 
-# ---- auth, metering, errors ------------------------------------------------------------------------------------------
 def used(server, key: str) -> int:
     rows = httpx.get(server.url("/v1/usage"), params={"group_by": "tenant"}, timeout=30,
                      headers={"Authorization": f"Bearer {key}"}).json()["data"]
     return sum(row["prompt_tokens"] + row["completion_tokens"] for row in rows)
 
 
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url("/metrics"), headers={"Authorization": f"Bearer {INTERNAL}"}, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_a_client_leaving_a_stream_frees_its_work(server, client):
+    """A client that closes a stream after its first delta: the engine request is aborted (the tenant is metered
+    for far fewer than max_tokens) and every KV block is freed."""
+    before = used(server, "sk-a")
+    body = {"model": MODEL, "max_tokens": 1800, "messages": ASK, "thinking": NO_THINKING, "stream": True, **GREEDY}
+    with httpx.stream("POST", server.url("/v1/messages"), json=body, headers={"x-api-key": "sk-a"}, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line == "event: content_block_delta")
+    deadline = time.monotonic() + 30
+    while (metric(server, "tokenmill:num_requests_running") or metric(server, "tokenmill:kv_cache_usage_perc")
+           or used(server, "sk-a") == before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "tokenmill:num_requests_running") == 0
+    assert metric(server, "tokenmill:kv_cache_usage_perc") == 0
+    assert 0 < used(server, "sk-a") - before < count(client, messages=ASK, thinking=NO_THINKING) + 1800
+    assert client.messages.create(model=MODEL, max_tokens=2, messages=ASK).usage.output_tokens >= 1
+
+
+# ---- auth, metering, errors ------------------------------------------------------------------------------------------
 def test_keys_tenants_and_metering(server, client):
     before = used(server, "sk-b")
     m = sdk(server, "sk-b").messages.create(model=MODEL, max_tokens=3, messages=ASK, thinking=NO_THINKING,
