@@ -214,19 +214,25 @@ def test_a_persistent_sqlite_failure_keeps_a_bounded_queue(tmp_path, monkeypatch
 
 def test_a_request_refused_before_its_body_is_metered_under_model_dash(tmp_path):
     """docs/tenants.md, "Usage metering": the per-request limit refuses before the body names the model, so the
-    429 is a request and an error of model `-`, next to the admitted request's row under its model."""
+    429 is a request and an error of model `-`, next to the admitted request's row under its model; so are the
+    requests refused before they are submitted, though their body named a model (404: one not served; 400: a
+    field out of range)."""
     base = make_tiny_model(tmp_path / "base", "llama")
     keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({"tenants": [{"name": "a", "keys": ["sk-a"], "limits": {"requests_per_minute": 1}}]}))
+    keys.write_text(json.dumps({"tenants": [{"name": "a", "keys": ["sk-a"], "limits": {"requests_per_minute": 1}},
+                                            {"name": "b", "keys": ["sk-b"]}]}))
     srv = start_server(base, tmp_path / "server.log", "--served-model-name", "base", "--api-keys-file", str(keys),
                        "--admin-key", "sk-admin", "--usage-db", str(tmp_path / "usage.db"),
                        "--kv-cache-memory-bytes", "16M", "--max-model-len", "256")
     try:
         assert call(srv, "sk-a", {"model": "base", "prompt": "The quick", "max_tokens": 2}).status_code == 200
         assert call(srv, "sk-a", {"model": "base", "prompt": "The quick", "max_tokens": 2}).status_code == 429
+        assert call(srv, "sk-b", {"model": "other", "prompt": "The quick", "max_tokens": 2}).status_code == 404
+        assert call(srv, "sk-b", {"model": "base", "prompt": "The quick", "max_tokens": -1}).status_code == 400
         rows = httpx.get(srv.url("/v1/usage"), params={"group_by": "tenant,model"}, timeout=30,
                          headers={"Authorization": "Bearer sk-admin"}).json()["data"]
-        got = {r["model"]: (r["requests"], r["errors"], r["prompt_tokens"]) for r in rows}
-        assert got.keys() == {"base", "-"} and got["-"] == (1, 1, 0) and got["base"][:2] == (1, 0), rows
+        got = {(r["tenant"], r["model"]): (r["requests"], r["errors"], r["prompt_tokens"]) for r in rows}
+        assert got.keys() == {("a", "base"), ("a", "-"), ("b", "-")}, rows
+        assert got["a", "-"] == (1, 1, 0) and got["a", "base"][:2] == (1, 0) and got["b", "-"] == (2, 2, 0), rows
     finally:
         srv.stop(signal.SIGKILL)
