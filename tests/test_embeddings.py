@@ -276,6 +276,21 @@ def test_a_failed_step_neither_loses_nor_garbles_a_mean(llms, hf, monkeypatch):
     assert_idle(llms["mean"])
 
 
+@pytest.mark.parametrize("kw", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)], ids=["pp2", "tp2"])
+def test_parallel_workers_pool_the_same(path, hf, kw):
+    """Two ranks (processes over gloo): the last pipeline stage pools each micro-batch; tensor-parallel ranks hold
+    the whole hidden state after the final norm."""
+    with LLM(str(path), max_model_len=MAX_LEN, kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=BUDGET,
+             pooling="mean", **kw) as llm:
+        means = llm.embed(INPUTS[:4], RAW, use_tqdm=False)
+        lasts = llm.embed(INPUTS[:4], PoolingParams(pooling="last", normalize=False), use_tqdm=False)
+        for ids, m, last in zip(INPUTS, means, lasts):
+            torch.testing.assert_close(torch.tensor(m.embedding), reference(hf, ids, "mean"), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(torch.tensor(last.embedding), reference(hf, ids, "last"), atol=1e-4,
+                                       rtol=1e-4)
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
 # ---- the server ---------------------------------------------------------------------------------
 KEY = "sk-embed-0123456789"
 MODEL = "tiny"
