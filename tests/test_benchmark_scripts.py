@@ -30,10 +30,11 @@ def test_the_server_starting_benchmarks_are_found():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_server_starting_benchmark_takes_a_port(script):
-    """Each one's parser has `--port` (benchmarks/_servers.add_port_argument) and main() installs the Ctrl-C
-    handler with its value first (_servers.install)."""
+    """Each one's parser has `--port` (benchmarks/_servers.add_port_argument), main() installs the Ctrl-C handler
+    with its value (_servers.install), and its servers take their ports from it (_servers.next_port)."""
     text = (REPO / "benchmarks" / f"{script}.py").read_text()
     assert "_servers.add_port_argument(" in text and re.search(r"_servers\.install\(\w+\.port\)", text), script
+    assert "_servers.next_port()" in text, f"{script}: its servers' ports do not come from --port"
 
 
 def _alive(pid: int) -> bool:
