@@ -25,6 +25,7 @@ KEYS = """
 tenants:
   - {name: team-a, keys: [sk-a]}
   - {name: team-b, keys: [sk-b]}
+  - {name: team-r, keys: [sk-r], models: [tiny], limits: {requests_per_minute: 1}}
 """
 THINK_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
@@ -331,6 +332,13 @@ def test_keys_tenants_and_metering(server, client):
         assert r.status_code == 401 and r.json() == {"type": "error", "error": {
             "type": "authentication_error", "message": r.json()["error"]["message"]}}
         assert "x-api-key" in r.json()["error"]["message"] and "team-" not in r.text
+    # A tenant's limits hold here too, refused in Anthropic's shape (the SDK's RateLimitError), naming no other tenant.
+    limited = sdk(server, "sk-r")
+    assert limited.messages.create(model=MODEL, max_tokens=1, messages=ASK).type == "message"
+    with pytest.raises(anthropic.RateLimitError) as e:
+        limited.messages.create(model=MODEL, max_tokens=1, messages=ASK)
+    assert e.value.status_code == 429 and e.value.body["error"]["type"] == "rate_limit_error"
+    assert "team-a" not in json.dumps(e.value.body) and "team-b" not in json.dumps(e.value.body)
     # Other routes keep OpenAI's shape.
     r = httpx.post(server.url("/v1/chat/completions"), headers={"x-api-key": "sk-wrong"}, timeout=30,
                    json={"model": MODEL, "max_tokens": 1, "messages": ASK})
