@@ -285,9 +285,11 @@ def used(server, key: str) -> int:
     return sum(row["prompt_tokens"] + row["completion_tokens"] for row in rows)
 
 
-def metric(server, name: str) -> float:
+def metric(server, name: str, label: str = "") -> float:
+    """A Prometheus sample's value, summed over the label sets that hold `label` (e.g. 'tenant="team-b"')."""
     text = httpx.get(server.url("/metrics"), headers={"Authorization": f"Bearer {INTERNAL}"}, timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line)
 
 
 def test_a_client_leaving_a_stream_frees_its_work(server, client):
@@ -311,6 +313,8 @@ def test_a_client_leaving_a_stream_frees_its_work(server, client):
 # ---- auth, metering, errors ------------------------------------------------------------------------------------------
 def test_keys_tenants_and_metering(server, client):
     before = used(server, "sk-b")
+    counted = [metric(server, f"tokenmill:tenant_{kind}", 'tenant="team-b"')
+               for kind in ("requests_total", "prompt_tokens_total", "generation_tokens_total")]
     m = sdk(server, "sk-b").messages.create(model=MODEL, max_tokens=3, messages=ASK, thinking=NO_THINKING,
                                             extra_body={"ignore_eos": True})
     spent = prompt_tokens(m) + m.usage.output_tokens
@@ -318,6 +322,10 @@ def test_keys_tenants_and_metering(server, client):
     while used(server, "sk-b") != before + spent and time.monotonic() < deadline:
         time.sleep(0.05)
     assert used(server, "sk-b") == before + spent
+    # The tenant's Prometheus counters, as for chat completions: one request, its prompt and generated tokens.
+    assert [metric(server, f"tokenmill:tenant_{kind}", 'tenant="team-b"') - c for kind, c in zip(
+        ("requests_total", "prompt_tokens_total", "generation_tokens_total"), counted)] == [
+        1, prompt_tokens(m), m.usage.output_tokens]
     # Authorization: Bearer works as well as x-api-key.
     r = httpx.post(server.url("/v1/messages"), headers={"Authorization": "Bearer sk-a"}, timeout=60,
                    json={"model": MODEL, "max_tokens": 1, "messages": ASK})
