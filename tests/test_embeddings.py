@@ -5,6 +5,7 @@ the official `openai` client (float and base64), its limits and errors."""
 from __future__ import annotations
 
 import base64
+import importlib.util
 
 import httpx
 import numpy as np
@@ -289,6 +290,35 @@ def test_parallel_workers_pool_the_same(path, hf, kw):
             torch.testing.assert_close(torch.tensor(last.embedding), reference(hf, ids, "last"), atol=1e-4,
                                        rtol=1e-4)
         assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is a test extra")
+def test_one_token_chunks_pool_in_decode_graphs(path, hf, monkeypatch):
+    """An embedding input's last chunk of one token (a one-token input, or one whose prefix is cached) beside
+    decodes makes a uniform step, which replays a decode graph (emulated on the CPU): its row is pooled the same."""
+    from tokenmill.executor.cuda_graphs import GRAPHS_ENV
+
+    monkeypatch.setenv(GRAPHS_ENV, "emulate")
+    with LLM(str(path), max_model_len=MAX_LEN, num_gpu_blocks_override=64, attention_backend="triton_paged",
+             max_num_seqs=4) as llm:
+        engine = llm.engine
+        cached = ids_of(33, 41)
+        llm.embed([cached], use_tqdm=False)  # names its first two blocks
+        engine.add_request("g", None, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                           prompt_token_ids=ids_of(5, 42))
+        engine.step()  # g decodes from here
+        graphs = engine.runner.graphs
+        before = graphs.stats.replays
+        for rid, ids in (("hit", cached), ("one", [7])):
+            engine.add_request(rid, None, SamplingParams(max_tokens=1, pooling=RAW), prompt_token_ids=ids)
+        done = {o.request_id: o for o in engine.step() if o.finished}  # one step: g's decode and both inputs
+        assert graphs.stats.replays == before + 1 and {"hit", "one"} <= set(done)
+        assert done["hit"].num_cached_tokens == 32
+        run_until_done(engine, {"g"})
+        for rid, ids in (("hit", cached), ("one", [7])):
+            torch.testing.assert_close(torch.tensor(done[rid].embedding), reference(hf, ids, "last"), atol=1e-4,
+                                       rtol=1e-4)
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 # ---- the server ---------------------------------------------------------------------------------
