@@ -132,9 +132,10 @@ class Request:
 
     @property
     def pooling(self) -> str | None:
-        """An embedding request's pooling ("last" | "mean", resolved by the processor); None: it generates."""
+        """An embedding request's pooling ("last" | "mean": the processor resolves the engine's; unresolved is
+        "last", as the runner reads it); None: it generates."""
         p = self.params.pooling
-        return p.pooling if p is not None else None
+        return (p.pooling or "last") if p is not None else None
 
     @property
     def reads_prefix_cache(self) -> bool:
