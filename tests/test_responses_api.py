@@ -504,3 +504,43 @@ def test_input_conversion():
         FunctionCallItem(id="fc", call_id="c3", name="f", arguments="{}", status="completed"),
         FunctionCallItem(id="fc2", call_id="c4", name="f", arguments='{"cut', status="incomplete")])
     assert turn.role == "assistant" and turn.content == "hi" and [c["id"] for c in turn.tool_calls] == ["c3"]
+
+
+def test_engine_failure_mid_stream_ends_with_response_failed():
+    """The engine fails after the stream started: an `error` event, then `response.failed` with what was sent so
+    far; nothing is stored."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tokenmill.serve.chat_output import ChatPlan
+    from tokenmill.serve.errors import APIError
+    from tokenmill.serve.responses.create import Answer
+    from tokenmill.serve.responses.protocol import ResponsesRequest
+    from tokenmill.serve.responses.store import ResponseStore
+
+    class FailingSubmission:
+        finished, aborted, calls = False, False, 0
+
+        async def next(self):
+            self.calls += 1
+            if self.calls == 1:
+                return SimpleNamespace(sequences=[SimpleNamespace(text="Hello", finish_reason=None)])
+            raise APIError(503, "The engine is not running.", None, "engine_dead")
+
+        def abort(self):
+            self.aborted = True
+
+    async def run(answer) -> list[str]:
+        return [e async for e in answer.stream()]
+
+    store, sub = ResponseStore(), FailingSubmission()
+    answer = Answer(None, store, ResponsesRequest(input="hi"), sub, ChatPlan(), "m", None, [])
+    raw = asyncio.run(run(answer))
+    events = [EVENT.validate_python(json.loads(e.split("data: ", 1)[1])) for e in raw]
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "error", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.failed"]
+    failed = checked(events[-1].response)
+    assert failed.status == "failed" and failed.error.code == "server_error" and failed.output_text == "Hello"
+    assert events[5].code == "engine_dead" and sub.aborted and len(store) == 0
