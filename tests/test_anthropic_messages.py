@@ -394,3 +394,60 @@ def test_other_refusals_in_anthropic_shape(server, client):
     big = b'{"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "' + b"x" * (10 * 10**6) + b'"}]}'
     r = httpx.post(server.url("/v1/messages"), content=big, headers=headers, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+
+
+# ---- conversion and block order, without a server ----------------------------------------------------------------------
+def test_blocks_become_chat_messages_in_order():
+    from tokenmill.serve.anthropic.convert import chat_request, conversation
+    from tokenmill.serve.anthropic.protocol import MessagesRequest
+
+    req = MessagesRequest.model_validate({"max_tokens": 5, "system": [{"type": "text", "text": "Be brief."}],
+                                          "tools": [WEATHER], "tool_choice": {"type": "any",
+                                                                              "disable_parallel_tool_use": True},
+                                          "messages": [
+        ASK[0],
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                                          {"type": "text", "text": "Let me look."},
+                                          {"type": "tool_use", "id": "t1", "name": "get_weather",
+                                           "input": {"city": "Paris", "unit": "c"}}]},
+        {"role": "user", "content": [{"type": "text", "text": "Before."},
+                                     {"type": "tool_result", "tool_use_id": "t1", "is_error": True,
+                                      "content": [{"type": "text", "text": "down"}]},
+                                     {"type": "text", "text": "After."}]},
+        {"role": "assistant", "content": "It is"}]})
+    chat = chat_request(req, conversation(req))
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "Be brief."), ("user", ASK[0]["content"]), ("assistant", "Let me look."), ("user", "Before."),
+        ("tool", "Error: down"), ("user", "After."), ("assistant", "It is")]
+    call = chat.messages[2].tool_calls[0]
+    assert call["id"] == "t1" and json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "c"}
+    assert chat.messages[4].tool_call_id == "t1" and chat.messages[4].name == "get_weather"
+    assert chat.continue_final_message and not chat.add_generation_prompt  # the prefill is continued
+    assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
+    assert chat.tools == [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"],
+                                                            "description": WEATHER["description"]}}]
+
+
+def test_stream_blocks_open_and_close_in_turn():
+    from tokenmill.serve.anthropic.stream import BlockWriter
+    from tokenmill.serve.chat_output import ChoiceParts
+    from tokenmill.serve.protocol import DeltaFunctionCall, DeltaToolCall
+
+    def call(index, arguments, name=None):
+        return DeltaToolCall(index=index, id=f"c{index}" if name else None,
+                             function=DeltaFunctionCall(name=name, arguments=arguments))
+
+    w = BlockWriter()
+    events = (w.parts(ChoiceParts(reasoning="think")) + w.parts(ChoiceParts(reasoning="ing", content="Hi")) +
+              w.parts(ChoiceParts(tool_calls=[call(0, '{"a"', "f"), call(0, ": 1}")])) +
+              w.parts(ChoiceParts(tool_calls=[call(1, "{}", "g")])) + w.close())
+    seen = [(json.loads(e.split("\n")[1][len("data: "):])) for e in events]
+    assert [(e["type"], e["index"]) for e in seen] == [
+        ("content_block_start", 0), ("content_block_delta", 0), ("content_block_delta", 0), ("content_block_stop", 0),
+        ("content_block_start", 1), ("content_block_delta", 1), ("content_block_stop", 1),
+        ("content_block_start", 2), ("content_block_delta", 2), ("content_block_delta", 2), ("content_block_stop", 2),
+        ("content_block_start", 3), ("content_block_delta", 3), ("content_block_stop", 3)]
+    assert [e["content_block"]["type"] for e in seen if e["type"] == "content_block_start"] == [
+        "thinking", "text", "tool_use", "tool_use"]
+    assert "".join(e["delta"]["partial_json"] for e in seen if e["type"] == "content_block_delta" and e["index"] == 2) \
+        == '{"a": 1}'
