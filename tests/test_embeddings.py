@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import json
 
 import httpx
 import numpy as np
@@ -327,13 +328,41 @@ MODEL = "tiny"
 MAX_INPUTS = 4
 
 
+ADMIN = {"Authorization": "Bearer sk-embed-admin"}
+TIGHT = "sk-embed-tight"  # a tenant with 50 tokens a minute
+
+
 @pytest.fixture(scope="module")
 def server(path):
+    keys = path.parent / "keys.json"
+    keys.write_text(json.dumps({"tenants": [
+        {"name": "team-e", "keys": [KEY]},
+        {"name": "team-t", "keys": [TIGHT], "limits": {"tokens_per_minute": 50}}]}))
     srv = start_server(path, path.parent / "server.log", "--served-model-name", MODEL, "--kv-cache-memory-bytes",
                        "16M", "--max-model-len", str(MAX_LEN), "--max-prompts", str(MAX_INPUTS),
-                       "--max-num-batched-tokens", str(BUDGET), api_key=KEY)
+                       "--max-num-batched-tokens", str(BUDGET), "--api-keys-file", str(keys),
+                       "--admin-key", ADMIN["Authorization"][7:], "--usage-db", str(path.parent / "usage.db"))
     yield srv
     assert srv.stop() == 0, srv.log()
+
+
+def metrics(server) -> dict[str, float]:
+    """Every tokenmill sample by name and labels (model_name left out); /metrics takes the admin key here."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url("/metrics"), headers=ADMIN, timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for x in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(x.labels.items()) if k != "model_name")
+            out[f"{x.name}{{{labels}}}" if labels else x.name] = x.value
+    return out
+
+
+def usage_of(server, key: str) -> dict:
+    rows = httpx.get(server.url("/v1/usage"), params={"group_by": "tenant"}, headers={"Authorization": f"Bearer {key}"},
+                     timeout=30).json()["data"]
+    return rows[0] if rows else {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
 
 
 @pytest.fixture(scope="module")
@@ -343,7 +372,7 @@ def client(server):
 
 @pytest.fixture
 def http(server):
-    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as c:
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
         yield c
 
 
@@ -423,7 +452,7 @@ def test_embeddings_beside_a_chat_and_the_metrics(server, client):
     """Embeddings and a completion at once over one engine; finished requests and their prompt tokens counted."""
     import concurrent.futures
 
-    before = server.metrics()
+    before = metrics(server)
     prompt = ids_of(7, 31)
     greedy = dict(model=MODEL, prompt=prompt, max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True})
     solo = client.completions.create(**greedy).choices[0].text
@@ -436,8 +465,24 @@ def test_embeddings_beside_a_chat_and_the_metrics(server, client):
     for r in results[1:]:  # (the later ones may read the first one's prefix: equal within float rounding)
         for d, first in zip(r.data, results[0].data):
             np.testing.assert_allclose(d.embedding, first.embedding, atol=1e-6)
-    after = server.metrics()
+    after = metrics(server)
     key = 'tokenmill:request_success_total{finished_reason="stop"}'
     assert after[key] - before.get(key, 0) >= 3 * len(inputs)
     assert after["tokenmill:prompt_tokens_total"] - before["tokenmill:prompt_tokens_total"] >= 3 * (70 + 40)
-    assert server.wait_metric("tokenmill:kv_cache_usage_perc", 0.0, timeout=30) == 0.0  # every block freed
+    assert metrics(server)["tokenmill:kv_cache_usage_perc"] == 0.0  # every block freed
+
+
+def test_tenants_are_metered_and_budgeted(server, client):
+    before, prom = usage_of(server, KEY), metrics(server)
+    out = client.embeddings.create(model=MODEL, input=[ids_of(20, 51), ids_of(9, 52)])
+    after = usage_of(server, KEY)
+    assert out.usage.prompt_tokens == 29
+    assert after["requests"] == before["requests"] + 1
+    assert after["prompt_tokens"] - before["prompt_tokens"] == 29
+    assert after["completion_tokens"] == before["completion_tokens"]
+    key = 'tokenmill:tenant_prompt_tokens_total{tenant="team-e"}'
+    assert metrics(server)[key] - prom.get(key, 0) == 29
+    tight = openai.OpenAI(base_url=server.url("/v1"), api_key=TIGHT, timeout=60, max_retries=0)
+    assert len(tight.embeddings.create(model=MODEL, input=ids_of(20, 53)).data) == 1
+    with pytest.raises(openai.RateLimitError):  # 20 of its 50 tokens used: 40 more are over the minute's budget
+        tight.embeddings.create(model=MODEL, input=ids_of(40, 54))
