@@ -389,21 +389,22 @@ def normed(hf, ids: list[int]) -> np.ndarray:
 def test_openai_client_float_and_base64(client, http, hf):
     texts = ["The quick brown fox", "Paged attention stores keys and values in fixed-size blocks."]
     ids = [tokenize(http, t) for t in texts]
-    # (salts apart: neither reads the other's prefix, so both compute the same steps and the same float32s)
-    floats = client.embeddings.create(model=MODEL, input=texts, encoding_format="float",
-                                      extra_body={"cache_salt": "f"})
-    sdk_default = client.embeddings.create(model=MODEL, input=texts, extra_body={"cache_salt": "b"})  # base64,
-    # which the SDK asks for and decodes itself
+    floats = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    sdk_default = client.embeddings.create(model=MODEL, input=texts)  # base64, which the SDK asks for and decodes
     assert floats.object == "list" and floats.model == MODEL
     assert [d.index for d in floats.data] == [0, 1] and all(d.object == "embedding" for d in floats.data)
     assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(map(len, ids))
     for d, s, i in zip(floats.data, sdk_default.data, ids):
         np.testing.assert_allclose(d.embedding, normed(hf, i), atol=2e-6, rtol=1e-4)
-        assert list(np.float32(s.embedding)) == list(np.float32(d.embedding))  # base64 carries the same float32s
-    raw = http.post("/v1/embeddings", json={"model": MODEL, "input": texts, "encoding_format": "base64",
-                                            "cache_salt": "r"}).json()
-    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
-    assert decoded.tolist() == list(np.float32(floats.data[0].embedding))
+        np.testing.assert_allclose(s.embedding, d.embedding, atol=1e-6)
+    # One short input, alone in its step, under salts apart (no prefix read): each request computes the same
+    # float32s, so base64 must carry exactly the values the float answer prints.
+    one = {"model": MODEL, "input": texts[0]}
+    f = http.post("/v1/embeddings", json={**one, "encoding_format": "float", "cache_salt": "f"}).json()
+    b = http.post("/v1/embeddings", json={**one, "encoding_format": "base64", "cache_salt": "b"}).json()
+    sdk = client.embeddings.create(**one, extra_body={"cache_salt": "s"}).data[0].embedding
+    decoded = np.frombuffer(base64.b64decode(b["data"][0]["embedding"]), dtype="<f4")
+    assert decoded.tolist() == list(np.float32(f["data"][0]["embedding"])) == list(np.float32(sdk))
 
 
 def test_token_ids_dimensions_and_normalize(client, http, hf):
