@@ -434,6 +434,15 @@ def test_token_ids_dimensions_and_normalize(client, http, hf):
     ({"input": [1, 10**6]}, "input", "outside the vocabulary"),
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format", ""),
     ({"input": 3.5}, "input", ""),
+    ({"input": [[[1]]]}, "input", ""),
+    ({"input": ["a", [1, 2]]}, "input", ""),
+    ({"input": [-1]}, "input", "outside the vocabulary"),
+    ({"input": [2**70]}, "input", "outside the vocabulary"),
+    ({"input": [[5] * 100] * 4 + [[5]]}, "input", "at most 4 inputs"),
+    ({"input": "hi", "dimensions": True}, "dimensions", ""),
+    ({"input": "hi", "dimensions": 2.0}, "dimensions", ""),
+    ({"input": "hi", "normalize": "no"}, "normalize", ""),
+    ({"input": "x" * (32 * MAX_LEN + 1)}, "input", "--max-input-chars"),
 ])
 def test_bad_requests_answer_400(http, body, param, says):
     r = http.post("/v1/embeddings", json={"model": MODEL, **body})
