@@ -16,6 +16,7 @@ from tokenmill.engine.output import EngineError
 from tokenmill.serve.body import validation_error
 from tokenmill.serve.errors import APIError, BodyTimeout, BodyTooLarge
 from tokenmill.serve.middleware import GuardMiddleware, too_large
+from tokenmill.serve.openapi import install as install_openapi
 from tokenmill.serve.routes.admin import add_admin_routes
 from tokenmill.serve.routes.embeddings import add_embeddings_routes
 from tokenmill.serve.routes.generation import add_generation_routes
@@ -44,6 +45,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.tokenmill = state
     _add_error_handlers(app)
     _add_routes(app, state)
+    install_openapi(app)
     settings = state.settings
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes,
                        protect_metrics=settings.protect_metrics, body_timeout_s=settings.request_body_timeout_s,

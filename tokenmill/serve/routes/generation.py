@@ -10,6 +10,7 @@ from tokenmill.serve.chat_completions import create_chat_completion
 from tokenmill.serve.chat_prompt import chat_prompt
 from tokenmill.serve.completions import create_completion
 from tokenmill.serve.errors import bad_request
+from tokenmill.serve.openapi import request_body
 from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       DetokenizeResponse, TokenizeRequest, TokenizeResponse)
 from tokenmill.serve.sampling import check_input_chars, check_prompt_ids
@@ -18,17 +19,17 @@ from tokenmill.serve.tenants.keys import tenant_of
 
 
 def add_generation_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(raw: Request):
         arrival = time.monotonic()  # before the body is parsed and the prompt tokenized: both are latency
         return await create_completion(state, await parse_body(raw, CompletionRequest), raw, arrival)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(raw: Request):
         arrival = time.monotonic()
         return await create_chat_completion(state, await parse_body(raw, ChatCompletionRequest), raw, arrival)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
     async def tokenize(raw: Request):
         req = await parse_body(raw, TokenizeRequest)
         state.check_model(req.model, tenant_of(raw.scope))
@@ -49,7 +50,7 @@ def add_generation_routes(app: FastAPI, state: ServerState) -> None:
         return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids,
                                 token_strs=strs)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
     async def detokenize(raw: Request):
         req = await parse_body(raw, DetokenizeRequest)
         state.check_model(req.model, tenant_of(raw.scope))

@@ -6,9 +6,17 @@ import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from tokenmill.serve.errors import APIError, bad_request
+from tokenmill.serve.openapi import request_body
 from tokenmill.serve.state import ServerState
+
+
+class KVBlocksRequest(BaseModel):
+    """The body of /v1/kv_blocks, for the schema (the route reads it itself: its answer is bytes, not JSON)."""
+
+    hashes: list[str]  # a hash chain's block hashes, hex, in order
 
 
 def add_internal_kv_routes(app: FastAPI, state: ServerState) -> None:
@@ -17,7 +25,7 @@ def add_internal_kv_routes(app: FastAPI, state: ServerState) -> None:
         """Prefix-cache blocks stored/removed after event `since`: for a cache-aware router (tokenmill router)."""
         return await state.engine.call("kv_events", since)
 
-    @app.post("/v1/kv_blocks")
+    @app.post("/v1/kv_blocks", openapi_extra=request_body(KVBlocksRequest))
     async def kv_blocks(raw: Request):
         """A KV producer's blocks for a decode instance on another node (TCPConnector): the leading blocks of
         the given hash chain that this instance wrote, length-prefixed."""

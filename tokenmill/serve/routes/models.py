@@ -11,6 +11,7 @@ from fastapi.responses import Response
 
 from tokenmill.lora.request import LoRARequest
 from tokenmill.serve.body import parse_body
+from tokenmill.serve.openapi import request_body
 from tokenmill.serve.errors import APIError, bad_request
 from tokenmill.serve.lora import UNLOADABLE, resolve_in_root
 from tokenmill.serve.protocol import LoadLoRAAdapterRequest, ModelCard, ModelList, UnloadLoRAAdapterRequest
@@ -65,7 +66,7 @@ def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
     """vLLM's runtime adapter routes (--allow-runtime-lora-updating): the admin key only (serve/roles.py), paths
     inside --lora-root, at most --max-loaded-loras."""
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", openapi_extra=request_body(LoadLoRAAdapterRequest))
     async def load_lora_adapter(raw: Request):
         req = await parse_body(raw, LoadLoRAAdapterRequest)
         try:
@@ -88,7 +89,7 @@ def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
         log.info("LoRA adapter %s loaded from %s", req.lora_name, lora.lora_path)
         return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", openapi_extra=request_body(UnloadLoRAAdapterRequest))
     async def unload_lora_adapter(raw: Request):
         req = await parse_body(raw, UnloadLoRAAdapterRequest)
         lora = state.loras.remove(req.lora_name)

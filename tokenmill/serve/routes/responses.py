@@ -9,6 +9,7 @@ from fastapi.responses import Response
 
 from tokenmill.serve.body import parse_body
 from tokenmill.serve.errors import APIError, bad_request
+from tokenmill.serve.openapi import request_body
 from tokenmill.serve.responses.create import create_response, owner_of
 from tokenmill.serve.responses.protocol import ResponsesRequest
 from tokenmill.serve.responses.store import ResponseStore
@@ -24,7 +25,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
     store = ResponseStore()
     app.state.responses = store
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", openapi_extra=request_body(ResponsesRequest))
     async def create(raw: Request):
         arrival = time.monotonic()  # before the body is parsed and the prompt tokenized: both are latency
         return await create_response(state, store, await parse_body(raw, ResponsesRequest), raw, arrival)
