@@ -257,6 +257,9 @@ class DecoderForCausalLM(nn.Module):
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
     weight_naming = WeightNaming()
+    # The layer class built for each decoder layer (a family with its own attention, e.g. DeepSeek's MLA, names
+    # its own; same constructor arguments and forward contract).
+    decoder_layer: type[nn.Module] = DecoderLayer
     # Opt-in (EAGLE-3): forward also stores in `aux_hidden_states` the residual stream after each of these
     # layers (-1: the embeddings), concatenated on the last dim. Empty: nothing extra is done.
     aux_hidden_layers: tuple[int, ...] = ()
@@ -297,7 +300,7 @@ class DecoderForCausalLM(nn.Module):
         if self.is_first or (self.is_last and spec.tie_word_embeddings):
             self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype, tp_rank, tp_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, layer, rotary[layer.rope], build, f"layers.{i}") if self.start <= i < self.end
+            self.decoder_layer(spec, layer, rotary[layer.rope], build, f"layers.{i}") if self.start <= i < self.end
             else nn.Identity() for i, layer in enumerate(spec.layers)
         )
         self.own_layers = list(self.layers)[self.start : self.end]  # a plain list: no ModuleList slice per step
