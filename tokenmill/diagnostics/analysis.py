@@ -83,9 +83,9 @@ class ModelCost:
         matmul = linear + lm_head
         weight_bytes = resident_weight_bytes(model)
         attn = [m for m in model.modules() if isinstance(m, Attention)]
-        from tokenmill.layers.attention_backends.kv_quant import block_bytes
+        from tokenmill.layers.attention_backends.kv_quant import layer_block_bytes
 
-        kv_per_token = sum(block_bytes(1, a.num_kv_heads, a.head_dim, kv_dtype) for a in attn)
+        kv_per_token = sum(layer_block_bytes(a, 1, kv_dtype) for a in attn)
         attn_flops = sum(4 * a.num_heads * a.head_dim for a in attn)
         return cls(matmul, weight_bytes, kv_per_token, attn_flops, lm_head)
 

@@ -82,7 +82,7 @@ class ModelRunner(GraphCapture, PipelineStage, StepSampling, TreeVerification, P
     def block_bytes(self, kv_dtype: torch.dtype) -> int:
         """K and V of one block over all layers (with int8's scales), a speculative draft's layers included."""
         draft = self.spec.block_bytes(kv_dtype) if self.spec is not None else 0
-        return draft + sum(kv_quant.block_bytes(self.block_size, a.num_kv_heads, a.head_dim, kv_dtype)
+        return draft + sum(kv_quant.layer_block_bytes(a, self.block_size, kv_dtype)
                            for a in self.kv_groups[0].layers)
 
     @property
@@ -111,7 +111,7 @@ class ModelRunner(GraphCapture, PipelineStage, StepSampling, TreeVerification, P
         self.kv_dtype = kv_dtype
         groups: dict[int | None, int] = {}
         for a in self.attn_layers:
-            per_token = kv_quant.block_bytes(1, a.num_kv_heads, a.head_dim, kv_dtype)
+            per_token = kv_quant.layer_block_bytes(a, 1, kv_dtype)
             groups[a.sliding_window] = groups.get(a.sliding_window, 0) + per_token
         self._attn_read_groups = list(groups.items())
 

@@ -29,6 +29,10 @@ class AttentionTimer:
 
 
 class Attention(nn.Module):
+    # MLA (layers/mla.py): V is the first features of K, so the layer keeps one cache (v_cache is k_cache) and its
+    # KV bytes count once: kv_quant.allocate, layer_caches and layer_block_bytes read this.
+    kv_shared: bool = False
+
     def __init__(
         self,
         num_heads: int,

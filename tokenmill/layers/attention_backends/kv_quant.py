@@ -41,6 +41,12 @@ def block_bytes(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.
     return 2 * block_size * num_kv_heads * (head_dim * dtype.itemsize + slot_scale_bytes(dtype))
 
 
+def layer_block_bytes(layer: Attention, block_size: int, dtype: torch.dtype) -> int:
+    """One layer's block: K and V, or K alone where V shares it (MLA's latent cache, `Attention.kv_shared`)."""
+    both = block_bytes(block_size, layer.num_kv_heads, layer.head_dim, dtype)
+    return both // 2 if layer.kv_shared else both
+
+
 # ---- quantize / dequantize (the reference the kernel matches) ---------------------------------------
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (int8 [..., D], float32 scales [...]); |dequantized - x| <= scale / 2."""
@@ -93,11 +99,13 @@ def load_kv_scale(model: torch.nn.Module, module_name: str, leaf: str, tensor: t
 # ---- caches on attention layers ------------------------------------------------------------------
 def allocate(layer: Attention, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
     """The layer's K/V caches in `dtype` and, for int8, their scales [num_blocks, block_size, Hk]."""
+    shared = layer.kv_shared  # one tensor for both (MLA): V reads the same slots K wrote
     layer.k_cache = torch.empty(shape, dtype=dtype, device=device)
-    layer.v_cache = torch.empty(shape, dtype=dtype, device=device)
+    layer.v_cache = layer.k_cache if shared else torch.empty(shape, dtype=dtype, device=device)
     if dtype == torch.int8:
         layer.k_scale_cache = torch.empty(shape[:3], dtype=torch.float32, device=device)
-        layer.v_scale_cache = torch.empty(shape[:3], dtype=torch.float32, device=device)
+        layer.v_scale_cache = layer.k_scale_cache if shared else torch.empty(shape[:3], dtype=torch.float32,
+                                                                             device=device)
     else:
         layer.k_scale_cache = layer.v_scale_cache = None
 
@@ -105,11 +113,12 @@ def allocate(layer: Attention, shape: tuple[int, ...], dtype: torch.dtype, devic
 def layer_caches(layer: Attention) -> list[torch.Tensor]:
     """Every tensor of the layer's KV pool, block-indexed on dim 0, as KV transfer copies them: K, V, then
     int8's scales; fp8 caches as uint8 views (torch has no index_copy_ for float8)."""
-    caches = [layer.k_cache, layer.v_cache]
+    shared = layer.kv_shared  # MLA: V is K's tensor, copied once
+    caches = [layer.k_cache] if shared else [layer.k_cache, layer.v_cache]
     if layer.k_cache.dtype == FP8:
         caches = [c.view(torch.uint8) for c in caches]
     if layer.k_scale_cache is not None:
-        caches += [layer.k_scale_cache, layer.v_scale_cache]
+        caches += [layer.k_scale_cache] if shared else [layer.k_scale_cache, layer.v_scale_cache]
     return caches
 
 
