@@ -3,6 +3,8 @@
 transformers' own rope initialisers so the positions match the oracle."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -27,6 +29,22 @@ def rope_inv_freq(hf_config, head_dim: int, layer_type: str | None = None) -> tu
     kwargs = {"layer_type": layer_type} if layer_type is not None else {}
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None, **kwargs)
     return inv_freq.float(), float(scale)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `factor` times the original (transformers' yarn_get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_softmax_scale(hf_config, scale: float) -> float:
+    """The softmax scale of MLA (DeepSeek-V2/V3) under a scaled rope: YaRN's cos/sin already carry their
+    attention factor (rope_inv_freq's second value); these models also multiply the whole q.k (the non-rotary
+    features too) by mscale(factor, mscale_all_dim) squared, as transformers' yarn_apply_mscale does."""
+    params = hf_get(hf_config, "rope_parameters") or {}
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        m = yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
+        return scale * m * m
+    return scale
 
 
 class RotaryEmbedding(nn.Module):
