@@ -100,6 +100,8 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="Log level of the server (default: %(default)s).")
+    g.add_argument("--no-ui", action="store_true",
+                   help="Do not serve the web console at / and /ui/ (docs/console.md); / then answers JSON only.")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="Do not log every HTTP request.")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                    help="Run N engine cores (each its own process and KV cache) behind this endpoint; each request "

@@ -24,6 +24,8 @@ from tokenmill.serve.routes.internal_kv import add_internal_kv_routes
 from tokenmill.serve.routes.messages import add_messages_routes
 from tokenmill.serve.routes.models import add_model_routes, register_lora_modules
 from tokenmill.serve.routes.responses import add_responses_routes
+from tokenmill.serve.routes.tenant_status import add_tenant_status_routes
+from tokenmill.serve.routes.ui import add_ui_routes
 from tokenmill.serve.state import ServerState
 from tokenmill.serve.tenants.keys import reload_on_sighup
 
@@ -108,3 +110,5 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     add_model_routes(app, state)
     add_admin_routes(app, state)
     add_internal_kv_routes(app, state)
+    add_tenant_status_routes(app, state)
+    add_ui_routes(app, state)

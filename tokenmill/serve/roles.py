@@ -30,7 +30,8 @@ ROUTES: dict[str, Role] = {
     "/docs/oauth2-redirect": Role.OPEN,
     "/redoc": Role.OPEN,
     "/openapi.json": Role.OPEN,
-    "/": Role.TENANT,
+    "/": Role.OPEN,  # the web console's page (holds no data; it calls the /v1 routes with the key), JSON else
+    "/admin/tenants": Role.ADMIN,
     "/v1/completions": Role.TENANT,
     "/v1/chat/completions": Role.TENANT,
     "/v1/responses": Role.TENANT,
@@ -56,6 +57,8 @@ ROUTES: dict[str, Role] = {
 def route_role(path: str) -> Role:
     if path in ROUTES:
         return ROUTES[path]
+    if path == "/ui" or path.startswith("/ui/"):
+        return Role.OPEN  # the console's static files (serve/routes/ui.py): no data in them
     if path.startswith("/v1/models/"):
         return Role.TENANT
     if path.startswith("/admin/"):

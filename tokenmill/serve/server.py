@@ -247,6 +247,7 @@ def serve_main(args, engine_kwargs: dict) -> int:
         usage_db=args.usage_db,
         pricing_file=args.pricing,
         min_slo_ttft_ms=args.min_slo_ttft_ms,
+        ui=not args.no_ui,
     )
     if args.pricing:
         from tokenmill.serve.tenants.usage import load_pricing

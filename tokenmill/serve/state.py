@@ -68,6 +68,7 @@ class ServerSettings:
     # A request's slo.ttft_ms below this is a 400 (--min-slo-ttft-ms): a target no step can meet only costs batch
     # work its step size (core/policies/slo.py).
     min_slo_ttft_ms: float = 50.0
+    ui: bool = True  # the web console at / and /ui/ (--no-ui: off; serve/routes/ui.py)
 
 
 # Inputs longer than this (characters, or token ids to decode) are (de)tokenized in the slow lane.

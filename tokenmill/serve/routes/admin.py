@@ -1,8 +1,9 @@
-"""Admin, usage and operations: /v1/usage, /admin/reload, /health, /version, /v1/diagnostics, /metrics, /."""
+"""Admin, usage and operations: /v1/usage, /admin/reload, /health, /version, /v1/diagnostics, /metrics (`/` is the
+web console's, serve/routes/ui.py)."""
 from __future__ import annotations
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from tokenmill import __version__
 from tokenmill.serve.errors import APIError, bad_request
@@ -57,7 +58,3 @@ def add_admin_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/", include_in_schema=False)
-    async def root():
-        return JSONResponse({"name": "tokenmill", "version": __version__, "models": state.settings.served_model_names})
