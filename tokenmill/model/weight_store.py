@@ -8,7 +8,10 @@ bit. Which layers: as few as keep the rest within N, spread evenly over the stac
 layer follows resident ones whose compute hides its read.
 
 Per step, for each streamed layer in forward order: a background thread reads it from the file ahead of use
-(the next streamed layer once this one has started: `os.preadv` of exactly its range in 8 MiB reads, which fills
+(queued once the streamed layer two before it has run and been dropped, so the reader goes from one layer's read
+straight to the next one's, with no hand-off to wait for between them, and still only the layer running and the
+one being read are in memory; before, each read was asked for when the layer before it started, and on a loaded
+2-core machine waking the reader for every layer left the disk idle for part of each step: `os.preadv` of exactly its range in 8 MiB reads, which fills
 the page cache at the disk's speed, then `madvise(MADV_POPULATE_READ)` through ctypes, the GIL released, which maps
 those cached pages, so the forward takes no page faults; readahead past the range and read-around on faults are
 off, so a dropped neighbour is never read back. The large reads come first because with read-around off
@@ -147,6 +150,8 @@ class WeightStore:
             layer.register_forward_hook(lambda mod, args, out, k=k: self._after(k))
         self._drop_all()
         self._prefetch(0)
+        if len(self.streamed) > 1:
+            self._prefetch(1)
 
     @property
     def streamed_bytes(self) -> int:
@@ -238,13 +243,12 @@ class WeightStore:
                 self.read_errors += 1
                 log.warning("reading streamed layer %d ahead failed (%s: %s); its pages are read as the forward "
                             "touches them", self.streamed[k].index, type(error).__name__, error)
-        if len(self.streamed) > 1:  # the next streamed layer, read while this one runs (the first: next step's)
-            self._prefetch((k + 1) % len(self.streamed))
 
     def _after(self, k: int) -> None:
         self._drop(k)
-        if len(self.streamed) == 1:  # the only one: read again for the next step once it is dropped
-            self._prefetch(k)
+        # The streamed layer two ahead (the next step's once it wraps; this one itself when there are one or two)
+        # joins the reader's queue: the next one is read or being read, and this one's pages are gone.
+        self._prefetch((k + 2) % len(self.streamed))
 
     def _drop(self, k: int) -> None:
         s = self.streamed[k]
