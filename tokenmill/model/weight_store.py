@@ -7,20 +7,21 @@ a private memory map of it: the same bytes in the same layout, so the output is 
 bit. Which layers: as few as keep the rest within N, spread evenly over the stack so that every streamed
 layer follows resident ones whose compute hides its read.
 
-Per step, for each streamed layer in forward order: a background thread reads it from the file ahead of use
-(queued once the streamed layer two before it has run and been dropped, so the reader goes from one layer's read
-straight to the next one's, with no hand-off to wait for between them, and still only the layer running and the
-one being read are in memory; before, each read was asked for when the layer before it started, and on a loaded
-2-core machine waking the reader for every layer left the disk idle for part of each step: `os.preadv` of exactly its range in 8 MiB reads, which fills
-the page cache at the disk's speed, then `madvise(MADV_POPULATE_READ)` through ctypes, the GIL released, which maps
-those cached pages, so the forward takes no page faults; readahead past the range and read-around on faults are
-off, so a dropped neighbour is never read back. The large reads come first because with read-around off
-`posix_fadvise(WILLNEED)` reads only the device's readahead window and POPULATE_READ faulted the rest in one 4 KiB
-page at a time, ~10x below the disk's speed (issue 50)), the
-layer's forward waits for that read if it is not done (the time counted as `StepTimings.weight_wait_s`), and
-after its forward its pages are given back: unmapped from the process (`madvise(MADV_DONTNEED)`) and dropped
-from the page cache (`posix_fadvise(POSIX_FADV_DONTNEED)`), so every step reads the streamed bytes from the
-disk again and the weights' resident size stays at N plus the layer being read ahead and the one running.
+Per step, a background thread reads the streamed layers from the file ahead of use, in forward order, one after
+the other. A layer's read is queued as soon as the streamed layer two before it has run and been dropped, so the
+reader goes from one read straight to the next with no hand-off between them, and only the layer running and the
+one being read are in memory (before, each read was asked for when the layer before it started, and on a loaded
+2-core machine waking the reader for every layer left the disk idle for part of each step). A read is `os.preadv`
+of exactly the layer's range in 8 MiB reads, which fills the page cache at the disk's speed, then
+`madvise(MADV_POPULATE_READ)` through ctypes, the GIL released, which maps those cached pages, so the forward takes
+no page faults. Readahead past the range and read-around on faults are off, so a dropped neighbour is never read
+back; the large reads come first because with read-around off `posix_fadvise(WILLNEED)` reads only the device's
+readahead window and POPULATE_READ faulted the rest in one 4 KiB page at a time, ~10x below the disk's speed
+(issue 50). A streamed layer's forward waits for its read if it is not done (the time counted as
+`StepTimings.weight_wait_s`), and after its forward its pages are given back: unmapped from the process
+(`madvise(MADV_DONTNEED)`) and dropped from the page cache (`posix_fadvise(POSIX_FADV_DONTNEED)`), so every step
+reads the streamed bytes from the disk again and the weights' resident size stays at N plus the layer being read
+ahead and the one running.
 
 The start-up log and /v1/diagnostics give the bytes streamed per step, the disk's read speed measured on the
 stream file, and which bound sets the step's speed: the streamed bytes at that speed against the forward's
@@ -31,8 +32,9 @@ bf16/fp16 weights that were packed for oneDNN (layers/quantization/onednn_pack.p
 file can hold) are unpacked to their plain layout in the layers chosen to stream, the same values, so a bf16 model
 streams as a float32 one does (before, every packed weight stayed resident and a bf16 model's budget was refused);
 those layers' matmuls then go through F.linear, which reorders per call, a cost the layer's read hides. Parameters
-that cannot be views of a file stay resident and count against N: non-contiguous tensors. The model is whole in memory while it loads (writing the stream file
-happens after), so N bounds the running process, not the load's peak.
+that cannot be views of a file stay resident and count against N: non-contiguous tensors. The model is whole in
+memory while it loads (writing the stream file happens after), so N bounds the running process, not the load's
+peak.
 """
 from __future__ import annotations
 
