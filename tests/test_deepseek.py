@@ -1,0 +1,99 @@
+"""DeepSeek-V2 and V3 (MLA over the latent KV cache, DeepSeekMoE): greedy tokens and logprobs equal transformers'
+(the oracle) on tiny random checkpoints, batched, chunked by a 16-token budget (prompt chunks mixed with decodes),
+again from the prefix cache and with a prompt that shares another's prefix; the cache holds kv_lora_rank +
+qk_rope_head_dim values per token and layer; the router as transformers' on its own."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_parity import NEW_TOKENS, check_against_oracle, hf_greedy, prompts_for
+from tiny import _ARCH_DEFAULTS, build_tokenizer
+from tokenmill import LLM, SamplingParams
+
+MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+MOE = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+           moe_intermediate_size=32, n_group=4, topk_group=2)
+
+VARIANTS = {
+    # V2-Lite's shape: q_proj straight from the hidden state; softmax routing limited to 2 of 4 groups; 2 shared.
+    "v2": ("DeepseekV2Config", dict(MLA, **MOE, q_lora_rank=None, n_shared_experts=2,
+                                    topk_method="group_limited_greedy", routed_scaling_factor=1.5)),
+    # V3's: q through its low-rank pair; sigmoid + correction bias, renormalised; YaRN with mscale_all_dim.
+    "v3": ("DeepseekV3Config", dict(MLA, **MOE, q_lora_rank=24, n_shared_experts=1, norm_topk_prob=True,
+                                    routed_scaling_factor=2.5, rope_parameters={
+                                        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                        "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
+}
+
+
+def make_deepseek(path: Path, config_class: str, seed: int = 0, **overrides) -> Path:
+    """A tiny random checkpoint written by transformers (as test_model_families' make_family_model), with the
+    router's correction bias off zero so that it changes the choice."""
+    import transformers as tf
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    config = getattr(tf, config_class)(**dict(_ARCH_DEFAULTS, vocab_size=len(tok), **overrides))
+    config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    config.bos_token_id = None
+    config.pad_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)  # peaked logits: greedy is not a coin toss
+            else:  # norm weights off their init: a norm loaded in the wrong place shows
+                p.add_(torch.randn_like(p) * 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [config.eos_token_id]}))
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request, tmp_path_factory):
+    config_class, overrides = VARIANTS[request.param]
+    path = make_deepseek(tmp_path_factory.mktemp(request.param), config_class, **overrides)
+    return request.param, path, overrides
+
+
+def test_deepseek_matches_transformers(variant):
+    name, path, _ = variant
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=3)
+    llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=64, block_size=16, enable_prefix_caching=True)
+    prompts = prompts_for(llm.engine.vocab_size)
+    # A prompt that shares the longest one's first 48 tokens (three full blocks) and then differs.
+    prompts.append(prompts[-1][:48] + prompts[0])
+    oracle = hf_greedy(path, prompts)
+    first = llm.generate(prompts[:-1], sp, use_tqdm=False)
+    check_against_oracle(first, oracle, f"{name} batched")
+    shared = llm.generate(prompts[-1:], sp, use_tqdm=False)
+    assert shared[0].num_cached_tokens == 48
+    check_against_oracle(shared, oracle[-1:], f"{name} shared prefix")
+    again = llm.generate(prompts, sp, use_tqdm=False)
+    assert sum(o.num_cached_tokens for o in again) > 0
+    check_against_oracle(again, oracle, f"{name} prefix hit")
+    chunked = LLM(str(path), max_model_len=128, num_gpu_blocks_override=64, max_num_batched_tokens=16)
+    check_against_oracle(chunked.generate(prompts, sp, use_tqdm=False), oracle, f"{name} chunked")
+    for engine in (llm.engine, chunked.engine):
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_latent_cache_bytes_per_token(variant):
+    """One latent of kv_lora_rank + qk_rope_head_dim values per token and layer; V shares K's tensor."""
+    name, path, overrides = variant
+    llm = LLM(str(path), max_model_len=64, num_gpu_blocks_override=8, block_size=16)
+    runner = llm.engine.runner
+    latent = overrides["kv_lora_rank"] + overrides["qk_rope_head_dim"]
+    assert runner.bytes_per_block == 16 * overrides["num_hidden_layers"] * latent * 4  # float32
+    for a in runner.attn_layers:
+        assert a.v_cache is a.k_cache and a.k_cache.shape[-2:] == (1, latent)
