@@ -33,6 +33,13 @@ export async function request(path, options) {
   return r;
 }
 
+// `/` as API clients see it: {name, version, models?}; models only when the server takes no key at all.
+export async function serverInfo() {
+  const r = await fetch("/", {headers: {"Accept": "application/json"}});
+  if (!r.ok) throw await failure(r);
+  return r.json();
+}
+
 export async function getJSON(path) { return (await request(path)).json(); }
 export async function getText(path) { return (await request(path)).text(); }
 

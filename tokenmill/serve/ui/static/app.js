@@ -1,5 +1,5 @@
 // The console's shell: the tabs (one page per hash), and the key, typed once and kept in sessionStorage.
-import {getKey, setKey} from "/ui/api.js";
+import {getKey, serverInfo, setKey} from "/ui/api.js";
 import {initChat} from "/ui/chat.js";
 import {initLive} from "/ui/live.js";
 import {initUsage} from "/ui/usage.js";
@@ -7,6 +7,15 @@ import {initBench} from "/ui/bench.js";
 
 const pages = {chat: initChat(), live: initLive(), usage: initUsage(), bench: initBench()};
 let current = null;
+let needsKey = true;
+
+// Without a key a server with keys would only answer 401: ask for one first instead of calling it.
+function enter(page) {
+  const missing = needsKey && !getKey();
+  const banner = document.getElementById("key-needed");
+  banner.hidden = !missing;
+  if (!missing && pages[page].enter) pages[page].enter();
+}
 
 function show() {
   const name = (location.hash || "#chat").slice(1);
@@ -17,7 +26,7 @@ function show() {
   }
   for (const a of document.querySelectorAll("#tabs a")) a.classList.toggle("active", a.dataset.page === page);
   current = page;
-  if (pages[page].enter) pages[page].enter();
+  enter(page);
 }
 
 function showKeyState() {
@@ -32,14 +41,14 @@ document.getElementById("key-form").addEventListener("submit", (e) => {
   input.value = "";
   showKeyState();
   for (const p of Object.values(pages)) if (p.keyChanged) p.keyChanged();
-  if (pages[current].enter) pages[current].enter();
+  if (current) enter(current);
 });
 document.getElementById("key-forget").addEventListener("click", () => {
   setKey("");
   showKeyState();
   for (const p of Object.values(pages)) if (p.keyChanged) p.keyChanged();
-  if (pages[current].enter) pages[current].enter();
+  if (current) enter(current);
 });
 window.addEventListener("hashchange", show);
 showKeyState();
-show();
+serverInfo().then((info) => { needsKey = !info.models; }, () => { needsKey = true; }).finally(show);

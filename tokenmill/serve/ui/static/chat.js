@@ -68,11 +68,14 @@ export function initChat() {
                   top_p: parseFloat($("chat-top-p").value), max_tokens: parseInt($("chat-max-tokens").value, 10)};
     const seed = $("chat-seed").value;
     if (seed !== "") body.seed = parseInt(seed, 10);
-    return body;
+    const extra = $("chat-extra").value.trim();  // the server's other fields (stop, min_tokens, tools, ...)
+    return extra ? Object.assign(body, JSON.parse(extra)) : body;
   }
 
   async function send(text) {
     showError("");
+    let fields;
+    try { fields = settings(); } catch (e) { showError("More request fields: " + e.message); return; }
     const user = {role: "user", content: text};
     messages.push(user);
     bubble("user").querySelector(".body").innerHTML = renderMarkdown(text);
@@ -85,7 +88,7 @@ export function initChat() {
       if (m.tool_calls && m.tool_calls.length) out.tool_calls = m.tool_calls;
       return out;
     });
-    const body = Object.assign(settings(), {stream: true, stream_options: {include_usage: true},
+    const body = Object.assign(fields, {stream: true, stream_options: {include_usage: true},
       messages: (system ? [{role: "system", content: system}] : []).concat(history)});
     controller = new AbortController();
     $("chat-send").disabled = true;

@@ -96,6 +96,12 @@ export function initLive() {
       }
       note("");
       $("live-status").textContent = "updated " + new Date().toLocaleTimeString();
+      const p = points[points.length - 1];
+      if (p) {
+        $("live-now").textContent = `now: ${p.in.toFixed(1)} prompt tokens/s, ${p.out.toFixed(1)} generated tokens/s, ` +
+          `${p.running} running, ${p.waiting} waiting, KV cache ${p.kv.toFixed(1)} % used`;
+        Object.assign($("live-now").dataset, {out: p.out, running: p.running});
+      }
       draw();
     } catch (e) {
       if (e.status === 401 || e.status === 403) {
