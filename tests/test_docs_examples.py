@@ -111,9 +111,9 @@ def test_the_convention_finds_the_quick_starts():
     assert {"README.md", "docs/lora.md", "docs/server.md"} <= ran, ran
     assert any(b.doc == "README.md" and "LLM()" in b.code and b.skip is None for b in BLOCKS)
     assert all(b.skip != "no reason given" for b in BLOCKS), [b.id for b in BLOCKS if b.skip == "no reason given"]
-    for doc in DOCS:  # every docs-test comment is one the convention reads
+    for doc in DOCS:  # every docs-test comment is one the convention reads (prose may name the markers)
         for n, line in enumerate(doc.read_text().splitlines(), 1):
-            if "docs-test" in line:
+            if line.lstrip().startswith("<!--") and "docs-test" in line:
                 assert MARKER.match(line.strip()), f"{doc.name}:{n}: {line}"
 
 
