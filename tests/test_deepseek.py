@@ -19,8 +19,9 @@ MOE = dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8, num
            moe_intermediate_size=32, n_group=4, topk_group=2)
 
 VARIANTS = {
-    # V2-Lite's shape: q_proj straight from the hidden state; softmax routing limited to 2 of 4 groups; 2 shared.
-    "v2": ("DeepseekV2Config", dict(MLA, **MOE, q_lora_rank=None, n_shared_experts=2,
+    # V2-Lite's shape: q_proj straight from the hidden state; softmax routing limited to 1 of 4 groups (with a
+    # group's best expert as its score, 2 groups would always hold the top 2 experts); 2 shared experts.
+    "v2": ("DeepseekV2Config", dict(MLA, **dict(MOE, topk_group=1), q_lora_rank=None, n_shared_experts=2,
                                     topk_method="group_limited_greedy", routed_scaling_factor=1.5)),
     # V3's: q through its low-rank pair; sigmoid + correction bias, renormalised; YaRN with mscale_all_dim.
     "v3": ("DeepseekV3Config", dict(MLA, **MOE, q_lora_rank=24, n_shared_experts=1, norm_topk_prob=True,
@@ -82,9 +83,14 @@ def test_deepseek_matches_transformers(variant):
     again = llm.generate(prompts, sp, use_tqdm=False)
     assert sum(o.num_cached_tokens for o in again) > 0
     check_against_oracle(again, oracle, f"{name} prefix hit")
-    chunked = LLM(str(path), max_model_len=128, num_gpu_blocks_override=64, max_num_batched_tokens=16)
+    # The torch reference backend too (the others ran on the CPU default, the native kernel).
+    chunked = LLM(str(path), max_model_len=128, num_gpu_blocks_override=64, max_num_batched_tokens=16,
+                  attention_backend="torch_sdpa")
     check_against_oracle(chunked.generate(prompts, sp, use_tqdm=False), oracle, f"{name} chunked")
-    for engine in (llm.engine, chunked.engine):
+    tight = LLM(str(path), max_model_len=96, num_gpu_blocks_override=12, block_size=8, max_num_batched_tokens=64)
+    check_against_oracle(tight.generate(prompts, sp, use_tqdm=False), oracle, f"{name} preempted")
+    assert tight.engine.scheduler.num_preemptions > 0
+    for engine in (llm.engine, chunked.engine, tight.engine):
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
