@@ -103,3 +103,23 @@ def test_latent_cache_bytes_per_token(variant):
     assert runner.bytes_per_block == 16 * overrides["num_hidden_layers"] * latent * 4  # float32
     for a in runner.attn_layers:
         assert a.v_cache is a.k_cache and a.k_cache.shape[-2:] == (1, latent)
+
+
+@pytest.mark.timeout(300)
+def test_tp2_equals_tp1(variant):
+    """Two ranks (gloo, one process each): each holds half the heads of q_proj / q_b_proj / kv_b_proj and o_proj's
+    columns, caches the whole latent (kv_a_proj_with_mqa replicated), and a slice of every expert and shared
+    expert, all-reduced once per block."""
+    from compare import assert_same_outputs
+
+    name, path, _ = variant
+    prompts = prompts_for(384, seed=4)[:4]
+    sp = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, logprobs=3)
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=64, tensor_parallel_size=tp)
+        try:
+            outs.append([o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)])
+        finally:
+            llm.engine.shutdown()
+    assert_same_outputs(outs[0], outs[1], f"{name} tp=2", atol=1e-4)
