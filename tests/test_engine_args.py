@@ -24,6 +24,7 @@ ROUND_TRIP = {
     "quantization": (["--quantization", "int4"], "int4", "model.quantization"),
     "quantization_group_size": (["--quantization-group-size", "64"], 64, "model.quantization_group_size"),
     "activation_quantization": (["--activation-quantization", "int8"], "int8", "model.activation_quantization"),
+    "quantized_batch_dtype": (["--quantized-batch-dtype", "bfloat16"], "bfloat16", "model.quantized_batch_dtype"),
     "decode_context_parallel_size": (["--decode-context-parallel-size", "2"], 2,
                                      "parallel.decode_context_parallel_size"),
     "prefill_context_parallel_size": (["--prefill-context-parallel-size", "2"], 2,
