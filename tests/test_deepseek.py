@@ -123,3 +123,31 @@ def test_tp2_equals_tp1(variant):
         finally:
             llm.engine.shutdown()
     assert_same_outputs(outs[0], outs[1], f"{name} tp=2", atol=1e-4)
+
+
+@pytest.mark.parametrize("kv", ["float32", "int8", "fp8"])
+def test_latent_cache_quantized_and_offloaded(variant, tmp_path, kv):
+    """The latent cache quantized (int8: one scale per token's latent; fp8) and moved through the host and disk
+    tiers: the same outputs as without offloading, loads from both tiers; a block is one latent per token."""
+    import glob
+
+    from test_prefix_caching import assert_same, params_for, sequential, stems_and_prompts
+
+    name, path, overrides = variant
+    prompts = stems_and_prompts(seed=1, stems=4, stem_len=40)
+    params = params_for(prompts)
+    kw = dict(max_model_len=96, num_gpu_blocks_override=14, block_size=8, kv_cache_dtype=kv)
+    ref = sequential(LLM(str(path), enable_prefix_caching=False, **kw), prompts, params)
+    latent = overrides["kv_lora_rank"] + overrides["qk_rope_head_dim"]
+    per_slot = {"float32": 4 * latent, "int8": latent + 4, "fp8": latent}[kv]
+    bpb = overrides["num_hidden_layers"] * 8 * per_slot
+    llm = LLM(str(path), kv_offload_bytes=8 * bpb, kv_offload_dir=str(tmp_path / "kv"), kv_offload_min_blocks=1,
+              **kw)
+    transfer = llm.engine.transfer
+    assert llm.engine.runner.bytes_per_block == transfer.bytes_per_block == bpb
+    assert_same(sequential(llm, prompts, params), ref, f"{name} {kv} offload first pass")
+    transfer.flush()
+    assert glob.glob(str(tmp_path / "kv" / "*" / "*.kvb"))
+    assert_same(sequential(llm, prompts, params), ref, f"{name} {kv} offload second pass")
+    st = llm.engine.kv.offload.stats
+    assert st.host_loads > 0 and st.disk_loads > 0 and st.load_failures == 0, st
