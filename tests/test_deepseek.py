@@ -151,3 +151,28 @@ def test_latent_cache_quantized_and_offloaded(variant, tmp_path, kv):
     assert_same(sequential(llm, prompts, params), ref, f"{name} {kv} offload second pass")
     st = llm.engine.kv.offload.stats
     assert st.host_loads > 0 and st.disk_loads > 0 and st.load_failures == 0, st
+
+
+def test_v3_rotate_half_rope(tmp_path):
+    """rope_interleave false: V3's rope features rotated as halves (i, i + d/2), not pairs."""
+    config_class, overrides = VARIANTS["v3"]
+    path = make_deepseek(tmp_path / "v3-halves", config_class, **dict(overrides, rope_interleave=False))
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=3)
+    llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=64, block_size=16)
+    prompts = prompts_for(llm.engine.vocab_size)[:4]
+    check_against_oracle(llm.generate(prompts, sp, use_tqdm=False), hf_greedy(path, prompts), "rotate-half")
+
+
+def test_bfloat16_weights_close_to_float32(variant):
+    """Stored in bfloat16 (kv_b_proj's blocks cast to the activations' dtype for the absorbed products): the
+    first token's logprobs stay near float32's."""
+    name, path, _ = variant
+    prompts = prompts_for(384, seed=3)[:4]
+    sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    f32 = LLM(str(path), dtype="float32", max_model_len=128, num_gpu_blocks_override=32)
+    b16 = LLM(str(path), dtype="bfloat16", max_model_len=128, num_gpu_blocks_override=32)
+    assert b16.engine.runner.attn_layers[0].k_cache.dtype == torch.bfloat16
+    for a, b in zip(f32.generate(prompts, sp, use_tqdm=False), b16.generate(prompts, sp, use_tqdm=False)):
+        top = a.outputs[0].logprobs[0]
+        chosen = a.outputs[0].token_ids[0]
+        assert abs(b.outputs[0].logprobs[0][b.outputs[0].token_ids[0]].logprob - top[chosen].logprob) < 0.1, name
