@@ -109,20 +109,21 @@ def test_latent_cache_bytes_per_token(variant):
 def test_tp2_equals_tp1(variant):
     """Two ranks (gloo, one process each): each holds half the heads of q_proj / q_b_proj / kv_b_proj and o_proj's
     columns, caches the whole latent (kv_a_proj_with_mqa replicated), and a slice of every expert and shared
-    expert, all-reduced once per block."""
+    expert, all-reduced once per block; with expert parallelism, half the experts whole."""
     from compare import assert_same_outputs
 
     name, path, _ = variant
     prompts = prompts_for(384, seed=4)[:4]
     sp = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, logprobs=3)
     outs = []
-    for tp in (1, 2):
-        llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=64, tensor_parallel_size=tp)
+    for kw in ({}, dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)):
+        llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=64, **kw)
         try:
             outs.append([o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)])
         finally:
             llm.engine.shutdown()
     assert_same_outputs(outs[0], outs[1], f"{name} tp=2", atol=1e-4)
+    assert_same_outputs(outs[0], outs[2], f"{name} tp=2 ep", atol=1e-4)
 
 
 @pytest.mark.parametrize("kv", ["float32", "int8", "fp8"])
