@@ -212,6 +212,53 @@ def test_chat_shows_server_errors(server, browser):
     check_clean(browser, allowed_statuses=(400,))
 
 
+# A canned stream (what a reasoning model with tools would send), answered by a stand-in for fetch inside the page:
+# the tiny random model emits neither reasoning nor tool calls.
+CANNED = [
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "reasoning_content": "First think <b>hard</b>."}}]},
+    {"choices": [{"index": 0, "delta": {"content": "Here: <img src=x onerror=\"window.pwned=1\">\n\n```python\n"
+                                                   "print('<hi>')\n```\n- one\n- **two**"}}]},
+    {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                                        "function": {"name": "get_weather", "arguments": "{\"city\""}}]}}]},
+    {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ": \"Paris\"}"}}]},
+                  "finish_reason": "tool_calls"}]},
+    {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}},
+]
+FAKE_FETCH = """
+const events = arguments[0];
+const real = window.fetch;
+window.fetch = (url, opts) => {
+  if (String(url) !== "/v1/chat/completions") return real(url, opts);
+  const text = events.map((e) => "data: " + JSON.stringify(e) + "\\n\\n").join("") + "data: [DONE]\\n\\n";
+  return Promise.resolve(new Response(text, {status: 200, headers: {"Content-Type": "text/event-stream"}}));
+};
+"""
+
+
+def test_chat_renders_reasoning_tool_calls_and_markdown_safely(server, browser):
+    open_page(browser, server, "chat", "sk-a")
+    wait_for(browser, lambda d: d.execute_script("return document.getElementById('chat-model').value") == "tiny",
+             "models listed")
+    browser.find_element("id", "chat-clear").click()
+    browser.execute_script(FAKE_FETCH, CANNED)
+    send_chat(browser, "weather?")
+    reply = wait_for(browser, lambda d: d.find_elements("css selector", ".msg.assistant[data-done='1']"), "reply")[-1]
+    reasoning = reply.find_element("css selector", "details.reasoning")
+    assert reasoning.get_attribute("open") is None  # folded
+    assert "First think <b>hard</b>." == reasoning.find_element("tag name", "pre").get_attribute("textContent")
+    body = reply.find_element("css selector", ".body")
+    assert not body.find_elements("tag name", "img") and not browser.execute_script("return window.pwned")
+    assert "<img src=x" in body.text  # shown as text, never run
+    code = body.find_element("css selector", "pre code.language-python")
+    assert code.get_attribute("textContent") == "print('<hi>')"
+    assert [li.text for li in body.find_elements("css selector", "ul li")] == ["one", "two"]
+    call = reply.find_element("css selector", ".tool-call")
+    assert "get_weather" in call.text and '{"city": "Paris"}' in call.text
+    assert "9 tokens" in reply.find_element("css selector", ".stats").text
+    assert "tool_calls" in reply.find_element("css selector", ".stats").text
+    check_clean(browser)
+
+
 def load(server, stop: threading.Event, key: str = "sk-b") -> None:
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60, headers={"Authorization": f"Bearer {key}"}) as client:

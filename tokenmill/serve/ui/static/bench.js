@@ -48,8 +48,8 @@ function throughput(records) {
 
 function figure(title) {
   const fig = document.createElement("figure");
-  fig.innerHTML = `<figcaption>${escapeHtml(title)}</figcaption><canvas width="750" height="300"></canvas>`;
-  $("bench-report").appendChild(fig);
+  fig.innerHTML = `<figcaption>${escapeHtml(title)}</figcaption><canvas width="760" height="260"></canvas>`;
+  $("bench-plots").appendChild(fig);
   return fig.querySelector("canvas");
 }
 
@@ -67,8 +67,9 @@ async function render(result) {
   const config = Object.entries(cfg)
     .map(([k, v]) => `<tr><td>${escapeHtml(k)}</td><td>${escapeHtml(typeof v === "object" ? JSON.stringify(v) : String(v))}</td></tr>`).join("");
   report.innerHTML = `<h2>${escapeHtml(`tokenmill bench: ${cfg.model} / ${cfg.dataset} / ${result.started_at}`)}</h2>` +
-    `<h3>Summary</h3><table id="bench-summary">${summary}</table>` +
-    `<h3>Errors</h3>${errors.total ? `<table>${errorRows}</table>` : "<p>No errors.</p>"}<h3>Plots</h3>`;
+    `<div class="bench-grid"><div><h3>Summary</h3><table id="bench-summary">${summary}</table>` +
+    `<h3>Errors</h3>${errors.total ? `<table>${errorRows}</table>` : "<p>No errors.</p>"}</div>` +
+    `<div><h3>Plots</h3><div id="bench-plots"></div></div></div>`;
   const records = result.requests || [];
   const ok = records.filter((r) => r.success);
   histogram(figure("TTFT distribution"), ok.filter((r) => r.ttft_s != null).map((r) => r.ttft_s * 1000),
