@@ -177,3 +177,29 @@ def test_bfloat16_weights_close_to_float32(variant):
         top = a.outputs[0].logprobs[0]
         chosen = a.outputs[0].token_ids[0]
         assert abs(b.outputs[0].logprobs[0][b.outputs[0].token_ids[0]].logprob - top[chosen].logprob) < 0.1, name
+
+
+def test_prefill_decode_transfer_of_the_latent_cache(variant, tmp_path):
+    """Disaggregated prefill/decode through the shared-storage connector: the consumer loads the producer's latent
+    blocks (one latent per token: the bytes moved are the latent cache's) and gives one engine's output."""
+    from compare import assert_same_outputs
+
+    name, path, _ = variant
+    kw = dict(max_model_len=128, num_gpu_blocks_override=64, block_size=4)
+    prompts = prompts_for(384, seed=5)[3:6]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
+    ref = LLM(str(path), **kw).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    def transfer(role: str) -> dict:
+        return {"kv_role": role, "kv_connector": "SharedStorageConnector",
+                "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+
+    producer = LLM(str(path), kv_transfer_config=transfer("kv_producer"), **kw)
+    producer.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1), use_tqdm=False)
+    consumer = LLM(str(path), kv_transfer_config=transfer("kv_consumer"), **kw)
+    out = consumer.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for a, b in zip(ref, out):
+        assert_same_outputs(a.outputs, b.outputs, f"{name} pd")
+    kt = consumer.engine.core.scheduler_stats().kv_transfer
+    assert kt["imported_blocks"] > 10 and kt["import_failures"] == 0
+    assert kt["bytes"] == kt["imported_blocks"] * consumer.engine.runner.bytes_per_block
