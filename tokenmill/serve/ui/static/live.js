@@ -63,9 +63,11 @@ export function initLive() {
   function draw() {
     const windowS = parseInt($("live-window").value, 10);
     const now = Date.now() / 1000;
-    const x = [now - windowS, now];
+    // The window, or less while the page has not watched that long (the charts fill their width from the start).
+    const first = samples.length ? samples[0].t : now;
+    const x = [Math.max(now - windowS, Math.min(first, now - 10)), now];
     const xfmt = (t) => `-${Math.round(now - t)} s`;
-    const recent = points.filter((p) => p.t >= now - windowS);
+    const recent = points.filter((p) => p.t >= x[0]);
     const series = (keys) => keys.map(([key, label], i) => ({label, color: COLORS[i],
       points: recent.filter((p) => p[key] != null).map((p) => [p.t, p[key]])}));
     const opts = {x, xfmt};
@@ -75,8 +77,8 @@ export function initLive() {
     lineChart($("chart-kv"), series([["kv", "KV cache used"], ["hit", "prefix hit rate"]]), {...opts, ymax: 100});
     lineChart($("chart-latency"), series([["ttft50", "TTFT p50"], ["ttft90", "TTFT p90"], ["ttft99", "TTFT p99"],
                                           ["itl50", "ITL p50"], ["itl99", "ITL p99"]]), opts);
-    const bars = roof.filter((r) => r.t1 >= now - windowS)
-      .map((r) => ({x0: Math.max(r.t0, now - windowS), x1: r.t1, parts: [r.compute, r.bandwidth, r.overhead]}));
+    const bars = roof.filter((r) => r.t1 >= x[0])
+      .map((r) => ({x0: Math.max(r.t0, x[0]), x1: r.t1, parts: [r.compute, r.bandwidth, r.overhead]}));
     if (bars.length) stackedBars($("chart-roofline"), bars, ["compute", "bandwidth", "overhead"],
                                  [COLORS[0], COLORS[2], COLORS[1]], opts);
     else noData($("chart-roofline"));

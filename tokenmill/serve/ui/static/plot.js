@@ -1,7 +1,7 @@
 // Line, stacked-bar, scatter and histogram charts drawn on a <canvas> (no chart library): enough for the Live and
 // Bench pages. Series: {label, color, points: [[x, y], ...]}.
 export const COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb"];
-const PAD = {left: 52, right: 12, top: 10, bottom: 34};
+const PAD = {left: 52, right: 12, top: 22, bottom: 34};  // the legend sits above the plot area
 
 function niceMax(v) {
   if (!(v > 0)) return 1;
@@ -52,7 +52,7 @@ function legend(ctx, series, w) {
   for (const s of [...series].reverse()) {
     const text = s.label;
     ctx.fillStyle = s.color;
-    ctx.fillText(text, x, PAD.top + 10);
+    ctx.fillText(text, x, 12);
     x -= ctx.measureText(text).width + 14;
   }
 }
