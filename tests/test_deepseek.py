@@ -203,3 +203,14 @@ def test_prefill_decode_transfer_of_the_latent_cache(variant, tmp_path):
     kt = consumer.engine.core.scheduler_stats().kv_transfer
     assert kt["imported_blocks"] > 10 and kt["import_failures"] == 0
     assert kt["bytes"] == kt["imported_blocks"] * consumer.engine.runner.bytes_per_block
+
+
+def test_triton_backend(variant):
+    """The Triton paged kernel (here under TRITON_INTERPRET=1) takes the latent as one KV head of a width that is
+    no power of two (masked up to the next), V reading K's tensor."""
+    name, path, _ = variant
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=3)
+    llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=32, block_size=16,
+              attention_backend="triton_paged")
+    prompts = prompts_for(llm.engine.vocab_size)[1:2]
+    check_against_oracle(llm.generate(prompts, sp, use_tqdm=False), hf_greedy(path, prompts), f"{name} triton")
