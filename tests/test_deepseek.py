@@ -214,3 +214,49 @@ def test_triton_backend(variant):
               attention_backend="triton_paged")
     prompts = prompts_for(llm.engine.vocab_size)[1:2]
     check_against_oracle(llm.generate(prompts, sp, use_tqdm=False), hf_greedy(path, prompts), f"{name} triton")
+
+
+def add_deepseek_mtp_layer(path: Path, seed: int = 0) -> None:
+    """DeepSeek-V3's MTP layer model.layers.{N}.* (N = num_hidden_layers), as the released checkpoints hold it:
+    enorm, hnorm, eh_proj, a decoder layer like the last (MLA + MoE; here its weights perturbed) and
+    shared_head.norm; the embedding and LM head are the target's."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    w = load_file(str(path / "model.safetensors"))
+    last, pre = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    for name in [k for k in w if k.startswith(last)]:
+        t = w[name]
+        w[pre + name[len(last):]] = t + 0.02 * torch.randn(t.shape, generator=g)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        w[f"{pre}{norm}.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    w[f"{pre}eh_proj.weight"] = 0.08 * torch.randn(h, 2 * h, generator=g)
+    save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_mtp_layer_from_the_checkpoint_leaves_greedy_output_unchanged(variant, tmp_path):
+    """`method: mtp` drafts with the checkpoint's own MTP layer (an MLA + MoE block with its own latent cache);
+    verification keeps the output exactly the target's, chunked and batched."""
+    import shutil
+
+    from compare import assert_same_outputs
+
+    name, path, _ = variant
+    target = tmp_path / "mtp"
+    shutil.copytree(path, target)
+    add_deepseek_mtp_layer(target)
+    prompts = [{"prompt_token_ids": p} for p in prompts_for(384, seed=6)[:4]]
+    sp = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=20, logprobs=2)
+    kw = dict(max_model_len=128, num_gpu_blocks_override=64, max_num_batched_tokens=32)
+    base = [o.outputs[0] for o in LLM(str(target), **kw).generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(str(target), speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **kw)
+    out = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert_same_outputs(base, out, f"{name} mtp")
+    st = llm.engine.core.scheduler.spec_stats
+    assert st.num_draft_tokens > 0
+    head_layers = llm.engine.runner.spec.runner.attn_layers
+    assert head_layers and all(a.kv_shared for a in head_layers)

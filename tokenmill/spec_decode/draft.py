@@ -100,7 +100,7 @@ class DraftRunner:
 
     # ---- KV pool --------------------------------------------------------------------------
     def block_bytes(self, kv_dtype: torch.dtype) -> int:
-        return sum(kv_quant.block_bytes(self.block_size, a.num_kv_heads, a.head_dim, kv_dtype) for a in self.attn_layers)
+        return sum(kv_quant.layer_block_bytes(a, self.block_size, kv_dtype) for a in self.attn_layers)
 
     def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
         self.backend.allocate_kv_cache(self.attn_layers, num_blocks, kv_dtype)

@@ -34,6 +34,7 @@ from torch import nn
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.linear import QKVParallelLinear, ReplicatedLinear
+from tokenmill.layers.moe import FusedMoE
 from tokenmill.layers.rotary import RotaryEmbedding, rope_inv_freq
 from tokenmill.model.blocks import (AttentionBlock, Build, DecoderForCausalLM, DecoderLayer, DecoderSpec, LayerSpec,
                                     MLPBlock)
@@ -170,7 +171,7 @@ class MTPHead(DraftHead):
     method = "mtp"
 
     def __init__(self, spec: DecoderSpec, rotary: RotaryEmbedding, build: Build, own_embedding: bool,
-                 own_head: bool) -> None:
+                 own_head: bool, layer_class: type[nn.Module] = DecoderLayer) -> None:
         super().__init__(spec, build)
         h = spec.hidden_size
         if own_embedding:
@@ -178,7 +179,7 @@ class MTPHead(DraftHead):
         self.enorm = build.norm(h, spec)
         self.hnorm = build.norm(h, spec)
         self.eh_proj = ReplicatedLinear(2 * h, h, False, **build.linear("eh_proj"))
-        self.block = DecoderLayer(spec, LayerSpec(), rotary, build, "block")
+        self.block = layer_class(spec, LayerSpec(), rotary, build, "block")  # the target's kind (DeepSeek: MLA + MoE)
         self.shared_head = _SharedHead(build.norm(h, spec),
                                        ParallelLMHead(spec.vocab_size, h, build.params_dtype) if own_head else None)
 
@@ -256,7 +257,10 @@ def _read(files: dict[str, Path], names: list[str], dtype: torch.dtype | None) -
 
 def _load(head: DraftHead, files: dict[str, Path], naming: _HeadNaming, dtype: torch.dtype, what: str) -> None:
     ours = {n: p for n in files if (p := naming.param_name(n)) is not None}
-    expected = _expected_names(dict(head.named_parameters()), head.packed_modules_mapping)
+    # Stacked experts (a MoE block's FusedMoE) are checked by load_weights, per expert tensor.
+    experts = {f"{name}." for name, m in head.named_modules() if isinstance(m, FusedMoE)}
+    params = {n: p for n, p in head.named_parameters() if not any(n.startswith(e) for e in experts)}
+    expected = _expected_names(params, head.packed_modules_mapping)
     missing = sorted(naming.checkpoint_name(n) for n in expected - set(ours.values()))
     if missing:
         raise ValueError(f"{what} is missing tensors: {', '.join(missing)}")
@@ -378,7 +382,7 @@ def _load_mtp(target: DecoderForCausalLM, target_path: str, build: Build) -> Dra
     what = f"MTP layer {prefix}* in {target_path!r}"
     files = _tensor_files(target_path, what)
     head = MTPHead(target.spec, target.layers[0].self_attn.rotary, build, f"{prefix}embed_tokens.weight" in files,
-                   f"{prefix}shared_head.head.weight" in files)
+                   f"{prefix}shared_head.head.weight" in files, type(target).decoder_layer)
     naming = _HeadNaming(prefix=prefix, renames=tuple((p, "block." + p) for p in _DECODER_PARTS),
                          keep=("enorm", "hnorm", "eh_proj", "block", "shared_head", "embed_tokens"))
     _load(head, files, naming, build.params_dtype, what)
