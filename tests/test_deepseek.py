@@ -260,3 +260,46 @@ def test_mtp_layer_from_the_checkpoint_leaves_greedy_output_unchanged(variant, t
     assert st.num_draft_tokens > 0
     head_layers = llm.engine.runner.spec.runner.attn_layers
     assert head_layers and all(a.kv_shared for a in head_layers)
+
+
+def up_projected_reference(attn, x: torch.Tensor) -> torch.Tensor:
+    """The MLA layer as transformers computes it, over a whole sequence [T, hidden]: per-head K = [W_UK c_kv, k_pe],
+    V = W_UV c_kv up-projected from the latents, causal attention, o_proj (dense, float32, no cache)."""
+    m, H, T = attn.mla, attn.num_heads, x.shape[0]
+    dn, dr, r = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+    q = attn.q_proj(x) if m.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    q_nope, q_pe = q.view(T, H, dn + dr).split([dn, dr], dim=-1)
+    c_kv, k_pe = attn.kv_a_proj_with_mqa(x).split([r, dr], dim=-1)
+    c_kv = attn.kv_a_layernorm(c_kv.contiguous())
+    q_pe, k_pe = attn.rotary(torch.arange(T), q_pe.contiguous(), k_pe.reshape(T, 1, dr).contiguous())
+    kv = (c_kv @ attn.kv_b_proj.weight.T).view(T, H, dn + m.v_head_dim)
+    k = torch.cat([kv[..., :dn], k_pe.expand(T, H, dr)], dim=-1).transpose(0, 1)  # [H, T, dn + dr]
+    v = kv[..., dn:].transpose(0, 1)  # [H, T, v]
+    qh = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)
+    o = torch.nn.functional.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=attn.attn.scale)
+    return attn.o_proj(o.transpose(0, 1).reshape(T, H * m.v_head_dim))
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_sdpa"])
+def test_absorbed_form_over_the_latent_cache_equals_the_up_projected_form(variant, backend):
+    """One MLA layer: a 21-token prompt chunk, then decodes one token at a time, each attending in the absorbed
+    form over the latents in a paged cache (blocks out of order), equal to the up-projected dense attention over
+    the whole sequence to float32 tolerance."""
+    from draft_heads_tiny import PagedSequence
+    from tokenmill.layers.attention_backends import available_backends
+    from tokenmill.model.loader import load_model
+
+    if backend not in available_backends("cpu"):
+        pytest.skip(f"{backend} is not built here")
+    name, path, _ = variant
+    attn = load_model(str(path), dtype="float32")[0].layers[1].self_attn
+    x = torch.randn(29, attn.o_proj.output_size, generator=torch.Generator().manual_seed(2))
+    ref = up_projected_reference(attn, x)
+    seq = PagedSequence([attn.attn], num_blocks=12, block_size=4, backend=backend)
+    chunks = [21] + [1] * 8
+    got, start = [], 0
+    for n in chunks:
+        got.append(attn(torch.arange(start, start + n), x[start:start + n], seq.meta(start, n)))
+        start += n
+    torch.testing.assert_close(torch.cat(got), ref, atol=2e-5, rtol=1e-4)
