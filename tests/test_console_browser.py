@@ -2,10 +2,11 @@
 by selenium), against one live server on a tiny random model with tenants, an admin key and a usage database:
 
 - Chat streams a reply (text appears while the request runs, then TTFT and tokens/s under it), and Stop aborts a
-  long one: the server's running count drops to 0 and it generated far fewer tokens than asked;
+  long one: the server's running count drops to 0 and it generated far fewer tokens than asked; the export;
 - Live: the charts update while a load runs (tokens/s and running requests above 0, roofline bars drawn); a
   tenant key gets the "internal or admin key" note instead;
-- Usage: the admin sees every tenant and the limits table, a tenant only its own rows and no limits;
+- Usage: the admin sees every tenant and the limits table (and downloads the server's CSV), a tenant only its own
+  rows and no limits;
 - Bench: a saved `bench serve` result renders its summary table and plots;
 - a server error (a bad sampling field) is shown in the page;
 - after every test: no console error (a tenant's 401/403 network entries excepted where the test asks for one)
@@ -142,6 +143,15 @@ def check_clean(driver, allowed_statuses: tuple[int, ...] = ()) -> None:
         assert parsed.scheme in ("data", "blob") or parsed.hostname == "127.0.0.1", url
 
 
+def downloaded(driver, folder: Path, click_id: str, name: str) -> str:
+    """Click a download button and read the file Chromium saved into `folder`."""
+    driver.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(folder)})
+    driver.find_element("id", click_id).click()
+    path = folder / name
+    wait_for(driver, lambda d: path.exists() and path.stat().st_size > 0, f"{name} downloaded")
+    return path.read_text()
+
+
 def metric(server, name: str) -> float:
     text = httpx.get(server.url("/metrics"), headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
@@ -166,7 +176,7 @@ def send_chat(driver, text: str) -> None:
     driver.find_element("id", "chat-send").click()
 
 
-def test_chat_streams_a_reply_and_stop_aborts(server, browser, shots):
+def test_chat_streams_a_reply_and_stop_aborts(server, browser, shots, tmp_path_factory):
     open_page(browser, server, "chat", "sk-a")
     wait_for(browser, lambda d: d.execute_script("return document.getElementById('chat-model').value") == "tiny",
              "models listed")
@@ -197,6 +207,11 @@ def test_chat_streams_a_reply_and_stop_aborts(server, browser, shots):
     generated = metric(server, "tokenmill:generation_tokens_total") - before
     assert 0 < generated < 3000, generated
     assert not browser.find_element("id", "chat-error").is_displayed()
+    export = json.loads(downloaded(browser, tmp_path_factory.mktemp("chat-export"), "chat-export",
+                                   "tokenmill-chat.json"))
+    assert export["model"] == "tiny" and [m["role"] for m in export["messages"]] == ["user", "assistant"] * 2
+    assert export["messages"][1]["stats"]["completion_tokens"] == 24
+    assert export["messages"][3]["stats"]["finish_reason"] == "stopped"
     check_clean(browser)
 
 
@@ -308,7 +323,7 @@ def usage_rows(driver) -> set[str]:
     return {cell.text for cell in table.find_elements("css selector", "td:first-child")}
 
 
-def test_usage_admin_sees_every_tenant_a_tenant_itself(server, browser, shots):
+def test_usage_admin_sees_every_tenant_a_tenant_itself(server, browser, shots, tmp_path_factory):
     for key in ("sk-a", "sk-b"):
         r = httpx.post(server.url("/v1/completions"), headers={"Authorization": f"Bearer {key}"},
                        json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=60)
@@ -321,6 +336,13 @@ def test_usage_admin_sees_every_tenant_a_tenant_itself(server, browser, shots):
     assert "team-b" in text and "concurrent 4" in text and "requests_per_minute 600" in text, text
     assert limits
     shoot(browser, shots, "usage")
+    folder = tmp_path_factory.mktemp("usage-csv")
+    day = browser.find_element("id", "usage-from").get_attribute("value")
+    to = browser.find_element("id", "usage-to").get_attribute("value")
+    csv = downloaded(browser, folder, "usage-csv", f"tokenmill-usage-{day}-{to}.csv")
+    served = httpx.get(server.url("/v1/usage"), headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10,
+                       params={"from": day, "to": to, "group_by": "tenant,model", "format": "csv"}).text
+    assert csv.splitlines()[0] == served.splitlines()[0] and "team-b" in csv  # the server's own CSV
     check_clean(browser)
 
     open_page(browser, server, "usage", "sk-a")
