@@ -32,8 +32,9 @@ function frame(canvas, opts) {
   ctx.fillStyle = "#555";
   ctx.font = "11px system-ui, sans-serif";
   ctx.lineWidth = 1;
-  for (let i = 0; i <= 4; i++) {
-    const y = y0 + (y1 - y0) * i / 4;
+  const ticks = opts.integer ? Math.max(1, Math.min(4, y1 - y0)) : 4;  // counts: whole-number gridlines
+  for (let i = 0; i <= ticks; i++) {
+    const y = y0 + (y1 - y0) * i / ticks;
     ctx.beginPath(); ctx.moveTo(PAD.left, sy(y)); ctx.lineTo(w - PAD.right, sy(y)); ctx.stroke();
     ctx.textAlign = "right"; ctx.fillText(fmt(y), PAD.left - 4, sy(y) + 4);
   }
@@ -115,7 +116,8 @@ export function histogram(canvas, values, opts = {}) {
   const width = (hi - lo) / n || 1;
   const counts = new Array(n).fill(0);
   for (const v of values) counts[Math.min(n - 1, Math.floor((v - lo) / width))]++;
-  const {ctx, sx, sy} = frame(canvas, {...opts, x: [lo, lo + width * n], y: [0, niceMax(Math.max(...counts))]});
+  const top = Math.max(4, 4 * Math.ceil(niceMax(Math.max(...counts)) / 4));  // a multiple of the 4 gridlines
+  const {ctx, sx, sy} = frame(canvas, {...opts, integer: true, x: [lo, lo + width * n], y: [0, top]});
   ctx.fillStyle = COLORS[0];
   counts.forEach((c, i) => {
     const x0 = sx(lo + i * width), x1 = sx(lo + (i + 1) * width);
