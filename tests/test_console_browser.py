@@ -7,7 +7,8 @@ by selenium), against one live server on a tiny random model with tenants, an ad
   tenant key gets the "internal or admin key" note instead;
 - Usage: the admin sees every tenant and the limits table (and downloads the server's CSV), a tenant only its own
   rows and no limits;
-- Bench: a saved `bench serve` result renders its summary table and plots;
+- Bench: a saved `bench serve` result renders its summary table and plots, error text stays text, a file that is
+  no result says so;
 - a server error (a bad sampling field) is shown in the page;
 - after every test: no console error (a tenant's 401/403 network entries excepted where the test asks for one)
   and no request to any host but 127.0.0.1.
@@ -354,7 +355,7 @@ def test_usage_admin_sees_every_tenant_a_tenant_itself(server, browser, shots, t
     check_clean(browser, allowed_statuses=(403,))
 
 
-def test_bench_page_renders_a_saved_result(server, browser, shots):
+def test_bench_page_renders_a_saved_result(server, browser, shots, tmp_path_factory):
     result = REPO / "docs" / "bench_results" / "random-c1.json"
     expected = json.loads(result.read_text())
     open_page(browser, server, "bench", ADMIN)
@@ -367,5 +368,21 @@ def test_bench_page_renders_a_saved_result(server, browser, shots):
     ok = [r for r in expected["requests"] if r["success"]]
     assert int(canvases[0].get_attribute("data-points")) == len(ok)  # the TTFT histogram counts every request
     shoot(browser, shots, "bench")
+    # A result with an error whose message carries HTML: shown as text. A file that is no result: its reason.
+    hostile = dict(expected, summary={**expected["summary"], "errors": {
+        "total": 1, "by_type": {"http_500": 1},
+        "examples": [{"index": 3, "type": "http_500", "status": 500, "message": "<img src=x onerror=window.pwned=1>"}]}})
+    folder = tmp_path_factory.mktemp("bench-files")
+    (folder / "hostile.json").write_text(json.dumps(hostile))
+    (folder / "other.json").write_text('{"not": "a result"}')
+    field = browser.find_element("id", "bench-file")
+    field.send_keys(str(folder / "hostile.json"))
+    wait_for(browser, lambda d: "onerror" in d.find_element("id", "bench-report").text, "the error example")
+    assert not browser.find_elements("css selector", "#bench-report img")
+    assert not browser.execute_script("return window.pwned")
+    field.send_keys(str(folder / "other.json"))
+    error = wait_for(browser, lambda d: d.find_element("id", "bench-error").is_displayed()
+                     and d.find_element("id", "bench-error"), "not a result")
+    assert error.text == "other.json: not a tokenmill bench result (no 'summary')"
     check_clean(browser)
 

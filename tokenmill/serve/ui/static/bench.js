@@ -64,11 +64,13 @@ async function render(result) {
   const errors = getPath(result, "summary.errors") || {};
   const errorRows = Object.entries(errors.by_type || {})
     .map(([k, v]) => `<tr><td>${escapeHtml(k)}</td><td class="num">${escapeHtml(String(v))}</td></tr>`).join("");
+  const examples = (errors.examples || []).map((e) => `<li>${escapeHtml(`request ${e.index}: ${e.type}` +
+    (e.status == null ? "" : ` (HTTP ${e.status})`) + `: ${String(e.message).slice(0, 300)}`)}</li>`).join("");
   const config = Object.entries(cfg)
     .map(([k, v]) => `<tr><td>${escapeHtml(k)}</td><td>${escapeHtml(typeof v === "object" ? JSON.stringify(v) : String(v))}</td></tr>`).join("");
   report.innerHTML = `<h2>${escapeHtml(`tokenmill bench: ${cfg.model} / ${cfg.dataset} / ${result.started_at}`)}</h2>` +
     `<div class="bench-grid"><div><h3>Summary</h3><table id="bench-summary">${summary}</table>` +
-    `<h3>Errors</h3>${errors.total ? `<table>${errorRows}</table>` : "<p>No errors.</p>"}</div>` +
+    `<h3>Errors</h3>${errors.total ? `<table>${errorRows}</table><ul>${examples}</ul>` : "<p>No errors.</p>"}</div>` +
     `<div><h3>Plots</h3><div id="bench-plots"></div></div></div>`;
   const records = result.requests || [];
   const ok = records.filter((r) => r.success);
