@@ -318,6 +318,37 @@ def test_live_charts_update_while_a_load_runs(server, browser, shots):
     check_clean(browser, allowed_statuses=(403,))
 
 
+def test_the_pages_metrics_parser_agrees_with_prometheus(server, browser):
+    """prom.js against prometheus_client's parser on the server's own /metrics, and its quantile against a
+    hand-computed one (PromQL's interpolation within a bucket)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    open_page(browser, server, "bench", ADMIN)
+    text = httpx.get(server.url("/metrics"), headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).text
+    expected: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            expected[sample.name] = expected.get(sample.name, 0.0) + sample.value
+    got = browser.execute_async_script("""
+        const [text, done] = arguments;
+        import("/ui/prom.js").then((p) => {
+          const m = p.parseMetrics(text);
+          const totals = {};
+          for (const name of Object.keys(m)) totals[name] = p.total(m, name);
+          const older = [[0.1, 2], [0.5, 4], [Infinity, 4]], newer = [[0.1, 2], [0.5, 12], [Infinity, 14]];
+          done({totals, q50: p.quantile(0.5, older, newer), q99: p.quantile(0.99, older, newer),
+                none: p.quantile(0.5, newer, newer)});
+        });""", text)
+    assert got["totals"].keys() == expected.keys()
+    for name, value in expected.items():
+        assert got["totals"][name] == pytest.approx(value), name
+    # 10 new observations: none <= 0.1, 8 in (0.1, 0.5], 2 above. The 5th lies 5/8 into (0.1, 0.5].
+    assert got["q50"] == pytest.approx(0.1 + 0.4 * 5 / 8)
+    assert got["q99"] == pytest.approx(0.5)  # in the +Inf bucket: its lower bound, as PromQL answers
+    assert got["none"] is None
+    check_clean(browser)
+
+
 def usage_rows(driver) -> set[str]:
     table = wait_for(driver, lambda d: d.find_element("id", "usage-table").get_attribute("data-loaded") == "1"
                      and d.find_element("id", "usage-table"), "usage table")
