@@ -103,6 +103,11 @@ def test_latent_cache_bytes_per_token(variant):
     assert runner.bytes_per_block == 16 * overrides["num_hidden_layers"] * latent * 4  # float32
     for a in runner.attn_layers:
         assert a.v_cache is a.k_cache and a.k_cache.shape[-2:] == (1, latent)
+    # The diagnostics' roofline reads the same bytes per token (and the absorbed form's score and sum widths).
+    from tokenmill.diagnostics import ModelCost
+
+    cost = ModelCost.from_model(llm.engine.model, llm.engine.model.config, runner.kv_dtype)
+    assert cost.kv_bytes_per_token == overrides["num_hidden_layers"] * latent * 4
 
 
 @pytest.mark.timeout(300)
