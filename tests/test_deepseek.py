@@ -1,7 +1,9 @@
 """DeepSeek-V2 and V3 (MLA over the latent KV cache, DeepSeekMoE): greedy tokens and logprobs equal transformers'
 (the oracle) on tiny random checkpoints, batched, chunked by a 16-token budget (prompt chunks mixed with decodes),
-again from the prefix cache and with a prompt that shares another's prefix; the cache holds kv_lora_rank +
-qk_rope_head_dim values per token and layer; the router as transformers' on its own."""
+again from the prefix cache and with a prompt that shares another's prefix, preempted, on every CPU attention
+backend; the cache holds kv_lora_rank + qk_rope_head_dim values per token and layer (also quantized, through the
+offload tiers and a prefill/decode transfer); the absorbed form equals the up-projected one; TP=2 (and expert
+parallel) equals TP=1; the checkpoint's MTP layer drafts without changing the output."""
 from __future__ import annotations
 
 import json
