@@ -61,8 +61,8 @@ def deepseek_spec(cfg) -> DeepseekSpec:
     experts = int(hf_get(cfg, "n_routed_experts", 0) or 0)
     moe = router = None
     if experts:
-        # V2 (as DeepSeek's and vLLM's code; transformers' V2 router ignores norm_topk_prob, false in every
-        # released V2 config) and V3 both renormalise under norm_topk_prob.
+        # V2 and V3 both renormalise under norm_topk_prob, as vLLM does (transformers' V2 router ignores it, and
+        # DeepSeek's own V2 code then skips routed_scaling_factor; every released V2 config has it false).
         moe = MoESpec(experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                       bool(hf_get(cfg, "norm_topk_prob", False)), act, cfg.moe_intermediate_size * n_shared)
         method = "noaux_tc" if v3 else (hf_get(cfg, "topk_method", "greedy") or "greedy")
