@@ -13,7 +13,8 @@ The Llama decoder (pre-norm RMSNorms, residual stream) with two different blocks
 Checkpoint names are transformers' (the same as DeepSeek's own): self_attn.{q_proj | q_a_proj, q_a_layernorm,
 q_b_proj}, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj; mlp.{gate_proj, up_proj, down_proj} (dense),
 mlp.gate.weight (+ e_score_correction_bias), mlp.experts.{e}.*_proj, mlp.shared_experts.*_proj. The MTP layer
-(`num_nextn_predict_layers`, stored as layer num_hidden_layers) is not loaded.
+(`num_nextn_predict_layers`, stored as layer num_hidden_layers) is skipped here; the `mtp` speculative method loads
+it as a draft head whose block is this module's layer class (spec_decode/heads.py).
 """
 from __future__ import annotations
 
