@@ -36,7 +36,7 @@ function frame(canvas, opts) {
   for (let i = 0; i <= ticks; i++) {
     const y = y0 + (y1 - y0) * i / ticks;
     ctx.beginPath(); ctx.moveTo(PAD.left, sy(y)); ctx.lineTo(w - PAD.right, sy(y)); ctx.stroke();
-    ctx.textAlign = "right"; ctx.fillText(fmt(y), PAD.left - 4, sy(y) + 4);
+    ctx.textAlign = "right"; ctx.fillText(opts.integer ? String(Math.round(y)) : fmt(y), PAD.left - 4, sy(y) + 4);
   }
   ctx.textAlign = "center";
   for (let i = 0; i <= 4; i++) {
@@ -116,7 +116,7 @@ export function histogram(canvas, values, opts = {}) {
   const width = (hi - lo) / n || 1;
   const counts = new Array(n).fill(0);
   for (const v of values) counts[Math.min(n - 1, Math.floor((v - lo) / width))]++;
-  const top = Math.max(4, 4 * Math.ceil(niceMax(Math.max(...counts)) / 4));  // a multiple of the 4 gridlines
+  const top = 4 * Math.ceil(Math.max(...counts) / 4);  // a multiple of the 4 gridlines
   const {ctx, sx, sy} = frame(canvas, {...opts, integer: true, x: [lo, lo + width * n], y: [0, top]});
   ctx.fillStyle = COLORS[0];
   counts.forEach((c, i) => {
