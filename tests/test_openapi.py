@@ -68,3 +68,20 @@ def test_every_ref_resolves_and_models_are_complete(schema):
         fields = components[model.__name__]["properties"]
         assert set(model.model_fields) <= set(fields) | {n for n, f in model.model_fields.items() if f.alias}, \
             model.__name__
+
+
+def test_docs_api_lists_every_route():
+    """docs/api.md's route table names every route of the role table (serve/roles.py) with its role."""
+    import re
+    from pathlib import Path
+
+    from tokenmill.serve.roles import ROUTES
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    for path, role in ROUTES.items():
+        if path == "/docs/oauth2-redirect":  # FastAPI's own helper page for /docs
+            continue
+        row = next((r for r in rows if re.search(f"`{re.escape(path)}`", r)), None)
+        assert row is not None, f"docs/api.md has no row for {path}"
+        assert f"| {role.value} |" in row, (path, role.value, row)
