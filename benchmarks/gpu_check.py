@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _servers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "layers")]
 
 # Published dense peaks (bf16 tensor-core TFLOP/s without sparsity, HBM TB/s) by device-name fragment.
 PEAKS = {"H200": (989.0, 4.8), "H100": (989.0, 3.35), "A100": (312.0, 2.0), "L40S": (362.0, 0.864),
@@ -59,7 +59,7 @@ def env(args) -> dict:
 
 
 def attention(args) -> dict:
-    """Random paged batches on the device vs float64 dense attention (tests/test_attention_backends.py's
+    """Random paged batches on the device vs float64 dense attention (tests/layers/test_attention_backends.py's
     reference), per backend and case: the largest error."""
     import torch
 

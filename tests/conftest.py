@@ -1,7 +1,12 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+# tests/ mirrors tokenmill/'s packages (tests/serve/, tests/core/, ...); the shared helpers (tiny.py, gguf_tiny.py,
+# server_harness.py, ...) live here at the top, and a test may import another's fixtures by module name: every
+# folder on the path, the top first.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _dir in sorted(d for d, _, _ in os.walk(_HERE) if "__pycache__" not in d)[::-1]:
+    sys.path.insert(0, _dir)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # One intra-op thread: the test models are tiny, and on a busy 2-core machine two OpenMP threads make
 # every GEMM wait for the slower core (parity tests went from ~1 s to ~37 s under load).

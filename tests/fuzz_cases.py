@@ -1,4 +1,4 @@
-"""A deterministic table of hostile HTTP requests for tests/test_server_fuzz.py: every endpoint, every request
+"""A deterministic table of hostile HTTP requests for tests/serve/test_server_fuzz.py: every endpoint, every request
 field of tokenmill/serve/protocol.py with wrong types, extreme numbers, odd text and huge values, raw malformed
 bodies, wrong methods, unknown paths and bad Authorization headers.
 

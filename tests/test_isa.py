@@ -77,8 +77,8 @@ def test_loaded_tier_is_the_pick():
 
 # The kernel tests against float64 references that differ by instruction set: the int8 dot products, the
 # vectorised attention, norms, rotary and small GEMMs.
-KERNEL_TESTS = ["tests/test_int8_activations.py", "tests/test_gguf_x8_rows.py", "tests/test_int8_activation_rows.py",
-                "tests/test_fused_ops.py", "tests/test_dense_linear.py", "tests/test_cpu_paged_attention.py"]
+KERNEL_TESTS = ["tests/layers/quantization/test_int8_activations.py", "tests/layers/quantization/test_gguf_x8_rows.py", "tests/layers/quantization/test_int8_activation_rows.py",
+                "tests/layers/test_fused_ops.py", "tests/layers/test_dense_linear.py", "tests/layers/test_cpu_paged_attention.py"]
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@
 The argparse flags (`add_cli_args`) and the `LLM(**kwargs)` keywords are generated from these fields, and
 `create_engine_config` maps them onto the per-area dataclasses of config.py, in one place. A new setting
 is a field here (its CLI flag and LLM keyword follow), a field in config.py and a line in
-`create_engine_config`; tests/test_engine_args.py fails until all three exist.
+`create_engine_config`; tests/cli/test_engine_args.py fails until all three exist.
 """
 from __future__ import annotations
 

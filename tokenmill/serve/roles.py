@@ -7,7 +7,7 @@
   read off a server — KV events, KV blocks, diagnostics, metrics — and, as an untenanted caller, generation
   (the router forwards its tenants' requests with it).
 
-The table below is the one place that says so; docs/tenants.md prints it, and tests/test_tenant_security.py
+The table below is the one place that says so; docs/tenants.md prints it, and tests/serve/test_tenant_security.py
 tries every route with every other role. A route missing from it needs a tenant key (so an unknown URL answers
 404 to a caller who may ask, and 401 to one who may not). With no keys at all — no --api-keys-file, no admin or
 internal key — a server behaves as before roles existed: one --api-key (or none) opens every route but /admin."""

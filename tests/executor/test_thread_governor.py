@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+from pathlib import Path
 import pytest
 import torch
 
@@ -75,7 +76,7 @@ def test_switching_threads_every_step_changes_no_result(tmp_path, monkeypatch):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import model_shapes as ms
 
     from tokenmill import LLM, SamplingParams

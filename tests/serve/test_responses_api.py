@@ -37,7 +37,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
                                            "population": {"type": "integer", "minimum": 0, "maximum": 10**6}},
           "required": ["city", "population"], "additionalProperties": False}
 JSON_FORMAT = {"format": {"type": "json_schema", "name": "city", "schema": SCHEMA, "strict": True}}
-# As Qwen3's template: the generation prompt opens a <think> block (see tests/test_server_structured.py).
+# As Qwen3's template: the generation prompt opens a <think> block (see tests/structured_output/test_server_structured.py).
 THINK_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}{% endif %}")
@@ -419,7 +419,7 @@ def test_reasoning_items(think_server):
 
 # ---- without a server ------------------------------------------------------------------------------------------
 def test_surface_admits_through_the_one_path():
-    """As tests/test_admission.py pins for chat and completions: the Responses API admits through admission.py."""
+    """As tests/serve/test_admission.py pins for chat and completions: the Responses API admits through admission.py."""
     from tokenmill.serve.responses import create
 
     source = inspect.getsource(create)

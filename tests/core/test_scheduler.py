@@ -584,7 +584,7 @@ def test_random_workloads(w):
 
         # Budget use: each entry gets at most what it has left and (when set) the long-prefill cap; the step's work
         # (a token each, a prompt-logprob row each) stays within the budget (a budget of one token carries a token
-        # and its row). How prompts share the budget: tests/test_fair_share.py.
+        # and its row). How prompts share the budget: tests/serve/test_fair_share.py.
         cap = w["long_prefill"] or budget
         seen = set()
         work = 0

@@ -1,6 +1,7 @@
 """The `tokenmill` command line, run in-process on a tiny random model."""
 from __future__ import annotations
 
+from pathlib import Path
 import io
 import os
 import subprocess
@@ -144,7 +145,7 @@ def test_parse_bytes():
 
 
 def test_python_m_help():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(Path(__file__).resolve().parents[2])
     proc = subprocess.run([sys.executable, "-m", "tokenmill", "--help"], cwd=root,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

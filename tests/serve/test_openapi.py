@@ -2,6 +2,7 @@
 names its model (serve/openapi.py) and the schema must carry it, with every $ref resolving."""
 from __future__ import annotations
 
+from pathlib import Path
 import asyncio
 
 import pytest
@@ -77,7 +78,7 @@ def test_docs_api_lists_every_route():
 
     from tokenmill.serve.roles import ROUTES
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     for path, role in ROUTES.items():
         if path == "/docs/oauth2-redirect":  # FastAPI's own helper page for /docs

@@ -61,7 +61,7 @@ def test_gguf_kernel_equals_quantized_x_reference(qtype):
 @needs_int8_dot
 def test_gguf_switch_changes_nothing_else():
     """Types without an int8 kernel (K-quants) take the float path bit for bit at every number of rows; the
-    kernel types take the int8 path at every number of rows (tests/test_gguf_x8_rows.py checks those)."""
+    kernel types take the int8 path at every number of rows (tests/layers/quantization/test_gguf_x8_rows.py checks those)."""
     rng = np.random.default_rng(5)
     g = torch.Generator().manual_seed(5)
     for qtype, K in ((T.Q4_1, 64), (T.Q8_0, 96), (T.Q4_K, 256), (T.Q6_K, 256)):
@@ -87,7 +87,7 @@ def test_int8_kernel_equals_quantized_x_reference():
             ref = quantize_x(x).double() @ W.T + (0 if b is None else b.double())
             _close(y, ref, K, f"int8 N={N} K={K}")
             assert not torch.equal(y, torch.ops.tokenmill.int8_linear(x, q, s, b))
-        # More rows take the int8 path too, each row as alone (tests/test_int8_activation_rows.py checks more).
+        # More rows take the int8 path too, each row as alone (tests/layers/quantization/test_int8_activation_rows.py checks more).
         x = torch.randn(3, K, generator=g)
         y = torch.ops.tokenmill.int8_linear(x, q, s, None, True)
         assert not torch.equal(y, torch.ops.tokenmill.int8_linear(x, q, s, None))

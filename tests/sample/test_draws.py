@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_rejection_sampler import chi2_sf
+from test_rejection_sampler import chi2_sf
 from tokenmill.sample.draws import (ACCEPT_STREAM, SAMPLE_STREAM, UNSEEDED, counter_uniforms, inverse_cdf,
                                     position_seed, position_seeds, row_uniforms)
 from tokenmill.sample.sampler import Sampler, SamplingMetadata

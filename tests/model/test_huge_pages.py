@@ -17,7 +17,7 @@ import torch
 
 from tokenmill import huge_pages, native
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import model_shapes as ms  # noqa: E402
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from server_harness import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from _servers import descendants  # noqa: E402
 

@@ -5,7 +5,7 @@ utility calls waiting for the core.
 Before: the first /v1/diagnostics or /v1/kv_events after the core died on an idle server waited forever (the
 output thread had stopped, and the message went to a dead pipe); the core in a thread queued its outputs
 without bound. No model here: the core is a fake behind the real AsyncLLMEngine, ThreadCoreClient and
-run_core_loop; tests/test_server_core_process.py kills a real core process.
+run_core_loop; tests/serve/test_server_core_process.py kills a real core process.
 """
 from __future__ import annotations
 

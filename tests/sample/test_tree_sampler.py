@@ -1,6 +1,6 @@
 """Tree verification (sample/tree_sampler.py): the greedy walk follows the target's argmax through the tree; with
 sampling and point-mass drafts every emitted token is distributed as the target's row that scored it (chi-square,
-as tests/test_rejection_sampler.py does for chains: N requests with the same tree in one call); seeded requests
+as tests/sample/test_rejection_sampler.py does for chains: N requests with the same tree in one call); seeded requests
 draw the same alone and in a batch; a chain verified as a tree gives what the chain verifier gives (greedy)."""
 from __future__ import annotations
 

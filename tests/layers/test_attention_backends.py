@@ -9,6 +9,7 @@ allocation does not zero the pool, that K/V land in the slots given, and externa
 """
 from __future__ import annotations
 
+from pathlib import Path
 import random
 from dataclasses import dataclass
 
@@ -300,7 +301,7 @@ def test_engine_without_native_kernels_generates_the_same_tokens(tmp_path):
     import subprocess
     import sys
 
-    from tests.tiny import make_tiny_model
+    from tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", "llama")
     code = (
@@ -313,7 +314,7 @@ def test_engine_without_native_kernels_generates_the_same_tokens(tmp_path):
     for flag in ("1", "0"):
         env = dict(os.environ, TOKENMILL_NO_NATIVE=flag, OMP_NUM_THREADS="1")
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                           cwd=os.path.dirname(os.path.dirname(__file__)))
+                           cwd=str(Path(__file__).resolve().parents[2]))
         assert r.returncode == 0, r.stderr[-2000:]
         got[flag] = json.loads(r.stdout.strip().splitlines()[-1])
         if flag == "1":

@@ -8,7 +8,7 @@ import torch
 from tokenmill import native
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.attention_backends import get_attention_backend, kv_quant
-from tests.test_cpu_paged_attention import make_case, reference
+from test_cpu_paged_attention import make_case, reference
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels not built: {native.load()}")
 INT8, FP8 = torch.int8, kv_quant.FP8

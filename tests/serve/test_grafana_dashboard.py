@@ -11,7 +11,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from tokenmill.serve.metrics import ServerMetrics
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "examples" / "grafana" / "tokenmill.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "tokenmill.json"
 METRIC = re.compile(r"tokenmill:[A-Za-z0-9_:]+")
 
 

@@ -218,7 +218,7 @@ def test_a_program_that_exits_without_shutting_down_does_not_hang(model_path, tm
     the program hung at exit. The client now shuts the core down first."""
     script = tmp_path / "leave.py"
     script.write_text(LEAVE)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, str(script), str(model_path)], capture_output=True, text=True,
                           timeout=START_DEADLINE_S, env=env)
     assert done.returncode == 0, done.stderr[-3000:]

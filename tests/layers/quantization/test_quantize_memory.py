@@ -102,7 +102,7 @@ def loads(tmp_path_factory) -> dict[str, dict]:
     path = tmp_path_factory.mktemp("qmem")
     _write_model(path)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[3]), env.get("PYTHONPATH", "")])
     procs = {m: subprocess.Popen([sys.executable, "-c", _PROBE, str(path), m], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=env)
              for m in ("none", "int8", "int4")}

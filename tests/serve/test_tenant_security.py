@@ -11,8 +11,8 @@ with tenants, an admin key and an internal key:
   `cache_salt` separates requests of one tenant;
 - a key removed by a reload under load: the stream in flight ends normally, the key's next request is 401.
 
-Quota attacks (batches, n, echo, cut streams, concurrency at the boundary) are in tests/test_router_accounting.py
-and tests/test_tenants.py."""
+Quota attacks (batches, n, echo, cut streams, concurrency at the boundary) are in tests/router/test_router_accounting.py
+and tests/serve/test_tenants.py."""
 from __future__ import annotations
 
 import json

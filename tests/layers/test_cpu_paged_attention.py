@@ -14,7 +14,7 @@ import torch
 from tokenmill import native
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.attention_backends import BatchLayout, get_attention_backend
-from tests.test_attention_backends import dense_reference
+from test_attention_backends import dense_reference
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels not built: {native.load()}")
 

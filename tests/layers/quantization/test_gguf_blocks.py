@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+from pathlib import Path
 import contextlib
 import math
 import os
@@ -106,7 +107,7 @@ def test_fused_few_rows_path_behind_its_switch():
     import sys
 
     code = (
-        "import math, torch, gguf, sys; sys.path.insert(0, 'tests'); import test_gguf_blocks as t\n"
+        "import math, torch, gguf, sys; sys.path[:0] = ['tests', 'tests/layers/quantization']; import test_gguf_blocks as t\n"
         "from tokenmill import native\n"
         "for q in t.KERNEL_TYPES:\n"
         "    K = t._k_for(q); b = t.random_blocks(q, 9, K); x = torch.randn(3, K)\n"
@@ -116,7 +117,7 @@ def test_fused_few_rows_path_behind_its_switch():
         "print('ok')\n")
     env = dict(os.environ, TOKENMILL_GGUF_DEQUANT_ROWS="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=str(Path(__file__).resolve().parents[3]))
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 
@@ -129,7 +130,7 @@ def test_prefetch_distance_never_changes_a_result(tmp_path):
     import sys
 
     code = (
-        "import sys, torch; sys.path.insert(0, 'tests'); import test_gguf_blocks as t\n"
+        "import sys, torch; sys.path[:0] = ['tests', 'tests/layers/quantization']; import test_gguf_blocks as t\n"
         "from tokenmill.layers.quantization import gguf as gq\n"
         "torch.set_num_threads(2); torch.manual_seed(0); out = []\n"
         "for q in t.KERNEL_TYPES:\n"
@@ -141,7 +142,7 @@ def test_prefetch_distance_never_changes_a_result(tmp_path):
         "            for x8 in (False, True):\n"
         "                out.append(torch.ops.tokenmill.gguf_linear(x, w, qt, K, None, x8))\n"
         "torch.save(out, sys.argv[1])\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(Path(__file__).resolve().parents[3])
     results = []
     for dist in ("0", None, "64", "100000000"):
         env = dict(os.environ)

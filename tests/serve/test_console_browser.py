@@ -49,7 +49,7 @@ tenants:
   - {name: team-a, keys: [sk-a]}
   - {name: team-b, keys: [sk-b], limits: {concurrent: 4, requests_per_minute: 600}}
 """
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 30  # every wait's deadline: generous for a loaded 2-core machine, never a fixed sleep
 
 
