@@ -1,5 +1,5 @@
 """The web console (docs/console.md) in a real headless Chromium (Debian's `chromium` + `chromium-driver`, driven
-by selenium), against one live server on a tiny random model with tenants, an admin key and a usage database:
+by selenium), against one live server on the embedded model (SmolLM2-135M) with tenants, an admin key and a usage database:
 
 - Chat streams a reply (text appears while the request runs, then TTFT and tokens/s under it), and Stop aborts a
   long one: the server's running count drops to 0 and it generated far fewer tokens than asked; the export;
@@ -30,7 +30,6 @@ import httpx
 import pytest
 
 from server_harness import start_server
-from tiny import make_tiny_model
 
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -56,12 +55,12 @@ WAIT_S = 30  # every wait's deadline: generous for a loaded 2-core machine, neve
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("console")
-    model = make_tiny_model(root / "tiny", "llama", max_position_embeddings=4096)
     keys = root / "keys.yaml"
     keys.write_text(KEYS)
-    srv = start_server(model, root / "server.log", "--served-model-name", "tiny", "--api-keys-file", str(keys),
+    # the embedded SmolLM2-135M (no model argument), served as "tiny": the chat streams a real model's reply
+    srv = start_server(None, root / "server.log", "--served-model-name", "tiny", "--api-keys-file", str(keys),
                        "--admin-key", ADMIN, "--usage-db", str(root / "usage.db"), "--max-model-len", "4096",
-                       "--kv-cache-memory-bytes", "32M")
+                       "--kv-cache-memory-bytes", "192M")
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -229,7 +228,7 @@ def test_chat_shows_server_errors(server, browser):
 
 
 # A canned stream (what a reasoning model with tools would send), answered by a stand-in for fetch inside the page:
-# the tiny random model emits neither reasoning nor tool calls.
+# the embedded model emits neither reasoning nor tool calls on demand.
 CANNED = [
     {"choices": [{"index": 0, "delta": {"role": "assistant", "reasoning_content": "First think <b>hard</b>."}}]},
     {"choices": [{"index": 0, "delta": {"content": "Here: <img src=x onerror=\"window.pwned=1\">\n\n```python\n"

@@ -55,14 +55,17 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                     media_type="application/json")
 
 
-async def prepare_chat(state: ServerState, req: ChatCompletionRequest,
-                       adm: Admission) -> tuple[ChatPlan, str, list[int], SamplingParams]:
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest, adm: Admission,
+                       constraint: tuple[StructuredOutputsParams | None, str] | None = None
+                       ) -> tuple[ChatPlan, str, list[int], SamplingParams]:
     """What a chat request does between admit() and submit(), for every chat-shaped surface (chat completions,
-    the Responses API): its output plan (tools, reasoning) and constraint, the cheap list checks, its sequence
-    slots, the prompt rendered and tokenized, the grammar checked and the SamplingParams built."""
+    the Responses and Messages APIs): its output plan (tools, reasoning) and constraint, the cheap list checks,
+    its sequence slots, the prompt rendered and tokenized, the grammar checked and the SamplingParams built.
+    `constraint`: the output format and the field it came from, where a surface names it in its own field (the
+    Messages API's output_config); else the request's response_format / structured outputs."""
     tok = state.engine.tokenizer
     plan = chat_plan(req, state.settings, tok)
-    so, so_param = request_constraint(req)
+    so, so_param = constraint if constraint is not None else request_constraint(req)
     if plan.constrained_tools:
         if so is not None:
             raise bad_request(f"{so_param} cannot be combined with tool_choice {req.tool_choice!r}: the tool call "

@@ -14,14 +14,11 @@ from tokenmill.serve.anthropic.convert import chat_request, conversation
 from tokenmill.serve.anthropic.output import content_blocks, stop_reason, usage
 from tokenmill.serve.anthropic.protocol import CountTokensRequest, CountTokensResponse, MessageResponse, MessagesRequest
 from tokenmill.serve.anthropic.stream import stream_message
-from tokenmill.serve.chat_completions import generation_prompt
-from tokenmill.serve.chat_output import chat_plan
+from tokenmill.serve.chat_completions import prepare_chat
 from tokenmill.serve.chat_prompt import chat_prompt
 from tokenmill.serve.errors import bad_request
 from tokenmill.serve.generation import SSEResponse
-from tokenmill.serve.sampling import build_sampling_params, check_lists
 from tokenmill.serve.state import ServerState
-from tokenmill.serve.structured import check_constraint
 from tokenmill.serve.tenants.keys import tenant_of
 from tokenmill.serve.tools import validate_tools
 
@@ -41,26 +38,12 @@ async def create_message(state: ServerState, req: MessagesRequest, raw: Request,
         raise bad_request('tool_choice "auto" (the default with tools) needs a server started with '
                           '--enable-auto-tool-choice and --tool-call-parser; or use tool_choice "any", "tool" or '
                           '"none".', "tool_choice")
-    plan = chat_plan(chat, settings, state.engine.tokenizer)
-    so = _output_format(req)
-    if plan.constrained_tools:
-        # A forced call (tool_choice any / tool) is generated under the tools' JSON schema, as chat completions does.
-        if so is not None:
-            raise bad_request("output_config.format cannot be combined with tool_choice \"any\" or \"tool\": the "
-                              "tool call is the output's format.", "output_config")
-        so = StructuredOutputsParams(json=plan.tool_schema())
-    check_lists(chat, state.limits)  # cheap refusals before the template renders
-    adm.take_sequences(1)
-    text, ids = await chat_prompt(state, chat.messages, chat.add_generation_prompt, chat.continue_final_message,
-                                  chat.tools, chat.chat_template_kwargs)
-    reasoning = plan.reasoning()
-    if reasoning is not None:
-        plan.reasoning_ended = reasoning.ended_in_prompt(await generation_prompt(state, chat, text))
-        if so is not None and not plan.reasoning_ended:
-            so.start_after_token_ids = tuple(reasoning.end_token_ids())  # the call follows the reasoning
-    if so is not None:
-        await check_constraint(state, so, "tools" if plan.constrained_tools else "output_config")
-    params = build_sampling_params(chat, [len(ids)], state.limits, so)
+    output = _output_format(req)
+    if output is not None and req.tool_choice is not None and req.tool_choice.type in ("any", "tool"):
+        # (prepare_chat would refuse it too, naming the chat form of the choice)
+        raise bad_request("output_config.format cannot be combined with tool_choice \"any\" or \"tool\": the "
+                          "tool call is the output's format.", "output_config")
+    plan, text, ids, params = await prepare_chat(state, chat, adm, (output, "output_config"))
     sub = await adm.submit([ids], [text], [params])
     if req.stream:
         return SSEResponse(stream_message(sub, message_id(), adm.model, plan))
