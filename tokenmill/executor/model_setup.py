@@ -61,6 +61,11 @@ def log_weights(config: EngineConfig, model: torch.nn.Module, quant: Quantizatio
     bf16 = quant is not None and quant.name == "gguf" and mc.quantized_batch_dtype == "bfloat16"
     if bf16:
         how += ", batches of 32+ rows in bf16"
+        from tokenmill.platform import cpu_supports
+
+        if not cpu_supports(torch.bfloat16):  # (GGUF blocks are kept on the CPU only)
+            log.warning("--quantized-batch-dtype bfloat16: this CPU has neither AVX-512 BF16 nor AMX-BF16, so bf16 "
+                        "GEMMs are emulated and prompts run slower than with float32 (the default)")
     # Streamed weights are not resident: counting them here contradicted the store's own line above.
     streamed = sum(p.numel() * p.element_size() for p in streamed_parameters(model))
     log.info("weights: %.1f MiB resident%s%s", (resident_weight_bytes(model) - streamed) / 2**20,

@@ -133,3 +133,22 @@ def test_engine_prompts_in_bf16_short_prompts_and_decode_unchanged(tmp_path):
     assert runs["bfloat16"][0] == runs["float32"][0]  # one row at a time, and short prompts: float32 bit for bit
     diff = max(abs(a - b) for a, b in zip(runs["bfloat16"][1], runs["float32"][1]))
     assert 0 < diff < 0.05, diff  # the long prompt ran in bf16: close, not equal
+
+
+def test_a_cpu_without_native_bf16_is_warned(tmp_path, monkeypatch, caplog):
+    """The switch is opt-in; on a CPU that would emulate bf16 (AVX2 only) the start-up log says it is slower."""
+    import logging
+
+    from tokenmill import platform
+
+    folder = make_tiny_model(tmp_path / "m", "llama", tie_word_embeddings=True)
+    path = write_gguf(folder, tmp_path / "m.gguf", types=smollm2_layout)
+    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    with caplog.at_level(logging.WARNING, logger="tokenmill.executor.worker"):
+        _llm(path, folder, quantized_batch_dtype="bfloat16").close()
+    assert any("neither AVX-512 BF16 nor AMX-BF16" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset({"avx2", "fma", "amx_bf16"}))
+    with caplog.at_level(logging.WARNING, logger="tokenmill.executor.worker"):
+        _llm(path, folder, quantized_batch_dtype="bfloat16").close()
+    assert not any("AMX-BF16" in r.getMessage() for r in caplog.records)
