@@ -273,3 +273,172 @@ def write_family_gguf(hf_dir: str | Path, out: str | Path, qtype=None) -> Path:
             a = a + 1.0
         add_tensor(w, g, a, qtype)
     return finish(w, out)
+
+
+# ---- DeepSeek-V2 / V3 (llama.cpp's deepseek2) ------------------------------------------------------------------
+DEEPSEEK_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
+EXPERT_GGUF = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+
+
+def deepseek_stores_quantized(gguf_name: str, a: np.ndarray, qtype) -> bool:
+    """Whether the DeepSeek writer stores this array as `qtype`: matrices (2-D or merged 3-D) whose rows are whole
+    blocks, except the router (llama.cpp's quantize keeps ffn_gate_inp as it is); the rest float32."""
+    import gguf
+
+    if qtype is None or qtype == gguf.GGMLQuantizationType.F32 or a.ndim < 2 or "ffn_gate_inp" in gguf_name:
+        return False
+    return a.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+
+
+def split_kv_b(a: np.ndarray, heads: int, qk_nope: int) -> tuple[np.ndarray, np.ndarray]:
+    """kv_b_proj [H * (qk_nope + v), kv_lora] -> (k_b [H, kv_lora, qk_nope], v_b [H, v, kv_lora]), as llama.cpp's
+    converter splits it for the absorbed product."""
+    kv = a.reshape(heads, -1, a.shape[-1])
+    return np.ascontiguousarray(kv[:, :qk_nope].transpose(0, 2, 1)), np.ascontiguousarray(kv[:, qk_nope:])
+
+
+def deepseek_gguf_arrays(state: dict, cfg, split: bool = True):
+    """(GGUF name, float32 array) for a DeepSeek checkpoint's tensors as llama.cpp's converter lays them out:
+    experts merged per layer, kv_b_proj split into k_b / v_b (`split`, newer converters) or kept whole, the
+    correction bias as exp_probs_b.bias, the MTP layer left out."""
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, t in state.items():
+        a = t.float().numpy()
+        if name in top:
+            yield top[name], a
+            continue
+        parts = name.split(".")
+        i = parts[2]
+        if int(i) >= cfg.num_hidden_layers:
+            continue  # the MTP layer: llama.cpp skips it for deepseek2
+        rest = ".".join(parts[3:])
+        if rest == "mlp.gate.e_score_correction_bias":
+            yield f"blk.{i}.exp_probs_b.bias", a
+        elif rest.startswith("mlp.experts."):
+            e, proj = int(parts[5]), parts[6]
+            experts.setdefault((i, proj), {})[e] = a
+        elif rest == "self_attn.kv_b_proj.weight" and split:
+            k_b, v_b = split_kv_b(a, cfg.num_attention_heads, cfg.qk_nope_head_dim)
+            yield f"blk.{i}.attn_k_b.weight", k_b
+            yield f"blk.{i}.attn_v_b.weight", v_b
+        else:
+            base, kind = rest.rsplit(".", 1)
+            yield f"blk.{i}.{DEEPSEEK_NAMES[base]}.{kind}", a
+    for (i, proj), by_expert in experts.items():
+        yield f"blk.{i}.{EXPERT_GGUF[proj]}.weight", np.stack([by_expert[e] for e in sorted(by_expert)])
+
+
+def write_deepseek_gguf(hf_dir: str | Path, out: str | Path, qtype=None, split: bool = True) -> Path:
+    """A DeepSeek-V2 / V3 folder as llama.cpp's convert_hf_to_gguf.py writes it (general.architecture deepseek2):
+    MLA as MQA (head_count_kv 1); with `split` (newer converters) key/value_length the latent's widths and the
+    per-head sizes in key/value_length_mla, kv_b_proj as k_b / v_b; else key/value_length per head and attn_kv_b.
+    `qtype` (F16 or a block type) for the matrices deepseek_stores_quantized names; the rest float32."""
+    import gguf
+    from safetensors.torch import load_file
+    import transformers as tf
+
+    cfg = tf.AutoConfig.from_pretrained(hf_dir)
+    v3 = cfg.model_type == "deepseek_v3"
+    w = gguf.GGUFWriter(str(out), "deepseek2")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(1)  # MLA written as MQA
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(key) is not None:
+                add(rope[key])
+        if rope.get("mscale_all_dim") is not None:
+            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    if split:
+        w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.kv_lora_rank)
+        w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length_mla(cfg.v_head_dim)
+    else:
+        w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        w.add_value_length(cfg.v_head_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    # the released configs' scoring_func: V3 sigmoid, V2 softmax
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    state = load_file(str(Path(hf_dir) / "model.safetensors"))
+    F16 = gguf.GGMLQuantizationType.F16
+    for g, a in deepseek_gguf_arrays(state, cfg, split):
+        if not deepseek_stores_quantized(g, a, qtype):
+            w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
+        elif qtype == F16:
+            w.add_tensor(g, a.astype(np.float16))
+        else:
+            q = quantize(a.reshape(-1, a.shape[-1]), qtype).reshape(*a.shape[:-1], -1)
+            w.add_tensor(g, q, raw_shape=q.shape, raw_dtype=qtype)
+    return finish(w, out)
+
+
+def deepseek_round_trip(hf_dir: str | Path, out: str | Path, qtype, split: bool = True) -> Path:
+    """A copy of a DeepSeek folder whose tensors hold what write_deepseek_gguf stores for them (`qtype` and back,
+    in the layout the file has them: kv_b_proj's halves as k_b / v_b), so the file and the folder are one model."""
+    import shutil
+
+    import gguf
+    import torch
+    from safetensors.torch import load_file, save_file
+    import transformers as tf
+
+    cfg = tf.AutoConfig.from_pretrained(hf_dir)
+    shutil.copytree(hf_dir, out)
+    state = load_file(str(Path(hf_dir) / "model.safetensors"))
+
+    def back(g: str, a: np.ndarray) -> np.ndarray:
+        if not deepseek_stores_quantized(g, a, qtype):
+            return a
+        if qtype == gguf.GGMLQuantizationType.F16:
+            return a.astype(np.float16).astype(np.float32)
+        return gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype).reshape(a.shape)
+
+    for name, t in state.items():
+        a = t.float().numpy()
+        if name.endswith("self_attn.kv_b_proj.weight") and split:
+            k_b, v_b = split_kv_b(a, cfg.num_attention_heads, cfg.qk_nope_head_dim)
+            k_b, v_b = back("attn_k_b", k_b), back("attn_v_b", v_b)
+            a = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(a.shape)
+        elif name.endswith("mlp.gate.weight"):
+            a = back("ffn_gate_inp", a)
+        else:
+            a = back(name, a)  # a per-expert matrix has the merged tensor's rows
+        state[name] = torch.from_numpy(np.ascontiguousarray(a)).to(t.dtype)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(Path(out) / "model.safetensors"),
+              metadata={"format": "pt"})
+    return Path(out)

@@ -38,6 +38,7 @@ ARCHS = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "glm4": ("Glm4Config", "Glm4ForCausalLM"),
+    "deepseek2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),  # or V3's: model/gguf_deepseek.py decides
 }
 MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")  # llama.cpp writes Mixtral as "llama" with an expert count
 # Architectures whose Q/K rows llama.cpp permuted for its rope layout.
@@ -118,10 +119,15 @@ def hf_config_from_gguf(path: str):
         kw["rope_parameters"] = rope
         if m("attention.sliding_window"):
             kw["sliding_window"] = int(m("attention.sliding_window"))
-    kw.update(_family_kwargs(arch, m, tensors, kw, reader))
+    if arch == "deepseek2":  # MLA + DeepSeekMoE: its own keys and config classes
+        from tokenmill.model.gguf_deepseek import deepseek2_config
+
+        names, kw = deepseek2_config(m, tensors, kw)
+    else:
+        kw.update(_family_kwargs(arch, m, tensors, kw, reader))
+        kw.update(_moe_kwargs(arch, m, tensors))
     if arch == "qwen2":
         kw["tie_word_embeddings"] = kw["tie_word_embeddings"]
-    kw.update(_moe_kwargs(arch, m, tensors))
     # getattr: the transformers config class by name
     cls = getattr(transformers, names[0])
     cfg = cls(**kw)
@@ -240,6 +246,10 @@ def gguf_to_hf_names(path: str, cfg) -> dict[str, str]:
     import gguf
 
     arch = cfg.gguf_architecture
+    if arch == "deepseek2":
+        from tokenmill.model.gguf_deepseek import deepseek2_tensor_names
+
+        return deepseek2_tensor_names(cfg.num_hidden_layers)
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
     out = {}
@@ -279,6 +289,11 @@ def iter_gguf_weights(path: str, cfg, dtype: torch.dtype,
     reader = read_gguf(path)
     names = gguf_to_hf_names(path, cfg)
     arch = cfg.gguf_architecture
+    joiner = None
+    if arch == "deepseek2":
+        from tokenmill.model.gguf_deepseek import KvBJoiner, split_kv_b_part
+
+        joiner = KvBJoiner()
     for t in reader.tensors:
         hf = names.get(t.name)
         if hf is None:
@@ -295,6 +310,11 @@ def iter_gguf_weights(path: str, cfg, dtype: torch.dtype,
                 raise ValueError(f"{path}: GGUF tensor {t.name} has type {gguf.GGMLQuantizationType(t.ggml_type).name}, "
                                  f"which the gguf package cannot dequantize ({e})") from None
             w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        part = split_kv_b_part(t.name) if joiner is not None and not blocks else None
+        if part is not None:  # newer DeepSeek files: kv_b_proj split per head into k_b (transposed) and v_b
+            w = joiner.add(t.name, part, w)
+            if w is None:
+                continue
         if arch in PERMUTED_QK:
             if ".attn_q." in t.name:
                 w = unpermute_rope_rows(w, cfg.num_attention_heads)
@@ -309,6 +329,8 @@ def iter_gguf_weights(path: str, cfg, dtype: torch.dtype,
         if arch in NORM_PLUS_ONE and t.name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
         yield hf, torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
+    if joiner is not None:
+        joiner.check_done(path)
 
 
 FLOAT_TYPES = {0, 1, 28, 30}  # F32, F16, F64, BF16: a float parameter from these was not dequantized
