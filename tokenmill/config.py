@@ -34,8 +34,8 @@ class ModelConfig:
     # 32 columns, as llama.cpp; int8_per_token: int8 weights take one scale per row and torch._int_mm (W8A8,
     # vLLM's dynamic per-token), the others as int8; none: float32 activations (exact against transformers)
     activation_quantization: str = "none"
-    # bfloat16: batches of 32+ rows through GGUF block weights dequantize each weight once into bf16 and run one
-    # bf16 GEMM (AMX / AVX-512 BF16 through oneDNN); float32 (default): float panels and SGEMM, exact
+    # bfloat16: batches of 32+ rows through GGUF block weights dequantize panels of weight rows into bf16 and run
+    # bf16 GEMMs (AMX / AVX-512 BF16 through oneDNN); float32 (default): float panels and SGEMM, exact
     quantized_batch_dtype: str = "float32"
     # CPU: keep at most this many GiB of weights in memory and stream the other decoder layers from a file on
     # disk each step (model/weight_store.py); None: every weight resident

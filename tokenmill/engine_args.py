@@ -94,7 +94,7 @@ class EngineArgs:
         "transformers (default: %(default)s).", choices=ACTIVATION_QUANTIZATIONS)
     quantized_batch_dtype: str = _arg(
         ModelConfig.quantized_batch_dtype, "bfloat16: batches of 32 or more rows through GGUF block weights (prompt "
-        "processing, many sequences decoding) dequantize each weight once per call into bf16 and run one bf16 GEMM "
+        "processing, many sequences decoding) dequantize panels of weight rows into bf16 and run bf16 GEMMs "
         "(oneDNN: AMX or AVX-512 BF16 where the CPU has them; 4-5x float32 for a 512-token prompt on a Xeon with "
         "AMX). Activations, weights and results are rounded to bf16, so outputs differ slightly from float32; "
         "decode of fewer rows is unchanged. Slower than float32 on CPUs without native bf16 (AVX2 only). "

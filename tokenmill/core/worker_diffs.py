@@ -41,7 +41,7 @@ class WorkerDiffs:
                 b.num_sample_rows.append(len(spec) + 1)
             else:
                 # (an embedding request samples nothing: the runner pools its hidden states instead)
-                b.num_sample_rows.append(1 if start + n >= req.num_tokens and req.params.pooling is None else 0)
+                b.num_sample_rows.append(1 if start + n >= req.num_tokens and req.pooling is None else 0)
             if req.sent is None:
                 tables = [self._table(req, g) for g in range(len(req.tables))]
                 b.new_requests.append(NewRequestData(

@@ -144,8 +144,8 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, K: int,
                 bf16_batches: bool = False) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) for W as block rows; returns x's dtype. int8_activations: a single row of x
     is quantized to int8 per 32 columns for Q4_0 / Q4_1 / Q8_0 (llama.cpp's numerics; the kernel's only).
-    bf16_batches: from 32 rows, W dequantized into bf16 and one bf16 GEMM (the kernel's only; the reference
-    path without kernels stays float32)."""
+    bf16_batches: from 32 rows, panels of W's rows dequantized into bf16 and multiplied by bf16 GEMMs (the
+    kernel's only; the reference path without kernels stays float32)."""
     x2 = x.reshape(-1, K)
     if _native_ok(x2):
         y = torch.ops.tokenmill.gguf_linear(x2, blocks, qtype, K, bias, int8_activations, bf16_batches)
