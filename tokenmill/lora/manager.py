@@ -13,7 +13,8 @@ import torch
 
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.lora import LoRALayer, LoRAStep
-from tokenmill.lora.peft import LAYER_INDEX, TARGETS, LoRAAdapter, LoRAFormatError, check_shapes, load_peft
+from tokenmill.lora.peft import (LAYER_INDEX, TARGETS, LoRAAdapter, LoRAFormatError, check_module_shape, check_shapes,
+                                 load_peft)
 from tokenmill.lora.request import LoRARequest
 from tokenmill.model.gguf_loader import unpermute_rope_rows
 
@@ -41,7 +42,7 @@ class AdapterTargets:
 
     def __init__(self, model: DecoderForCausalLM) -> None:
         self.naming = model.weight_naming
-        packed = model.packed_modules_mapping
+        packed = self.packed = model.packed_modules_mapping
         self.unpacked = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
         names = {part for part in TARGETS if part not in self.unpacked} | {f for f, _ in self.unpacked.values()}
         self.layers: dict[str, LinearBase] = {
@@ -50,12 +51,23 @@ class AdapterTargets:
         # Layer indices present in the model but not on this pipeline stage: an adapter's modules there are
         # another stage's to load.
         self.num_layers = len(model.layers)
-        self.shapes: dict[str, tuple[int, int]] = {}  # checkpoint suffix (q_proj, ...) -> (in, out), full
+        # checkpoint suffix (q_proj, ...) -> the full (in, out) of each layer of that name
+        self.shapes: dict[str, list[tuple[int, int]]] = {}
         for name, layer in self.layers.items():
             suffix = name.rsplit(".", 1)[-1]
-            parts = packed.get(suffix, [suffix])
-            for part, shape in zip(parts, layer.lora_shapes()):
-                self.shapes.setdefault(part, shape)
+            for part, shape in self._checkpoint_shapes(suffix, layer):
+                if shape not in self.shapes.setdefault(part, []):
+                    self.shapes[part].append(shape)
+
+    def _checkpoint_shapes(self, suffix: str, layer: LinearBase) -> list[tuple[str, tuple[int, int]]]:
+        """(checkpoint module suffix, full (in, out)) of what an adapter targets in this layer: each packed part,
+        or, where the checkpoint itself stores the layer fused (Phi-3's qkv_proj, GLM-4's gate_up_proj), the
+        whole layer (its shards' outputs stacked)."""
+        shards = layer.lora_shapes()
+        parts = self.packed.get(suffix)
+        if parts is not None:
+            return list(zip(parts, shards))
+        return [(suffix, (shards[0][0], sum(n_out for _, n_out in shards)))]
 
     def locate(self, module: str) -> tuple[str, int] | None:
         """A checkpoint module name -> (this model's layer name, shard index); None if not on this rank."""
@@ -83,10 +95,20 @@ class AdapterTargets:
             layer = self.layers[name]
             b = w.b
             part = module.rsplit(".", 1)[-1]
+            suffix = name.rsplit(".", 1)[-1]
+            check_module_shape(adapter, module, w, [s for p, s in self._checkpoint_shapes(suffix, layer) if p == part])
             if adapter.rope_permuted and part in ("q_proj", "k_proj"):
                 b = unpermute_rope_rows(b, layer.total_num_heads if part == "q_proj" else layer.total_num_kv_heads)
-            parts = out.setdefault(name, [None] * len(layer.lora_shapes()))
-            parts[shard] = layer.lora_cut(shard, w.a, b)
+            shards = layer.lora_shapes()
+            parts = out.setdefault(name, [None] * len(shards))
+            if suffix == part and len(shards) > 1:
+                # The whole fused layer adapted by one (A, B): each shard gets A and its own rows of B (the
+                # delta x A^T B_s^T of shard s; A is multiplied once per shard, the price of the shared slots).
+                rows = b.split([n_out for _, n_out in shards])
+                for s, b_s in enumerate(rows):
+                    parts[s] = layer.lora_cut(s, w.a, b_s)
+            else:
+                parts[shard] = layer.lora_cut(shard, w.a, b)
         return out
 
 

@@ -15,8 +15,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-# The projections an adapter may target, by their checkpoint names (Llama, Mistral, Qwen2/3, Gemma 3).
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections an adapter may target, by their checkpoint names: Llama's seven (every family but Phi-3 has
+# some of them), the fused qkv_proj / gate_up_proj of checkpoints that store them fused (Phi-3; GLM-4's
+# gate_up_proj), and MLA's linear projections (DeepSeek-V2/V3). A model checks an adapter's targets against the
+# layers it has (lora/manager.py).
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj",
+           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
+# Targets PEFT can adapt that this engine cannot compute, with why.
+REFUSED = {
+    "kv_b_proj": "MLA's kv_b_proj is never run as a linear layer: the absorbed attention multiplies queries and "
+                 "outputs by its per-head blocks, so a low-rank delta on it has no place to be added",
+}
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
 
 
@@ -52,9 +61,11 @@ class LoRAAdapter:
 LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
-def check_shapes(adapter: LoRAAdapter, shapes: dict[str, tuple[int, int]], num_layers: int) -> None:
+def check_shapes(adapter: LoRAAdapter, shapes: dict[str, list[tuple[int, int]]], num_layers: int) -> None:
     """Every module against the base model: a projection it has, a layer index it has, A [r, in] and B [out, r]
-    of its sizes (`shapes`: checkpoint module name -> full (in, out)). Raises LoRAFormatError naming the module."""
+    of one of its sizes (`shapes`: checkpoint suffix -> full (in, out) of each layer of that name: DeepSeek's
+    dense MLP and shared experts are both gate_proj, of different widths; the worker checks the very layer).
+    Raises LoRAFormatError naming the module."""
     for module, w in adapter.modules.items():
         part = module.rsplit(".", 1)[-1]
         want = shapes.get(part)
@@ -65,11 +76,15 @@ def check_shapes(adapter: LoRAAdapter, shapes: dict[str, tuple[int, int]], num_l
         if m is not None and int(m.group(1)) >= num_layers:
             raise LoRAFormatError(f"LoRA adapter {adapter.path}: {module} is layer {m.group(1)}; the model has "
                                   f"{num_layers} (an adapter for another base model?).")
-        n_in, n_out = want
-        if w.a.shape[1] != n_in or w.b.shape[0] != n_out:
-            raise LoRAFormatError(
-                f"LoRA adapter {adapter.path}: {module} has lora_A {tuple(w.a.shape)} and lora_B {tuple(w.b.shape)}; "
-                f"this model's {part} needs [r, {n_in}] and [{n_out}, r] (an adapter for another base model?).")
+        check_module_shape(adapter, module, w, [tuple(s) for s in want])
+
+
+def check_module_shape(adapter: LoRAAdapter, module: str, w: LoRAWeights, want: list[tuple[int, int]]) -> None:
+    if (w.a.shape[1], w.b.shape[0]) not in want:
+        needs = " or ".join(f"[r, {n_in}] and [{n_out}, r]" for n_in, n_out in want)
+        raise LoRAFormatError(
+            f"LoRA adapter {adapter.path}: {module} has lora_A {tuple(w.a.shape)} and lora_B {tuple(w.b.shape)}; "
+            f"this model's {module.rsplit('.', 1)[-1]} needs {needs} (an adapter for another base model?).")
 
 
 def read_config(path: str) -> dict:
@@ -109,11 +124,17 @@ def check_config(cfg: dict, where: str, max_rank: int) -> None:
         refuse(f"bias {cfg['bias']!r} is not supported (only 'none')")
     if cfg.get("fan_in_fan_out"):
         refuse("fan_in_fan_out (Conv1D layers) is not supported")
+    if cfg.get("target_parameters"):
+        refuse(f"target_parameters {cfg['target_parameters']} (LoRA on a MoE layer's fused expert weights, as PEFT "
+               "saves gate_proj / up_proj / down_proj targets of a MoE model) is not supported")
     for key in ("rank_pattern", "alpha_pattern"):
         if cfg.get(key):
             refuse(f"{key} (per-module ranks or alphas) is not supported")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
+        for t in targets:
+            if t.rsplit(".", 1)[-1] in REFUSED:
+                refuse(f"target module {t!r} is not supported ({REFUSED[t.rsplit('.', 1)[-1]]})")
         unknown = sorted(set(t.rsplit(".", 1)[-1] for t in targets) - set(TARGETS))
         if unknown:
             refuse(f"target modules {unknown} are not supported (supported: {', '.join(TARGETS)})")
@@ -158,6 +179,9 @@ def load_peft(path: str, max_rank: int) -> LoRAAdapter:
             raise LoRAFormatError(f"LoRA adapter {where}: tensor {key!r} is not a lora_A / lora_B weight "
                                   "(embedding adapters, biases and saved modules are not supported).")
         module = m.group("module")
+        if module.rsplit(".", 1)[-1] in REFUSED:
+            raise LoRAFormatError(f"LoRA adapter {where}: module {module!r} is not supported "
+                                  f"({REFUSED[module.rsplit('.', 1)[-1]]}).")
         if module.rsplit(".", 1)[-1] not in TARGETS:
             raise LoRAFormatError(f"LoRA adapter {where}: module {module!r} is not a supported target "
                                   f"({', '.join(TARGETS)}).")
