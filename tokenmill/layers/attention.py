@@ -41,6 +41,7 @@ class Attention(nn.Module):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -49,6 +50,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # gpt-oss: a learned logit per (this rank's) head that joins each softmax's denominator only (the
+        # attention may go partly "nowhere"); float32, loaded from the checkpoint's self_attn.sinks.
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
         # Set by AttentionBackend.allocate_kv_cache, in the backend's layout.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None

@@ -18,7 +18,8 @@ from tokenmill.layers import collectives
 from tokenmill.layers.activation import act_fn, gated
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tokenmill.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tokenmill.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                    check_shape)
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantization.base import QuantizationConfig, set_weight_attrs
 from tokenmill.layers.rotary import RotaryEmbedding, rope_inv_freq
@@ -41,6 +42,7 @@ class AttentionSpec:
     logits_soft_cap: float | None = None  # Gemma 2: cap * tanh(scores / cap) before the softmax
     rotary_dim: int | None = None  # partial rotary: rotate only the first rotary_dim features; None: head_dim
     rotary_interleaved: bool = False  # GLM: rotate feature pairs (2i, 2i+1), not (i, i + rotary_dim/2)
+    sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator (Attention.sinks)
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,16 @@ class AttentionBlock(nn.Module):
             self.q_norm = build.norm(a.head_dim, spec)
             self.k_norm = build.norm(a.head_dim, spec)
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, a.head_dim, a.scale, window, a.logits_soft_cap)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, a.head_dim, a.scale, window, a.logits_soft_cap,
+                              a.sinks)
+        if a.sinks:  # this rank's heads of the checkpoint's [num_heads] sinks
+            first, total = build.tp_rank * self.num_heads, a.num_heads
+
+            def load_sinks(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+                check_shape(loaded, (total,))
+                param.data.copy_(loaded.narrow(0, first, param.numel()))
+
+            set_weight_attrs(self.attn.sinks, {"weight_loader": load_sinks})
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta) -> torch.Tensor:
         T = x.shape[0]

@@ -67,6 +67,8 @@ def _layer_reason(layer) -> str | None:
         return "residual multiplier (Granite)"
     if attn.qk_norm_all_heads:
         return "q/k norms over all heads (OLMo 2)"
+    if attn.attn.sinks is not None:
+        return "attention sinks (gpt-oss)"
     if attn.rotary.rotary_dim != attn.head_dim:
         return "partial rotary"
     if attn.rotary.interleaved:

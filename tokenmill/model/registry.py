@@ -5,6 +5,7 @@ from tokenmill.model.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCaus
 from tokenmill.model.gemma2 import Gemma2ForCausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM
 from tokenmill.model.glm4 import Glm4ForCausalLM, GlmForCausalLM
+from tokenmill.model.gpt_oss import GptOssForCausalLM
 from tokenmill.model.granite import GraniteForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.moe_models import MixtralForCausalLM, MoEForCausalLM
@@ -28,6 +29,7 @@ MODELS = {
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

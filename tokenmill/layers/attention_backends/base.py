@@ -43,6 +43,9 @@ class GroupedMetadata:
 
 class AttentionBackend:
     name: str = "base"
+    # Per-head attention sinks (gpt-oss, Attention.sinks): a backend that does not add them to the softmax's
+    # denominator refuses such layers when it allocates their cache (check_layers), never ignores them.
+    supports_sinks: bool = False
 
     @classmethod
     def supports(cls, device: torch.device) -> bool:
@@ -75,6 +78,12 @@ class AttentionBackend:
 
     def allocate_kv_cache(self, layers: list[Attention], num_blocks: int, dtype: torch.dtype) -> None:
         raise NotImplementedError
+
+    def check_layers(self, layers: list[Attention], dtype: torch.dtype) -> None:
+        """Refuse layers that need what this backend does not do (called first by allocate_kv_cache)."""
+        if any(a.sinks is not None for a in layers) and not self.supports_sinks:
+            raise ValueError(f"attention backend {self.name!r} has no attention sinks, which this model's "
+                             f"attention layers use (gpt-oss); choose another --attention-backend")
 
     def mark_initialized(self, block_ids: torch.Tensor) -> None:
         """Blocks filled from outside a forward pass (KV transfer): lazy initialisation must keep them."""

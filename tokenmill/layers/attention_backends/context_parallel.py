@@ -63,6 +63,7 @@ class ContextParallelMetadata(SDPAMetadata):
 
 class ContextParallelBackend(TorchSDPABackend):
     name = "torch_sdpa_context_parallel"
+    supports_sinks = False  # the merge below would have to add each head's sink once, over all ranks: not done
 
     def __init__(self, block_size: int, device: torch.device, rank: int, size: int,
                  split_tokens: bool = False) -> None:

@@ -60,6 +60,7 @@ class CPUPagedBackend(AttentionBackend):
         return (num_blocks, self.block_size, num_kv_heads, head_dim)
 
     def allocate_kv_cache(self, layers: list[Attention], num_blocks: int, dtype: torch.dtype) -> None:
+        self.check_layers(layers, dtype)
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"cpu_paged attention keeps its KV cache in float32 or bfloat16 (or quantized: int8, "
                              f"float8_e4m3fn), not {dtype}; "

@@ -63,6 +63,7 @@ class SDPAMetadata:
 @register_backend
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
+    supports_sinks = True
 
     @classmethod
     def supports(cls, device: torch.device) -> bool:
@@ -78,6 +79,7 @@ class TorchSDPABackend(AttentionBackend):
         return (num_blocks, self.block_size, num_kv_heads, head_dim)
 
     def allocate_kv_cache(self, layers: list[Attention], num_blocks: int, dtype: torch.dtype) -> None:
+        self.check_layers(layers, dtype)
         for a in layers:
             shape = self.kv_cache_shape(num_blocks, a.num_kv_heads, a.head_dim)
             # Not zeroed here (4 GiB of memset takes seconds): build_metadata zeroes each block on first use.
@@ -234,12 +236,12 @@ def attend_group(layer: Attention, q: torch.Tensor, g: SDPAGroup, out: torch.Ten
     if g.key_valid is not None:  # a cache that is never zeroed: unwritten slots may hold anything
         seen = g.key_valid.view(B, 1, -1, 1)
         kg, vg = torch.where(seen, kg, 0.0), torch.where(seen, vg, 0.0)
-    if layer.logits_soft_cap is None:
+    if layer.logits_soft_cap is None and layer.sinks is None:
         o = F.scaled_dot_product_attention(
             qg, kg, vg, attn_mask=mask, scale=layer.scale, enable_gqa=num_heads != num_kv_heads
         )
     else:
-        o = _soft_capped_attention(qg, kg, vg, mask, layer.scale, layer.logits_soft_cap)
+        o = plain_attention(qg, kg, vg, mask, layer.scale, layer.logits_soft_cap, layer.sinks)
     o = o.transpose(1, 2)  # [B, Q, H, D]
     if g.all_valid:
         out.index_copy_(0, g.flat_index, o.flatten(0, 1))
@@ -247,12 +249,19 @@ def attend_group(layer: Attention, q: torch.Tensor, g: SDPAGroup, out: torch.Ten
         out.index_copy_(0, g.flat_index, o[g.valid])
 
 
-def _soft_capped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
-    """SDPA has no soft cap (cap * tanh(scores / cap), as Gemma 2 uses), so attend in plain torch."""
+def plain_attention(q, k, v, mask, scale: float, cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA has neither a soft cap (cap * tanh(scores / cap), as Gemma 2 uses) nor sinks (gpt-oss: a logit per
+    head in the softmax's denominator, no value), so attend in plain torch. q [B, H, Q, D], k/v [B, Hk, L, D]."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v)
+    if sinks is None:
+        return torch.matmul(scores.softmax(-1), v)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(probs, v)

@@ -146,6 +146,7 @@ class TritonPagedBackend(AttentionBackend):
         return (num_blocks, self.block_size, num_kv_heads, head_dim)
 
     def allocate_kv_cache(self, layers: list[Attention], num_blocks: int, dtype: torch.dtype) -> None:
+        self.check_layers(layers, dtype)
         if dtype not in CACHE_DTYPES:
             raise ValueError(f"triton_paged attention keeps its KV cache in float32, bfloat16 or float16 (or "
                              f"quantized: int8, float8_e4m3fn), not {dtype}")
