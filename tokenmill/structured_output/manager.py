@@ -205,10 +205,15 @@ class StructuredOutputManager:
         if self._executor is None:
             self._executor = llguidance.LLExecutor(COMPILE_THREADS)
         bitmask = lnp.allocate_token_bitmask(n, self.vocab_size)
-        if any(draft for _, _, draft in rows):
-            lnp.fill_next_token_bitmask_par_with_draft_tokens(self._executor, rows, bitmask)
-        else:
-            lnp.fill_next_token_bitmask_par(self._executor, [(m, i) for m, i, _ in rows], bitmask)
+        # llguidance refuses an empty draft list in the draft call, and a batch can mix requests with drafts and
+        # without (a token budget cuts some requests' drafts to none): each kind through its own call, both
+        # writing their own rows of the one bitmask.
+        with_drafts = [row for row in rows if row[2]]
+        if with_drafts:
+            lnp.fill_next_token_bitmask_par_with_draft_tokens(self._executor, with_drafts, bitmask)
+        without = [(m, i) for m, i, draft in rows if not draft]
+        if without:
+            lnp.fill_next_token_bitmask_par(self._executor, without, bitmask)
         batch.grammar_bitmask = bitmask
 
     def accept(self, req, new_tokens: list[int]) -> tuple[list[int], bool]:
