@@ -5,7 +5,7 @@ from tokenmill.layers.quantization.checkpoint import CheckpointFormat
 from tokenmill.layers.quantization.registry import QuantOptions, checkpoint_format, quantize_at_load
 from tokenmill.layers.quantization.unquantized import UnquantizedLinearMethod
 # Registers the built-in methods, in the order error messages list them.
-from tokenmill.layers.quantization import weight_only, gguf, gptq_awq, fp8, packed  # noqa: E402,F401  isort: skip
+from tokenmill.layers.quantization import weight_only, gguf, gptq_awq, fp8, packed, mxfp4  # noqa: E402,F401  isort: skip
 
 
 def __getattr__(name: str) -> tuple[str, ...]:
