@@ -95,9 +95,9 @@ def test_end_token_ids(tiny_tokenizer):
 
 
 def test_registry():
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "openai_gptoss"}
     assert get_reasoning_parser("qwen3") is Qwen3ReasoningParser
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, openai_gptoss, qwen3"):
         get_reasoning_parser("o1")
 
 

@@ -21,6 +21,9 @@ class ReasoningParser:
     end: ClassVar[str] = "</think>"
     # Whether output that does not open with the start tag is reasoning (the template opened it).
     starts_in_prompt: ClassVar[bool] = True
+    # Whether the parser reads markup made of special tokens (harmony's <|channel|>): the request's text then
+    # keeps them (skip_special_tokens off); the parser leaves them out of both results.
+    needs_special_tokens: ClassVar[bool] = False
 
     def __init__(self, tokenizer=None, reasoning_ended: bool = False) -> None:
         self.tokenizer = tokenizer
@@ -116,8 +119,78 @@ class Qwen3ReasoningParser(ReasoningParser):
         return self._split(text)
 
 
+HARMONY_OPENS = ("<|channel|>", "<|start|>")  # what a message's header opens with
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")  # a message's end: another follows, the turn's, a tool call's
+
+
+class HarmonyReasoningParser(ReasoningParser):
+    """gpt-oss's harmony format (vLLM's name: openai_gptoss). After the prompt's `<|start|>assistant` the model
+    writes messages `<|channel|>CHANNEL[ header...]<|message|>BODY<|end|>`, each later one opened by
+    `<|start|>assistant`, the last ended by `<|return|>` (or `<|call|>`): the bodies of the `analysis` channel
+    are reasoning, the others' (final, commentary) content; the markup is in neither. Output that does not open
+    with harmony markup is content as it is. The markers are special tokens, so the text keeps them
+    (needs_special_tokens). A stream splits exactly where extract does, however the text is cut."""
+
+    name = "openai_gptoss"
+    start = "<|channel|>"
+    end = "<|channel|>final<|message|>"  # where the answer starts: a constraint applies from here
+    needs_special_tokens = True
+
+    def __init__(self, tokenizer=None, reasoning_ended: bool = False) -> None:
+        super().__init__(tokenizer, reasoning_ended)
+        self._state = "content_raw" if reasoning_ended else "start"  # start, header, body, content_raw
+        self._channel = ""
+
+    def extract(self, text: str) -> Split:
+        parser = type(self)(self.tokenizer, self.reasoning_ended)
+        return _join(parser.feed(text), parser.flush())
+
+    def ended_in_prompt(self, prompt_text: str) -> bool:
+        """The prompt's last assistant message already opened the final channel (a continued answer)."""
+        return self.end in prompt_text[prompt_text.rfind("<|start|>"):]
+
+    def _advance(self, final: bool) -> Split:
+        reasoning: list[str] = []
+        content: list[str] = []
+        while self._buf:
+            buf = self._buf
+            if self._state == "start":  # harmony markup, or plain text (all content)
+                if not final and any(len(buf) < len(m) and m.startswith(buf) for m in HARMONY_OPENS):
+                    break
+                self._state = "header" if buf.startswith(HARMONY_OPENS) else "content_raw"
+            elif self._state == "content_raw":
+                content.append(buf)
+                self._buf = ""
+            elif self._state == "header":  # [<|start|>role]<|channel|>name[ ...]<|message|>
+                i = buf.find("<|message|>")
+                if i < 0:
+                    if final:  # a header cut off: no body follows
+                        self._buf = ""
+                    break
+                header = buf[:i]
+                channel = header.partition("<|channel|>")[2]
+                self._channel = channel.split("<|", 1)[0].split(" ", 1)[0].strip()
+                self._buf, self._state = buf[i + len("<|message|>"):], "body"
+            else:  # body, up to its end marker
+                out = reasoning if self._channel == "analysis" else content
+                ends = [(buf.find(m), m) for m in HARMONY_ENDS if m in buf]
+                if not ends:
+                    hold = 0 if final else max(partial_suffix(buf, m) for m in HARMONY_ENDS)
+                    out.append(buf[:len(buf) - hold])
+                    self._buf = buf[len(buf) - hold:]
+                    break
+                i, marker = min(ends)
+                out.append(buf[:i])
+                self._buf, self._state = buf[i + len(marker):], "header"
+        return "".join(reasoning) or None, "".join(content) or None
+
+
+def _join(a: Split, b: Split) -> Split:
+    return (a[0] or "") + (b[0] or "") or None, (a[1] or "") + (b[1] or "") or None
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)
+    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, HarmonyReasoningParser)
 }
 
 
