@@ -39,6 +39,7 @@ ARCHS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "glm4": ("Glm4Config", "Glm4ForCausalLM"),
     "deepseek2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),  # or V3's: model/gguf_deepseek.py decides
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM"),  # model/gguf_gpt_oss.py
 }
 MIXTRAL = ("MixtralConfig", "MixtralForCausalLM")  # llama.cpp writes Mixtral as "llama" with an expert count
 # Architectures whose Q/K rows llama.cpp permuted for its rope layout.
@@ -123,6 +124,10 @@ def hf_config_from_gguf(path: str):
         from tokenmill.model.gguf_deepseek import deepseek2_config
 
         names, kw = deepseek2_config(m, tensors, kw)
+    elif arch == "gpt-oss":  # sinks, alternating windows, its MoE: its own keys
+        from tokenmill.model.gguf_gpt_oss import gpt_oss_config
+
+        names, kw = gpt_oss_config(m, tensors, kw)
     else:
         kw.update(_family_kwargs(arch, m, tensors, kw, reader))
         kw.update(_moe_kwargs(arch, m, tensors))
@@ -250,6 +255,10 @@ def gguf_to_hf_names(path: str, cfg) -> dict[str, str]:
         from tokenmill.model.gguf_deepseek import deepseek2_tensor_names
 
         return deepseek2_tensor_names(cfg.num_hidden_layers)
+    if arch == "gpt-oss":
+        from tokenmill.model.gguf_gpt_oss import gpt_oss_tensor_names
+
+        return gpt_oss_tensor_names(cfg.num_hidden_layers)
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
     out = {}
@@ -294,6 +303,11 @@ def iter_gguf_weights(path: str, cfg, dtype: torch.dtype,
         from tokenmill.model.gguf_deepseek import KvBJoiner, split_kv_b_part
 
         joiner = KvBJoiner()
+    experts = None
+    if arch == "gpt-oss":
+        from tokenmill.model.gguf_gpt_oss import ExpertJoiner
+
+        experts = ExpertJoiner()
     for t in reader.tensors:
         hf = names.get(t.name)
         if hf is None:
@@ -328,9 +342,12 @@ def iter_gguf_weights(path: str, cfg, dtype: torch.dtype,
             w = w.reshape(1, -1)  # llama.cpp stores Qwen2-MoE's [1, hidden] gate as a vector
         if arch in NORM_PLUS_ONE and t.name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
-        yield hf, torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
+        for hf, w in experts.add(hf, w) if experts is not None else ((hf, w),):
+            yield hf, torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
     if joiner is not None:
         joiner.check_done(path)
+    if experts is not None:
+        experts.check_done(path)
 
 
 FLOAT_TYPES = {0, 1, 28, 30}  # F32, F16, F64, BF16: a float parameter from these was not dequantized

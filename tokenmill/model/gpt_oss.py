@@ -110,7 +110,7 @@ def _param(t: torch.Tensor, loader) -> nn.Parameter:
 
 
 def experts_method(quant_config: QuantizationConfig | None):
-    if quant_config is None:
+    if quant_config is None or quant_config.name == "gguf":  # a GGUF file's experts are dequantized at load
         return FloatExperts()
     if quant_config.name == "mxfp4":
         from tokenmill.layers.quantization.mxfp4 import Mxfp4Experts
