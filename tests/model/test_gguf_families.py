@@ -97,14 +97,14 @@ def test_unsupported_gguf_architecture_is_named(tmp_path):
     from tokenmill.model.gguf_loader import hf_config_from_gguf
 
     path = tmp_path / "x.gguf"
-    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w = gguf.GGUFWriter(str(path), "falcon")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="gpt-oss"):
+    with pytest.raises(ValueError, match="falcon"):
         hf_config_from_gguf(str(path))
 
 
