@@ -76,10 +76,10 @@ class EngineArgs:
     quantization: str | None = _arg(
         ModelConfig.quantization, "Quantize the linear layers' weights at load: int8 (per output channel) or int4 "
         "(groups of --quantization-group-size columns); gguf keeps a .gguf file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K "
-        "blocks as they are (the default for .gguf files); none dequantizes them at load. gptq, awq, fp8: the "
-        "checkpoint is pre-quantized (found from its config.json without the flag; with it, they must agree). "
+        "blocks as they are (the default for .gguf files); none dequantizes them at load. gptq, awq, fp8, mxfp4 "
+        "(gpt-oss's experts): the checkpoint is pre-quantized (found from its config.json without the flag; with it, they must agree). "
         "Activations stay float (default: gguf for .gguf files, the checkpoint's method, else none).",
-        choices=("int8", "int4", "gguf", "gptq", "awq", "fp8", "none"))
+        choices=("int8", "int4", "gguf", "gptq", "awq", "fp8", "mxfp4", "none"))
     quantization_group_size: int = _arg(ModelConfig.quantization_group_size,
                                         "int4: input columns per scale and zero point: 32, 64 or 128 "
                                         "(default: %(default)s).")

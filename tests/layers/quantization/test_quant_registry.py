@@ -33,6 +33,7 @@ CHECKPOINT_SAMPLES = {
     "compressed-tensors": {"quant_method": "compressed-tensors", "ignore": ["lm_head"], "config_groups": {
         "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
     "tokenmill": {"quant_method": "tokenmill", "method": "int4", "group_size": 64, "symmetric": True},
+    "mxfp4": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]},
 }
 
 
@@ -66,7 +67,7 @@ def test_unknown_names_list_the_registered_ones():
 
 def test_views_follow_the_registry():
     assert quantization.QUANTIZATION_METHODS == ("int8", "int4", "gguf")
-    assert quantization.CHECKPOINT_METHODS == ("gptq", "awq", "fp8")
+    assert quantization.CHECKPOINT_METHODS == ("gptq", "awq", "fp8", "mxfp4")
     from tokenmill.layers.quantization import checkpoint
 
     assert checkpoint.CHECKPOINT_METHODS == quantization.CHECKPOINT_METHODS
