@@ -4,6 +4,7 @@ against the same layer expanded to multi-head attention (per-head K and V cached
     python benchmarks/mla.py                                   # V2-Lite's geometry, 4 requests x 4,096 tokens
     python benchmarks/mla.py --heads 128 --requests 1          # V3's 128 heads
     python benchmarks/mla.py --context 512 --repeats 3         # smoke test
+    python benchmarks/mla.py --prefill 2048                    # a prompt: absorbed against up-projected
 
 latent: each token caches c_kv and k_pe (kv_lora_rank + qk_rope_head_dim values); a step multiplies the queries'
 no-rope part by W_UK into the latent space, attends with one KV head of the latent width (V = its first
@@ -15,6 +16,10 @@ Both write this step's K/V and read every request's whole context from a paged c
 order. Per form it prints the median step time of --repeats (after --warmup), decode tokens/s (requests / step
 time), the KV bytes per token and layer and the bytes a step reads, and the output difference between the forms
 (the same attention, to float32 rounding). The machine may be shared: the load average is printed with the times.
+
+--prefill N times instead one fresh prompt of N tokens through the latent cache in both of tokenmill's forms: the
+absorbed one (as decode) and the up-projected one (layers/mla_up.py: every key up-projected from its latent, then
+multi-head attention), with the FLOP counts its per-step rule compares and the form the rule picks.
 """
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ import torch
 
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.attention_backends import BatchLayout, get_attention_backend
-from tokenmill.layers.mla import LatentAttention
+from tokenmill.layers.mla import LatentAttention, MLASpec
+from tokenmill.layers.mla_up import MLAStep, step_costs, up_projected_attention
 
 
 def layout(requests: int, context: int, block_size: int, num_blocks: int, g: torch.Generator) -> BatchLayout:
@@ -66,10 +72,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prefill", type=int, default=0, help="time a prompt of this many tokens instead")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
+    if a.prefill:
+        prefill(a)
+        return
     g = torch.Generator().manual_seed(0)
     H, r, dr, dn, dv, B = a.heads, a.kv_lora_rank, a.rope_dim, a.nope_dim, a.v_dim, a.requests
     backend_cls = get_attention_backend(a.backend, "cpu")
@@ -124,6 +134,47 @@ def main() -> None:
               f"reads {per_token[name] * B * a.context / 2**20:8.1f} MiB/step")
     print(f"  latent / mha time: {times['latent'] / times['mha']:.2f}; KV bytes per token mha / latent: "
           f"{per_token['mha'] / per_token['latent']:.1f}; max |latent - mha| = {diff:.2e}")
+
+
+def prefill(a) -> None:
+    """One fresh prompt of a.prefill tokens, both forms over the same latent cache."""
+    g = torch.Generator().manual_seed(0)
+    H, r, dr, dn, dv, P, bs = a.heads, a.kv_lora_rank, a.rope_dim, a.nope_dim, a.v_dim, a.prefill, a.block_size
+    mla = MLASpec(None, r, dn, dr, dv)
+    num_blocks = -(-P // bs) + 1
+    blocks = torch.randperm(num_blocks, generator=g)[: -(-P // bs)]
+    pos = torch.arange(P)
+    lay = BatchLayout(query_start=torch.tensor([0]), query_len=torch.tensor([P]), kv_len=torch.tensor([P]),
+                      block_table=blocks[None], slot_mapping=blocks[pos // bs] * bs + pos % bs, num_tokens=P,
+                      max_query_len=P, max_kv_len=P)
+    backend = get_attention_backend(a.backend, "cpu")(bs, torch.device("cpu"))
+    attn = LatentAttention(H, 1, r + dr, (dn + dr) ** -0.5)
+    backend.allocate_kv_cache([attn], num_blocks, torch.float32)
+    meta = backend.build_metadata(lay)
+    w = torch.randn(H, dn + dv, r, generator=g) * r ** -0.5
+    q_nope, q_pe = torch.randn(P, H, dn, generator=g), torch.randn(P, H, dr, generator=g)
+    latent = torch.randn(P, 1, r + dr, generator=g)
+
+    def absorbed() -> torch.Tensor:
+        q = torch.cat([torch.bmm(q_nope.transpose(0, 1), w[:, :dn]).transpose(0, 1), q_pe], -1)
+        o = backend.forward(attn, q, latent, latent, meta)[..., :r]
+        return torch.bmm(o.transpose(0, 1), w[:, dn:].transpose(1, 2)).transpose(0, 1)
+
+    def up() -> torch.Tensor:
+        return up_projected_attention(attn, mla, q_nope, q_pe, latent, w, lay)
+
+    diff = float((absorbed() - up()).abs().max())
+    times = {name: timed(fn, a.warmup, a.repeats) for name, fn in (("absorbed", absorbed), ("up", up))}
+    costs = dict(zip(("absorbed", "up"), step_costs(mla, [P], [P])))
+    step = MLAStep(mla)
+    step.set(lay)
+    print(f"backend {backend.name}, {H} heads, kv_lora_rank {r}, rope {dr}, nope {dn}, v {dv}; prompt of {P} "
+          f"tokens; threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}")
+    for name in ("absorbed", "up"):
+        print(f"  {name:8s} {times[name] * 1e3:9.2f} ms  {P / times[name]:9.1f} tokens/s  "
+              f"{costs[name] * H * 2 / 1e9:8.2f} GFLOP (the rule's count)")
+    print(f"  absorbed / up time: {times['absorbed'] / times['up']:.2f}; the rule picks "
+          f"{'up' if step.layout is not None else 'absorbed'}; max |absorbed - up| = {diff:.2e}")
 
 
 if __name__ == "__main__":

@@ -167,7 +167,11 @@ class ModelRunner(GraphCapture, PipelineStage, StepSampling, TreeVerification, P
         if graph is not None:
             hidden = self.graphs.run(inp, graph)
         elif split is None:
-            hidden = self.model(inp.input_ids, inp.positions, meta)
+            self.model.begin_step(inp.layout)  # the whole batch on this rank: the layout describes its tokens
+            try:
+                hidden = self.model(inp.input_ids, inp.positions, meta)
+            finally:
+                self.model.begin_step(None)
         else:
             T = inp.input_ids.shape[0]
             hidden = split.gather(self.model(split.local(inp.input_ids), split.local(inp.positions), meta), T)

@@ -5,13 +5,14 @@ Each token's keys and values are one latent: c_kv (kv_lora_rank features, after 
 k_nope_h = W_UK_h c_kv and v_h = W_UV_h c_kv. The cache stores only the latent, [c_kv, k_pe], as one "KV head"
 of width kv_lora_rank + qk_rope_head_dim (576 for V3), paged like every other cache.
 
-Attention is computed in the absorbed form for every token, prompt or decode: a head's score
+Attention is computed in the absorbed form for decodes (and for any step where it is cheaper): a head's score
 q_nope_h . k_nope_h + q_pe_h . k_pe = (W_UK_h^T q_nope_h) . c_kv + q_pe_h . k_pe, so the query multiplied into
 the latent space, [W_UK_h^T q_nope_h, q_pe_h], attends over the cached latents as multi-query attention with one
 KV head; the weighted sum of the latents' c_kv part, times W_UV_h, is the head's output. V is therefore the first
 kv_lora_rank features of K: the layer is an `Attention` with `kv_shared` (its v_cache is its k_cache), so every
 attention backend runs it unchanged, nothing is stored twice, and the pool is sized by the latent width alone.
-The score is the reference's up to float rounding (the same products summed in another order).
+The score is the reference's up to float rounding (the same products summed in another order). Steps of long
+prompt chunks run the up-projected form instead (layers/mla_up.py: the rule, its FLOP counts and the switch).
 
 Under tensor parallelism each rank holds its heads' rows of q_proj / q_b_proj / kv_b_proj and o_proj's
 columns; the latent projection (kv_a_proj_with_mqa, q_a_proj) is replicated, so every rank caches the whole
@@ -27,6 +28,7 @@ from torch import nn
 
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, check_shape
+from tokenmill.layers.mla_up import MLAStep, up_projected_attention
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantization.base import set_weight_attrs
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -104,6 +106,8 @@ class MLAttention(nn.Module):
                                         **build.linear(f"{prefix}.o_proj"))
         self.rotary = rotary
         self.attn = LatentAttention(self.num_heads, 1, mla.latent_dim, scale)
+        # The model's per-step choice of form (set by DeepseekV2ForCausalLM; None, as in an MTP head: absorbed).
+        self.step: MLAStep | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta) -> torch.Tensor:
         m, H, T = self.mla, self.num_heads, x.shape[0]
@@ -116,9 +120,12 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(H, dn + m.v_head_dim, r)
         if w.dtype != x.dtype:
             w = w.to(x.dtype)
+        latent = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [T, 1, r + dr]: what the cache stores
+        if self.step is not None and self.step.layout is not None:
+            o = up_projected_attention(self.attn, m, q_nope, q_pe, latent, w, self.step.layout)
+            return self.o_proj(o.reshape(T, H * m.v_head_dim))
         q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :dn]).transpose(0, 1)  # [T, H, r]: W_UK_h^T q_nope_h
         query = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, r + dr]
-        latent = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [T, 1, r + dr]: what the cache stores
         o = self.attn(query, latent, latent, meta)[..., :r]  # the weighted sum of the cached c_kv
         o = torch.bmm(o.transpose(0, 1), w[:, dn:].transpose(1, 2)).transpose(0, 1)  # [T, H, v]: W_UV_h
         return self.o_proj(o.reshape(T, H * m.v_head_dim))

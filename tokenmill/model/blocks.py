@@ -324,6 +324,10 @@ class DecoderForCausalLM(nn.Module):
             if spec.tie_word_embeddings:
                 self.lm_head.tie_weights(self.embed_tokens)
 
+    def begin_step(self, layout) -> None:
+        """The runner's batch layout (attention_backends/base.BatchLayout) before a forward, None after it (and
+        for forwards whose layout it cannot hand over). DeepSeek's MLA picks its attention form from it."""
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The final normed hidden states; a pipeline stage before the last returns (x, residual) for the

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers.mla import MLASpec, MLAttention
+from tokenmill.layers.mla_up import MLAStep, mode
 from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from tokenmill.model.blocks import (AttentionSpec, Build, DecoderForCausalLM, DecoderSpec, LayerSpec, MLPBlock,
@@ -119,8 +120,15 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
     def __init__(self, cfg, dtype: torch.dtype, compute_dtype: torch.dtype, max_positions: int,
                  quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
                  expert_parallel: bool = False, pp_rank: int = 0, pp_size: int = 1) -> None:
-        super().__init__(cfg, deepseek_spec(cfg), dtype, compute_dtype, max_positions, quant_config, tp_rank,
+        spec = deepseek_spec(cfg)
+        super().__init__(cfg, spec, dtype, compute_dtype, max_positions, quant_config, tp_rank,
                          tp_size, expert_parallel, pp_rank, pp_size)
+        self.mla_step = MLAStep(spec.mla, mode=mode())  # absorbed or up-projected, per step (layers/mla_up.py)
+        for layer in self.own_layers:
+            layer.self_attn.step = self.mla_step
+
+    def begin_step(self, layout) -> None:
+        self.mla_step.set(layout)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
