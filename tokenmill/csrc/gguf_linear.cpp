@@ -16,6 +16,7 @@
 //   quantized to int8 and multiplied with integer dot products, any number of rows (gemm_x8, int8_dot.h).
 #include "vec.h"
 #include "int8_dot.h"
+#include "gguf_r16.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -48,7 +49,8 @@ enum : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 }
 constexpr int64_t SPLIT = 1000;
 
 inline bool is_split(int64_t qt) { return qt == SPLIT + Q4_0 || qt == SPLIT + Q4_1 || qt == SPLIT + Q8_0; }
-inline int64_t base_type(int64_t qt) { return is_split(qt) ? qt - SPLIT : qt; }
+using r16::is_r16;  // interleaved rows (gguf_r16.h): 16 split rows interleaved for the batch-1 kernels
+inline int64_t base_type(int64_t qt) { return is_split(qt) ? qt - SPLIT : is_r16(qt) ? qt - r16::R16 : qt; }
 // Bytes of scales (and mins) before a split row's quants.
 inline int64_t split_header(int64_t qt, int64_t nb) { return (base_type(qt) == Q4_1 ? 4 : 2) * nb; }
 
@@ -186,6 +188,17 @@ void unsplit_row(int64_t qt, const Format& f, const uint8_t* row, int64_t nb, ui
     if (base == Q4_1) std::memcpy(o + 2, row + 2 * nb + 2 * b, 2);
     std::memcpy(o + f.bytes - q, quants + b * q, q);
   }
+}
+
+// Row n of a weight for the paths that dequantize rows: an interleaved row gathered into a per-thread buffer as a
+// split row (qt becomes the split type), any other row where it lies.
+const uint8_t* row_at(int64_t& qt, const Format& f, const uint8_t* wp, int64_t n, int64_t K) {
+  if (!is_r16(qt)) return wp + n * (K / f.block) * f.bytes;
+  thread_local std::vector<uint8_t> buf;
+  buf.resize((K / f.block) * f.bytes);
+  r16::split_row(base_type(qt), wp, n, K, buf.data());
+  qt = SPLIT + base_type(qt);
+  return buf.data();
 }
 
 // For the paths that read file-order blocks: a split row unsplit into a per-thread buffer, else the row itself.
@@ -675,6 +688,9 @@ void check_blocks(const at::Tensor& w, int64_t qtype, int64_t K, const Format& f
   TORCH_CHECK(K > 0 && K % f.block == 0, "gguf: K=", K, " is not a multiple of type ", qtype, "'s block of ", f.block);
   TORCH_CHECK(w.size(1) == K / f.block * f.bytes, "gguf: rows of ", w.size(1), " bytes, expected ",
               K / f.block * f.bytes, " for K=", K, " of type ", qtype);
+  TORCH_CHECK(!is_r16(qtype) || (w.size(0) % r16::ROWS == 0 && r16::available()),
+              "gguf: interleaved rows (type ", qtype, ") need a multiple of 16 rows, got ", w.size(0),
+              ", and a build with AVX-512 VNNI");
 }
 
 #ifdef TOKENMILL_GGUF_AVX2
@@ -1042,14 +1058,20 @@ void decode(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K
   });
 }
 
+// Row n of the weight into K floats (an interleaved row gathered first).
+void dequant_nth(int64_t qt, const Format& f, const uint8_t* wp, int64_t n, int64_t K, float* y) {
+  const uint8_t* row = row_at(qt, f, wp, n, K);
+#ifdef TOKENMILL_GGUF_AVX2
+  dequant_row_avx2(qt, f, row, K, y);
+#else
+  dequant_row(qt, f, row, K, y);
+#endif
+}
+
 void dequant_rows(int64_t qt, const Format& f, const uint8_t* wp, int64_t n0, int64_t n1, int64_t K, float* dst) {
   at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
     for (int64_t n = a; n < b; ++n) {
-#ifdef TOKENMILL_GGUF_AVX2
-      dequant_row_avx2(qt, f, wp + n * (K / f.block) * f.bytes, K, dst + (n - n0) * K);
-#else
-      dequant_row(qt, f, wp + n * (K / f.block) * f.bytes, K, dst + (n - n0) * K);
-#endif
+      dequant_nth(qt, f, wp, n, K, dst + (n - n0) * K);
     }
   });
 }
@@ -1061,7 +1083,6 @@ void dequant_rows(int64_t qt, const Format& f, const uint8_t* wp, int64_t n0, in
 void gemm_bf16_panels(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K, const at::Tensor& xb,
                       at::Tensor& y) {
   const int64_t panel = std::max<int64_t>(16, BF16_PANEL_BYTES / (K * 2) / 16 * 16);
-  const int64_t rb = (K / f.block) * f.bytes;
   at::parallel_for(0, (N + panel - 1) / panel, 1, [&](int64_t p0, int64_t p1) {
     c10::InferenceMode guard;
     at::Tensor buf = at::empty({panel, K}, xb.options());
@@ -1070,11 +1091,7 @@ void gemm_bf16_panels(int64_t qt, const Format& f, const uint8_t* wp, int64_t N,
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * panel, nb = std::min(panel, N - n0);
       for (int64_t n = 0; n < nb; ++n) {
-#ifdef TOKENMILL_GGUF_AVX2
-        dequant_row_avx2(qt, f, wp + (n0 + n) * rb, K, row.data());
-#else
-        dequant_row(qt, f, wp + (n0 + n) * rb, K, row.data());
-#endif
+        dequant_nth(qt, f, wp, n0 + n, K, row.data());
         at::vec::convert(row.data(), bp + n * K, K);
       }
       y.narrow(1, n0, nb).copy_(at::mm(xb, buf.narrow(0, 0, nb).t()));
@@ -1105,6 +1122,9 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtyp
 #endif
     if (bf16_batches && M >= BF16_MIN_ROWS) {
       gemm_bf16_panels(qtype, f, wp, N, K, x.to(at::kBFloat16), y);
+    } else if (is_r16(qtype) && (x8 || M < GEMM_MIN_ROWS)) {
+      if (x8) r16::gemm_x8(base_type(qtype), wp, N, K, x.data_ptr<float>(), M, y.data_ptr<float>(), PARALLEL_MIN_BYTES);
+      else r16::gemv_f32(base_type(qtype), wp, N, K, x.data_ptr<float>(), M, y.data_ptr<float>(), PARALLEL_MIN_BYTES);
     } else if (x8) {
 #ifdef TOKENMILL_GGUF_AVX2
       gemm_x8(qtype, f, wp, N, K, x.data_ptr<float>(), M, y.data_ptr<float>());
@@ -1121,18 +1141,13 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtyp
       // multiplied by all of x with SGEMM (single-threaded inside the parallel loop) straight into y's
       // columns: the float weight is never written to and read back from DRAM.
       const int64_t panel = std::max<int64_t>(16, PANEL_BYTES / (K * 4) / 16 * 16);
-      const int64_t rb = (K / f.block) * f.bytes;
       at::parallel_for(0, (N + panel - 1) / panel, 1, [&](int64_t p0, int64_t p1) {
         c10::InferenceMode guard;  // worker threads do not inherit the caller's; y may be an inference tensor
         std::vector<float> buf(panel * K);
         for (int64_t p = p0; p < p1; ++p) {
           const int64_t n0 = p * panel, nb = std::min(panel, N - n0);
           for (int64_t n = 0; n < nb; ++n) {
-#ifdef TOKENMILL_GGUF_AVX2
-            dequant_row_avx2(qtype, f, wp + (n0 + n) * rb, K, buf.data() + n * K);
-#else
-            dequant_row(qtype, f, wp + (n0 + n) * rb, K, buf.data() + n * K);
-#endif
+            dequant_nth(qtype, f, wp, n0 + n, K, buf.data() + n * K);
           }
           at::Tensor yv = y.narrow(1, n0, nb);
           at::mm_out(yv, x, at::from_blob(buf.data(), {nb, K}, x.options()).t());
@@ -1170,6 +1185,8 @@ std::string int8_dot_path() {
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("int8_dot_path() -> str", &tokenmill::int8_dot_path);
+  // Whether this build has the interleaved-row kernels (gguf_r16.h): the loader interleaves only then.
+  m.def("gguf_interleaves() -> bool", [] { return tokenmill::r16::available(); });
   m.def("gguf_linear(Tensor x, Tensor blocks, int qtype, int K, Tensor? bias, bool int8_activations=False, "
         "bool bf16_batches=False) -> Tensor");
   m.impl("gguf_linear", c10::DispatchKey::CPU, &tokenmill::gguf_linear);

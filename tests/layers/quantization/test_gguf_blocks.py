@@ -352,9 +352,11 @@ def test_tied_q8_0_embedding_and_q4_linears_match_dequantized(tmp_path):
     assert model.embed_tokens.weight.dtype == torch.uint8 and model.lm_head.weight is model.embed_tokens.weight
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
     assert model.layers[0].self_attn.o_proj.weight.dtype == torch.float32
-    # Q4_0 / Q4_1 / Q8_0 in the kernels' split rows, the tied table once for both of its users
-    assert model.layers[0].self_attn.qkv_proj.quant_method.qtype == gq.SPLIT + T.Q4_0
-    assert model.layers[0].mlp.gate_up_proj.quant_method.qtype == gq.SPLIT + T.Q4_1
+    # Q4_0 / Q4_1 / Q8_0 in the kernels' split rows (Q4_0 / Q4_1 linears interleaved by 16 rows where the build
+    # has those kernels), the tied table once for both of its users
+    for layer, qt in ((model.layers[0].self_attn.qkv_proj, T.Q4_0), (model.layers[0].mlp.gate_up_proj, T.Q4_1)):
+        form = gq.R16 if gq.interleaves_rows(int(qt), layer.weight.shape[0]) else gq.SPLIT
+        assert layer.quant_method.qtype == form + qt
     assert model.embed_tokens.table_method.qtype == model.lm_head.table_method.qtype == gq.SPLIT + T.Q8_0
     assert kept.engine.facts.weight_bytes == _block_bytes(path) + _float_bytes(path)
     got = _greedy(kept)

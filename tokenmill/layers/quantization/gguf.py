@@ -48,10 +48,19 @@ _NATIVE: bool | None = None
 # file's order.
 SPLIT = 1000
 SPLIT_BASES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
+# Interleaved rows: a linear layer's split Q4_0 / Q4_1 rows in groups of 16, one vector lane per row
+# (csrc/gguf_r16.h: the batch-1 kernels' per-row work goes, the int8 ones stream at memory speed). Made where the
+# build has AVX-512 VNNI (torch.ops.tokenmill.gguf_interleaves) and the layer's rows are a multiple of 16;
+# TOKENMILL_GGUF_INTERLEAVE=0 keeps split rows. Type id: R16 + the ggml type.
+R16 = 2000
+R16_BASES = (2, 3)  # Q4_0, Q4_1
+R16_ROWS = 16
 
 
 def base_type(qtype: int) -> int:
-    return qtype - SPLIT if qtype - SPLIT in SPLIT_BASES else qtype
+    if qtype - SPLIT in SPLIT_BASES:
+        return qtype - SPLIT
+    return qtype - R16 if qtype - R16 in R16_BASES else qtype
 
 
 def type_name(qtype: int) -> str:
@@ -62,7 +71,7 @@ def type_name(qtype: int) -> str:
         name = gguf.GGMLQuantizationType(base).name
     except ValueError:
         return f"ggml type {qtype}"
-    return name + (" (split rows)" if base != qtype else "")
+    return name + ("" if base == qtype else " (split rows)" if qtype - SPLIT == base else " (interleaved rows)")
 
 
 def block_format(qtype: int) -> tuple[int, int]:
@@ -97,6 +106,54 @@ def unsplit_rows(rows: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.cat(parts, dim=2).reshape(N, width).contiguous()
 
 
+def _r16_parts(qtype: int, nb: int) -> list[tuple[int, int]]:
+    """(bytes per row per block, blocks) of each part of a split row: scales, (Q4_1) mins, quants."""
+    return [(2, nb)] * (_scale_bytes(qtype) // 2) + [(16, nb)]
+
+
+def interleave_rows(split: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Split rows [N, row_bytes] (N a multiple of 16) -> interleaved rows (same shape): per group of 16 rows,
+    every part [16, nb, w] as [nb, 16, w] (the quants' w = 16 bytes as 4 columns of 4: [nb, 4, 16, 4])."""
+    N, width = split.shape
+    nb = width // block_format(qtype)[1]
+    g = split.reshape(N // R16_ROWS, R16_ROWS, width)
+    out, at = [], 0
+    for w, n in _r16_parts(qtype, nb):
+        part = g[:, :, at:at + w * n]
+        at += w * n
+        if w == 16:
+            out.append(part.reshape(-1, R16_ROWS, n, 4, 4).permute(0, 2, 3, 1, 4).reshape(N // R16_ROWS, -1))
+        else:
+            out.append(part.reshape(-1, R16_ROWS, n, w).permute(0, 2, 1, 3).reshape(N // R16_ROWS, -1))
+    return torch.cat(out, dim=1).reshape(N, width).contiguous()
+
+
+def deinterleave_rows(rows: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Interleaved rows back as split rows (interleave_rows' inverse)."""
+    N, width = rows.shape
+    nb = width // block_format(qtype)[1]
+    g = rows.reshape(N // R16_ROWS, R16_ROWS * width)
+    out, at = [], 0
+    for w, n in _r16_parts(qtype, nb):
+        part = g[:, at:at + R16_ROWS * w * n]
+        at += R16_ROWS * w * n
+        if w == 16:
+            out.append(part.reshape(-1, n, 4, R16_ROWS, 4).permute(0, 3, 1, 2, 4).reshape(-1, R16_ROWS, w * n))
+        else:
+            out.append(part.reshape(-1, n, R16_ROWS, w).permute(0, 2, 1, 3).reshape(-1, R16_ROWS, w * n))
+    return torch.cat(out, dim=2).reshape(N, width).contiguous()
+
+
+def interleaves_rows(qtype: int, rows: int) -> bool:
+    """Whether a split weight of `rows` rows of this type goes into interleaved rows here."""
+    import os
+
+    from tokenmill import native
+
+    return (base_type(qtype) in R16_BASES and rows % R16_ROWS == 0 and rows > 0 and native.has_op("gguf_interleaves")
+            and torch.ops.tokenmill.gguf_interleaves() and os.environ.get("TOKENMILL_GGUF_INTERLEAVE", "1") != "0")
+
+
 def splits_rows() -> bool:
     import os
 
@@ -125,6 +182,8 @@ def reference_dequantize(blocks: torch.Tensor, qtype: int, K: int) -> torch.Tens
     """float32 [N, K] by gguf's numpy dequantizer (the reference, and the path without the kernels)."""
     import gguf
 
+    if qtype - R16 in R16_BASES:
+        blocks, qtype = deinterleave_rows(blocks.detach().cpu(), qtype), qtype - R16 + SPLIT
     if base_type(qtype) != qtype:
         blocks, qtype = unsplit_rows(blocks.detach().cpu(), qtype), base_type(qtype)
     raw = blocks.detach().cpu().contiguous().numpy()
@@ -204,7 +263,11 @@ class GGUFLinearMethod(QuantizeMethodBase):
         tensor-parallel cut, which works on the file's blocks)."""
         if self.qtype in SPLIT_BASES and splits_rows() and _native_ok(layer.weight):
             layer.weight.data = split_rows(layer.weight.data, self.qtype)
-            self.qtype += SPLIT
+            if interleaves_rows(self.qtype, layer.weight.shape[0]):
+                layer.weight.data = interleave_rows(layer.weight.data, self.qtype)
+                self.qtype += R16
+            else:
+                self.qtype += SPLIT
         if _native_ok(layer.weight):  # streamed once per decode step: in huge pages (tokenmill/huge_pages.py)
             layer.weight.data = to_huge_pages(layer.weight.data)
 

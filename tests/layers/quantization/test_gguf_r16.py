@@ -1,0 +1,156 @@
+"""Interleaved rows (R16, csrc/gguf_r16.h): Q4_0 / Q4_1 linears in groups of 16 rows, one vector lane per row.
+
+The layout holds the same bytes as split rows (a round trip, and every path that dequantizes rows reads the same
+floats); its float and int8 kernels equal a float64 reference at 1.7B-sized shapes and odd block counts, a row's
+result does not depend on how many rows share the call, and the loader interleaves exactly where it should.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gguf_tiny import write_gguf
+from int8_ref import quantize_x
+from tiny import make_tiny_model
+from tokenmill import LLM, SamplingParams, native
+from tokenmill.layers.quantization import gguf as gq
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+
+needs_r16 = pytest.mark.skipif(not (native.has_op("gguf_interleaves") and torch.ops.tokenmill.gguf_interleaves()),
+                               reason="this build has no interleaved-row kernels (AVX-512 VNNI)")
+TYPES = [T.Q4_0, T.Q4_1]
+# (N, K): one group with one block; odd block counts; 135M's and 1.7B's shapes (gate_up at 1.7B: 16384 x 2048)
+SHAPES = [(16, 32), (48, 96), (960, 576), (576, 1536), (2048, 2048), (16384, 2048)]
+ROWS = (1, 2, 3, 4, 5, 7)
+
+
+def _weights(qtype, N, K, seed):
+    rng = np.random.default_rng(seed)
+    blocks = torch.from_numpy(gguf.quants.quantize(rng.standard_normal((N, K)).astype(np.float32), qtype))
+    W = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), qtype).reshape(N, K)).double()
+    split = gq.split_rows(blocks, int(qtype))
+    return W, split, gq.interleave_rows(split, int(qtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_interleaving_round_trips_and_dequantizes_as_the_file(qtype):
+    W, split, r16 = _weights(qtype, 64, 96, seed=1)
+    assert r16.shape == split.shape and not torch.equal(r16, split)
+    assert torch.equal(gq.deinterleave_rows(r16, int(qtype)), split)
+    assert torch.equal(gq.reference_dequantize(r16, gq.R16 + int(qtype), 96).double(), W)
+    assert gq.base_type(gq.R16 + int(qtype)) == int(qtype)
+    assert gq.type_name(gq.R16 + int(qtype)).endswith("(interleaved rows)")
+
+
+@needs_r16
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_float_kernel_equals_float64_reference_and_is_row_invariant(qtype):
+    g = torch.Generator().manual_seed(int(qtype))
+    threads = torch.get_num_threads()
+    try:
+        for N, K in SHAPES:
+            W, split, r16 = _weights(qtype, N, K, seed=N + K)
+            qt = gq.R16 + int(qtype)
+            x = torch.randn(max(ROWS), K, generator=g) * torch.rand(max(ROWS), 1, generator=g) * 4
+            bias = torch.randn(N, generator=g)
+            ref = x.double() @ W.T + bias.double()
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                alone = torch.cat([torch.ops.tokenmill.gguf_linear(x[m:m + 1], r16, qt, K, bias) for m in range(max(ROWS))])
+                for M in ROWS:
+                    y = torch.ops.tokenmill.gguf_linear(x[:M], r16, qt, K, bias)
+                    assert torch.equal(y, alone[:M]), f"{qtype.name} N={N} K={K} M={M} threads={t}"
+            torch.testing.assert_close(alone.double(), ref, rtol=1e-5, atol=2e-6 * math.sqrt(K) * ref.abs().max().item())
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_r16
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_int8_kernel_equals_float64_reference_at_any_rows(qtype):
+    """int8 activations: x rounded per 32 columns (int8_ref.quantize_x) times W in float64; every row alone equals
+    the same row in a call of 2..65 rows (prefill chunks take this kernel too), on 1 and 2 threads."""
+    g = torch.Generator().manual_seed(10 + int(qtype))
+    threads = torch.get_num_threads()
+    try:
+        for N, K in SHAPES[:5]:
+            W, split, r16 = _weights(qtype, N, K, seed=N * K)
+            qt = gq.R16 + int(qtype)
+            x = torch.randn(65, K, generator=g) * torch.rand(65, 1, generator=g) * 4
+            x[1, :32] = 0.0  # an all-zero block: scale 0
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                alone = torch.cat([torch.ops.tokenmill.gguf_linear(x[m:m + 1], r16, qt, K, None, True) for m in range(65)])
+                for M in (2, 3, 4, 5, 9, 33, 65):
+                    y = torch.ops.tokenmill.gguf_linear(x[:M], r16, qt, K, None, True)
+                    assert torch.equal(y, alone[:M]), f"{qtype.name} N={N} K={K} M={M} threads={t}"
+            ref = quantize_x(x) @ W.T
+            torch.testing.assert_close(alone.double(), ref, rtol=1e-4, atol=1e-5 * math.sqrt(K) * ref.abs().max().item())
+            # the split rows' int8 kernel sums the same products in another order
+            sx = torch.ops.tokenmill.gguf_linear(x, split, gq.SPLIT + int(qtype), K, None, True)
+            torch.testing.assert_close(alone, sx, rtol=1e-4, atol=1e-5 * math.sqrt(K) * ref.abs().max().item())
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_r16
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_row_dequantizing_paths_give_the_split_rows_bits(qtype):
+    """Batches (SGEMM on dequantized panels, bf16 panels) and gguf_dequantize read an interleaved row as the
+    split row it was: the same bits."""
+    N, K = 272, 576
+    _, split, r16 = _weights(qtype, N, K, seed=5)
+    x = torch.randn(40, K)
+    for M, bf16 in ((8, False), (40, False), (40, True)):
+        a = torch.ops.tokenmill.gguf_linear(x[:M], r16, gq.R16 + int(qtype), K, None, False, bf16)
+        b = torch.ops.tokenmill.gguf_linear(x[:M], split, gq.SPLIT + int(qtype), K, None, False, bf16)
+        assert torch.equal(a, b), (M, bf16)
+    assert torch.equal(torch.ops.tokenmill.gguf_dequantize(r16, gq.R16 + int(qtype), K),
+                       torch.ops.tokenmill.gguf_dequantize(split, gq.SPLIT + int(qtype), K))
+
+
+@needs_r16
+def test_rows_not_a_multiple_of_16_are_refused():
+    _, split, _ = _weights(T.Q4_0, 32, 64, seed=2)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.tokenmill.gguf_linear(torch.randn(1, 64), split[:24], gq.R16 + int(T.Q4_0), 64, None)
+    assert not gq.interleaves_rows(int(T.Q4_0), 24) and gq.interleaves_rows(int(T.Q4_0), 32)
+    assert not gq.interleaves_rows(int(T.Q8_0), 32)  # Q8_0 keeps split rows
+
+
+def _greedy(llm, prompts, n=16):
+    sp = SamplingParams(temperature=0, max_tokens=n, min_tokens=n, logprobs=2)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+@needs_r16
+def test_a_model_interleaves_its_linears_and_answers_as_with_split_rows(tmp_path, monkeypatch):
+    """A tiny Llama as Q4_0 / Q4_1 GGUF: its linears (rows a multiple of 16) load interleaved, the switch
+    TOKENMILL_GGUF_INTERLEAVE=0 keeps split rows, and both give the same greedy tokens with logprobs within float
+    noise (the float kernels sum each block in another order)."""
+    folder = make_tiny_model(tmp_path / "m", "llama", hidden_size=64, intermediate_size=128)
+    path = write_gguf(folder, tmp_path / "m.gguf",
+                      types=lambda name: T.Q4_1 if "ffn" in name else T.Q4_0 if "blk." in name else None)
+    prompts = [[5, 17, 33, 101], list(range(40, 90))]
+
+    def run():
+        llm = LLM(str(path), tokenizer=str(folder), max_model_len=128, num_gpu_blocks_override=64)
+        layer = llm.engine.model.layers[0]
+        return [layer.self_attn.qkv_proj.quant_method.qtype, layer.mlp.gate_up_proj.quant_method.qtype], _greedy(llm, prompts)
+
+    types, got = run()
+    assert types == [gq.R16 + T.Q4_0, gq.R16 + T.Q4_1]
+    monkeypatch.setenv("TOKENMILL_GGUF_INTERLEAVE", "0")
+    types, split = run()
+    assert types == [gq.SPLIT + T.Q4_0, gq.SPLIT + T.Q4_1]
+    for (tokens, lps), (stokens, slps) in zip(got, split):
+        assert tokens == stokens
+        for a, b in zip(lps, slps):
+            assert a.keys() == b.keys()
+            for k in a:
+                assert abs(a[k].logprob - b[k].logprob) < 1e-4

@@ -1,0 +1,258 @@
+// Kernels of the interleaved-row (R16) layout of Q4_0 / Q4_1 weights: see gguf_r16.h for the layout and why.
+// One vector lane is one weight row, so 16 rows' dot products accumulate side by side in one register:
+// - int8 activations: a block of 16 rows is four 64-byte loads; its low and high nibbles are eight vectors of
+//   16 rows x 4 weights, each multiplied with 4 bytes of x broadcast to every lane by one vpdpbusd (16 rows x 4
+//   products into 16 int32 lanes). Q4_0's -8 is folded into the integer accumulator's start (-8 * the block's sum
+//   of x's quants), Q4_1's min is one FMA of the 16 rows' mins by the block's sum of x.
+// - float activations: each weight of 16 rows becomes a vector of floats by one shift and one permute from a
+//   16-entry table, then one FMA with x's element broadcast.
+// Measured on the Xeon of docs/performance.md; see there.
+#include "gguf_r16.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+#include "int8_dot.h"
+#define TOKENMILL_R16 1
+#define TOKENMILL_R16_INLINE inline __attribute__((always_inline))
+#endif
+
+namespace tokenmill {
+namespace r16 {
+namespace {
+
+constexpr int64_t Q4_0 = 2, Q4_1 = 3;
+
+// Software prefetch, in blocks ahead of the one being read (its 256 bytes of quants and 32 of scales).
+// TOKENMILL_R16_PREFETCH_BLOCKS overrides it; 0 turns it off.
+const int64_t PREFETCH_BLOCKS = [] {
+  const char* v = std::getenv("TOKENMILL_R16_PREFETCH_BLOCKS");
+  return v != nullptr ? std::max<int64_t>(0, std::atoll(v)) : int64_t{8};
+}();
+
+inline int64_t block_bytes(int64_t base) { return base == Q4_1 ? 20 : 18; }
+// Bytes of a group's scales (and mins) before its quants.
+inline int64_t header_bytes(int64_t base, int64_t nb) { return (base == Q4_1 ? 4 : 2) * ROWS * nb; }
+inline int64_t group_bytes(int64_t base, int64_t nb) { return ROWS * nb * block_bytes(base); }
+
+#ifdef TOKENMILL_R16
+inline __m512 f16x16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Block b + PREFETCH_BLOCKS of a group on its way (past the group's end: the next group's bytes, or nothing).
+TOKENMILL_R16_INLINE void prefetch(const uint8_t* g, const uint8_t* qs, int64_t b) {
+  if (PREFETCH_BLOCKS == 0) return;
+  const uint8_t* q = qs + 256 * (b + PREFETCH_BLOCKS);
+  for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(q + 64 * j), _MM_HINT_T0);
+  if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(g + 32 * (b + PREFETCH_BLOCKS)), _MM_HINT_T0);
+}
+
+inline __m512i bcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// One group against MR rows of quantized x (xq: K apart; xd, xs, xo: nb apart, from row m0). y: this group's
+// 16 outputs of the first row, N apart.
+template <int MR, bool Q41>
+void group_x8(const uint8_t* g, int64_t nb, const int8_t* xq, int64_t K, const float* xd, const float* xs,
+              const int32_t* xo, float* y, int64_t N) {
+  const uint8_t* qs = g + header_bytes(Q41 ? Q4_1 : Q4_0, nb);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = qs + 256 * b;
+    prefetch(g, qs, b);
+    __m512i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i raw = _mm512_loadu_si512(q + 64 * j);
+      lo[j] = _mm512_and_si512(raw, low);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+    const __m512 dw = f16x16(g + 32 * b);
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* xb = xq + m * K + 32 * b;
+      // Two chains of four: rows' weights 0..15 (low nibbles) and 16..31 (high nibbles).
+      __m512i a0 = Q41 ? _mm512_setzero_si512() : _mm512_set1_epi32(xo[m * nb + b]);
+      __m512i a1 = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        a0 = _mm512_dpbusd_epi32(a0, lo[j], bcast4(xb + 4 * j));
+        a1 = _mm512_dpbusd_epi32(a1, hi[j], bcast4(xb + 16 + 4 * j));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1));
+      acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(xd[m * nb + b])), acc[m]);
+      if (Q41) acc[m] = _mm512_fmadd_ps(f16x16(g + 32 * nb + 32 * b), _mm512_set1_ps(xs[m * nb + b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * N, acc[m]);
+}
+
+// One group against MR rows of float x (K apart; xsum: per-block sums of x, nb apart, Q4_1's min term).
+// Per block and row of x, four chains of eight FMAs (the block's weights 4j+k and 16+4j+k for even and odd j),
+// added in one fixed order, then scaled.
+template <int MR, bool Q41>
+void group_f32(const uint8_t* g, int64_t nb, const float* x, int64_t K, const float* xsum, float* y, int64_t N) {
+  const uint8_t* qs = g + header_bytes(Q41 ? Q4_1 : Q4_0, nb);
+  // vpermps reads the low 4 bits of each lane: a shift puts any nibble there, no mask needed.
+  const __m512 table = Q41 ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                           : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = qs + 256 * b;
+    prefetch(g, qs, b);
+    __m512 t[MR][4];
+    for (int m = 0; m < MR; ++m) t[m][0] = t[m][1] = t[m][2] = t[m][3] = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i raw = _mm512_loadu_si512(q + 64 * j);
+      const int c = 2 * (j & 1);
+      for (int k = 0; k < 4; ++k) {
+        const __m512 wl = _mm512_permutexvar_ps(k == 0 ? raw : _mm512_srli_epi32(raw, 8 * k), table);
+        const __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 8 * k + 4), table);
+        for (int m = 0; m < MR; ++m) {
+          const float* xb = x + m * K + 32 * b;
+          t[m][c] = _mm512_fmadd_ps(wl, _mm512_set1_ps(xb[4 * j + k]), t[m][c]);
+          t[m][c + 1] = _mm512_fmadd_ps(wh, _mm512_set1_ps(xb[16 + 4 * j + k]), t[m][c + 1]);
+        }
+      }
+    }
+    const __m512 dw = f16x16(g + 32 * b);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 s = _mm512_add_ps(_mm512_add_ps(t[m][0], t[m][1]), _mm512_add_ps(t[m][2], t[m][3]));
+      acc[m] = _mm512_fmadd_ps(s, dw, acc[m]);
+      if (Q41) acc[m] = _mm512_fmadd_ps(f16x16(g + 32 * nb + 32 * b), _mm512_set1_ps(xsum[m * nb + b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(y + m * N, acc[m]);
+}
+
+template <bool Q41>
+void groups_x8(int64_t mr, const uint8_t* g, int64_t nb, const int8_t* xq, int64_t K, const float* xd,
+               const float* xs, const int32_t* xo, float* y, int64_t N) {
+  switch (mr) {
+    case 1: return group_x8<1, Q41>(g, nb, xq, K, xd, xs, xo, y, N);
+    case 2: return group_x8<2, Q41>(g, nb, xq, K, xd, xs, xo, y, N);
+    case 3: return group_x8<3, Q41>(g, nb, xq, K, xd, xs, xo, y, N);
+    default: return group_x8<4, Q41>(g, nb, xq, K, xd, xs, xo, y, N);
+  }
+}
+
+template <bool Q41>
+void groups_f32(int64_t mr, const uint8_t* g, int64_t nb, const float* x, int64_t K, const float* xsum, float* y,
+                int64_t N) {
+  switch (mr) {
+    case 1: return group_f32<1, Q41>(g, nb, x, K, xsum, y, N);
+    case 2: return group_f32<2, Q41>(g, nb, x, K, xsum, y, N);
+    case 3: return group_f32<3, Q41>(g, nb, x, K, xsum, y, N);
+    default: return group_f32<4, Q41>(g, nb, x, K, xsum, y, N);
+  }
+}
+#endif
+
+constexpr int64_t MR_MAX = 4;  // rows of x per pass over a group
+
+void check(int64_t base, int64_t N, int64_t K) {
+  TORCH_CHECK(base == Q4_0 || base == Q4_1, "gguf r16: no interleaved kernel for ggml type ", base);
+  TORCH_CHECK(N % ROWS == 0 && K % 32 == 0, "gguf r16: N=", N, " and K=", K, " must be multiples of 16 and 32");
+#ifndef TOKENMILL_R16
+  TORCH_CHECK(false, "gguf r16: this build has no AVX-512 VNNI kernels for interleaved rows");
+#endif
+}
+
+int64_t grain(int64_t base, int64_t nb, int64_t min_bytes) {
+  return std::max<int64_t>(1, min_bytes / group_bytes(base, nb));
+}
+
+}  // namespace
+
+bool available() {
+#ifdef TOKENMILL_R16
+  return true;
+#else
+  return false;
+#endif
+}
+
+void gemv_f32(int64_t base, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, float* y,
+              int64_t min_bytes) {
+  check(base, N, K);
+#ifdef TOKENMILL_R16
+  const int64_t nb = K / 32, gb = group_bytes(base, nb);
+  std::vector<float> xsum(base == Q4_1 ? M * nb : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
+    float s = 0.f;
+    for (int k = 0; k < 32; ++k) s += x[i * 32 + k];
+    xsum[i] = s;
+  }
+  at::parallel_for(0, N / ROWS, grain(base, nb, min_bytes), [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+        const int64_t mr = std::min(MR_MAX, M - m0);
+        float* yg = y + m0 * N + g * ROWS;
+        if (base == Q4_1) groups_f32<true>(mr, w + g * gb, nb, x + m0 * K, K, xsum.data() + m0 * nb, yg, N);
+        else groups_f32<false>(mr, w + g * gb, nb, x + m0 * K, K, nullptr, yg, N);
+      }
+  });
+#else
+  (void)w, (void)x, (void)M, (void)y, (void)min_bytes;
+#endif
+}
+
+void gemm_x8(int64_t base, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, float* y,
+             int64_t min_bytes) {
+  check(base, N, K);
+#ifdef TOKENMILL_R16
+  const int64_t nb = K / 32, gb = group_bytes(base, nb);
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * nb), xs(M * nb);
+  std::vector<int32_t> xo(M * nb);
+  at::parallel_for(0, M, std::max<int64_t>(1, 8192 / K), [&](int64_t a, int64_t b) {
+    x8::quantize(x + a * K, b - a, K, xq.data() + a * K, xd.data() + a * nb, xs.data() + a * nb);
+    for (int64_t i = a * nb; i < b * nb; ++i) {  // Q4_0's offset: -8 times the block's sum of quants
+      int32_t s = 0;
+      for (int k = 0; k < 32; ++k) s += xq[i * 32 + k];
+      xo[i] = -8 * s;
+    }
+  });
+  at::parallel_for(0, N / ROWS, grain(base, nb, min_bytes / std::max<int64_t>(1, M)), [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+        const int64_t mr = std::min(MR_MAX, M - m0);
+        const int64_t o = m0 * nb;
+        float* yg = y + m0 * N + g * ROWS;
+        if (base == Q4_1)
+          groups_x8<true>(mr, w + g * gb, nb, xq.data() + m0 * K, K, xd.data() + o, xs.data() + o, xo.data() + o, yg, N);
+        else
+          groups_x8<false>(mr, w + g * gb, nb, xq.data() + m0 * K, K, xd.data() + o, xs.data() + o, xo.data() + o, yg, N);
+      }
+  });
+#else
+  (void)w, (void)x, (void)M, (void)y, (void)min_bytes;
+#endif
+}
+
+void split_row(int64_t base, const uint8_t* w, int64_t n, int64_t K, uint8_t* out) {
+  const int64_t nb = K / 32, r = n % ROWS;
+  const uint8_t* g = w + (n / ROWS) * group_bytes(base, nb);
+  const int64_t heads = base == Q4_1 ? 2 : 1;  // f16 scales, then (Q4_1) f16 mins
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t b = 0; b < nb; ++b) std::memcpy(out + 2 * (h * nb + b), g + 32 * (h * nb + b) + 2 * r, 2);
+  const uint8_t* qs = g + header_bytes(base, nb);
+  uint8_t* oq = out + 2 * heads * nb;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t j = 0; j < 4; ++j) std::memcpy(oq + 16 * b + 4 * j, qs + 256 * b + 64 * j + 4 * r, 4);
+}
+
+}  // namespace r16
+}  // namespace tokenmill
