@@ -1,4 +1,4 @@
-// Interleaved rows (R16): Q4_0 / Q4_1 weights of the decoder's linear layers in groups of 16 rows, made at load
+// Interleaved rows (R16): Q4_0 / Q4_1 / Q8_0 weights (linear layers, embedding tables) in groups of 16 rows, made at load
 // by layers/quantization/gguf.py (interleave_rows) where the build has AVX-512 VNNI. The batch-1 kernels of
 // split rows spend as much on each row's fixed work (its scales, its offset term, reducing its accumulators) as
 // on its blocks when rows are short (K = 576: 18 blocks), and widen every weight to a vector of its own row. Here
@@ -6,9 +6,10 @@
 // one vector, with no reduction. A group of 16 rows of nb blocks is laid out as
 //   scales  [nb][16] f16      (block b's d of rows 0..15)
 //   mins    [nb][16] f16      (Q4_1 only)
-//   quants  [nb][4][16][4]    (block b: for each 4-byte column j, row r's quant bytes 4j..4j+3)
+//   quants  [nb][c][16][4]    (block b: for each 4-byte column j < c, row r's quant bytes 4j..4j+3; c = 4 for
+//                             Q4_0 / Q4_1, 8 for Q8_0)
 // so that byte k of lane r of the j-th 64-byte vector holds row r's weights 4j+k (low nibble) and 16+4j+k (high
-// nibble), as its split row did. Same bytes as the 16 split rows, same tensor shape [N, row_bytes]; type id
+// nibble), as its split row did (Q8_0: its weight 4j+k). Same bytes as the 16 split rows, same tensor shape [N, row_bytes]; type id
 // R16 + the ggml type.
 #pragma once
 
@@ -20,7 +21,7 @@ namespace r16 {
 constexpr int64_t R16 = 2000;
 constexpr int64_t ROWS = 16;
 
-inline bool is_r16(int64_t qt) { return qt == R16 + 2 || qt == R16 + 3; }  // Q4_0, Q4_1
+inline bool is_r16(int64_t qt) { return qt == R16 + 2 || qt == R16 + 3 || qt == R16 + 8; }  // Q4_0, Q4_1, Q8_0
 
 // Whether this build has the kernels (AVX-512 F/BW + VNNI).
 bool available();

@@ -357,7 +357,8 @@ def test_tied_q8_0_embedding_and_q4_linears_match_dequantized(tmp_path):
     for layer, qt in ((model.layers[0].self_attn.qkv_proj, T.Q4_0), (model.layers[0].mlp.gate_up_proj, T.Q4_1)):
         form = gq.R16 if gq.interleaves_rows(int(qt), layer.weight.shape[0]) else gq.SPLIT
         assert layer.quant_method.qtype == form + qt
-    assert model.embed_tokens.table_method.qtype == model.lm_head.table_method.qtype == gq.SPLIT + T.Q8_0
+    form = gq.R16 if gq.interleaves_rows(int(T.Q8_0), model.embed_tokens.weight.shape[0]) else gq.SPLIT
+    assert model.embed_tokens.table_method.qtype == model.lm_head.table_method.qtype == form + T.Q8_0
     assert kept.engine.facts.weight_bytes == _block_bytes(path) + _float_bytes(path)
     got = _greedy(kept)
     ref_llm = _llm(path, folder, "none")

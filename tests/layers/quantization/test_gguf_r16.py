@@ -1,4 +1,4 @@
-"""Interleaved rows (R16, csrc/gguf_r16.h): Q4_0 / Q4_1 linears in groups of 16 rows, one vector lane per row.
+"""Interleaved rows (R16, csrc/gguf_r16.h): Q4_0 / Q4_1 / Q8_0 weights in groups of 16 rows, one vector lane per row.
 
 The layout holds the same bytes as split rows (a round trip, and every path that dequantizes rows reads the same
 floats); its float and int8 kernels equal a float64 reference at 1.7B-sized shapes and odd block counts, a row's
@@ -23,7 +23,7 @@ T = gguf.GGMLQuantizationType
 
 needs_r16 = pytest.mark.skipif(not (native.has_op("gguf_interleaves") and torch.ops.tokenmill.gguf_interleaves()),
                                reason="this build has no interleaved-row kernels (AVX-512 VNNI)")
-TYPES = [T.Q4_0, T.Q4_1]
+TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
 # (N, K): one group with one block; odd block counts; 135M's and 1.7B's shapes (gate_up at 1.7B: 16384 x 2048)
 SHAPES = [(16, 32), (48, 96), (960, 576), (576, 1536), (2048, 2048), (16384, 2048)]
 ROWS = (1, 2, 3, 4, 5, 7)
@@ -120,7 +120,7 @@ def test_rows_not_a_multiple_of_16_are_refused():
     with pytest.raises(RuntimeError, match="multiple of 16"):
         torch.ops.tokenmill.gguf_linear(torch.randn(1, 64), split[:24], gq.R16 + int(T.Q4_0), 64, None)
     assert not gq.interleaves_rows(int(T.Q4_0), 24) and gq.interleaves_rows(int(T.Q4_0), 32)
-    assert not gq.interleaves_rows(int(T.Q8_0), 32)  # Q8_0 keeps split rows
+    assert not gq.interleaves_rows(int(T.Q4_K), 32)  # K-quants keep the file's blocks
 
 
 def _greedy(llm, prompts, n=16):
@@ -154,3 +154,14 @@ def test_a_model_interleaves_its_linears_and_answers_as_with_split_rows(tmp_path
             assert a.keys() == b.keys()
             for k in a:
                 assert abs(a[k].logprob - b[k].logprob) < 1e-4
+
+
+@needs_r16
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_a_table_lookup_takes_back_the_rows_it_reads(qtype):
+    W, split, r16 = _weights(qtype, 64, 96, seed=7)
+    ids = torch.tensor([[0, 17, 63], [5, 5, 48]])
+    got = gq.embedding_lookup(r16, gq.R16 + int(qtype), ids, 96)
+    assert torch.equal(got, gq.embedding_lookup(split, gq.SPLIT + int(qtype), ids, 96))
+    assert torch.equal(got.double(), W[ids])
+    assert torch.equal(gq.interleaved_rows_at(r16, int(qtype), ids.reshape(-1)), split[ids.reshape(-1)])

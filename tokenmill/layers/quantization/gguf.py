@@ -48,12 +48,12 @@ _NATIVE: bool | None = None
 # file's order.
 SPLIT = 1000
 SPLIT_BASES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
-# Interleaved rows: a linear layer's split Q4_0 / Q4_1 rows in groups of 16, one vector lane per row
-# (csrc/gguf_r16.h: the batch-1 kernels' per-row work goes, the int8 ones stream at memory speed). Made where the
-# build has AVX-512 VNNI (torch.ops.tokenmill.gguf_interleaves) and the layer's rows are a multiple of 16;
+# Interleaved rows: split Q4_0 / Q4_1 / Q8_0 rows (linear layers, embedding tables) in groups of 16, one vector
+# lane per row (csrc/gguf_r16.h: the batch-1 kernels' per-row work goes, the int8 ones stream at memory speed).
+# Made where the build has AVX-512 VNNI (torch.ops.tokenmill.gguf_interleaves) and the rows are a multiple of 16;
 # TOKENMILL_GGUF_INTERLEAVE=0 keeps split rows. Type id: R16 + the ggml type.
 R16 = 2000
-R16_BASES = (2, 3)  # Q4_0, Q4_1
+R16_BASES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 R16_ROWS = 16
 
 
@@ -108,12 +108,12 @@ def unsplit_rows(rows: torch.Tensor, qtype: int) -> torch.Tensor:
 
 def _r16_parts(qtype: int, nb: int) -> list[tuple[int, int]]:
     """(bytes per row per block, blocks) of each part of a split row: scales, (Q4_1) mins, quants."""
-    return [(2, nb)] * (_scale_bytes(qtype) // 2) + [(16, nb)]
+    return [(2, nb)] * (_scale_bytes(qtype) // 2) + [(block_format(qtype)[1] - _scale_bytes(qtype), nb)]
 
 
 def interleave_rows(split: torch.Tensor, qtype: int) -> torch.Tensor:
     """Split rows [N, row_bytes] (N a multiple of 16) -> interleaved rows (same shape): per group of 16 rows,
-    every part [16, nb, w] as [nb, 16, w] (the quants' w = 16 bytes as 4 columns of 4: [nb, 4, 16, 4])."""
+    every part [16, nb, w] as [nb, 16, w] (the quants' w bytes as w / 4 columns of 4: [nb, w / 4, 16, 4])."""
     N, width = split.shape
     nb = width // block_format(qtype)[1]
     g = split.reshape(N // R16_ROWS, R16_ROWS, width)
@@ -121,8 +121,8 @@ def interleave_rows(split: torch.Tensor, qtype: int) -> torch.Tensor:
     for w, n in _r16_parts(qtype, nb):
         part = g[:, :, at:at + w * n]
         at += w * n
-        if w == 16:
-            out.append(part.reshape(-1, R16_ROWS, n, 4, 4).permute(0, 2, 3, 1, 4).reshape(N // R16_ROWS, -1))
+        if w > 2:
+            out.append(part.reshape(-1, R16_ROWS, n, w // 4, 4).permute(0, 2, 3, 1, 4).reshape(N // R16_ROWS, -1))
         else:
             out.append(part.reshape(-1, R16_ROWS, n, w).permute(0, 2, 1, 3).reshape(N // R16_ROWS, -1))
     return torch.cat(out, dim=1).reshape(N, width).contiguous()
@@ -137,11 +137,28 @@ def deinterleave_rows(rows: torch.Tensor, qtype: int) -> torch.Tensor:
     for w, n in _r16_parts(qtype, nb):
         part = g[:, at:at + R16_ROWS * w * n]
         at += R16_ROWS * w * n
-        if w == 16:
-            out.append(part.reshape(-1, n, 4, R16_ROWS, 4).permute(0, 3, 1, 2, 4).reshape(-1, R16_ROWS, w * n))
+        if w > 2:
+            out.append(part.reshape(-1, n, w // 4, R16_ROWS, 4).permute(0, 3, 1, 2, 4).reshape(-1, R16_ROWS, w * n))
         else:
             out.append(part.reshape(-1, n, R16_ROWS, w).permute(0, 2, 1, 3).reshape(-1, R16_ROWS, w * n))
     return torch.cat(out, dim=2).reshape(N, width).contiguous()
+
+
+def interleaved_rows_at(rows: torch.Tensor, qtype: int, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of an interleaved table as split rows [len(index), row_bytes] (a lookup's rows only)."""
+    N, width = rows.shape
+    nb = width // block_format(qtype)[1]
+    group, lane = index // R16_ROWS, index % R16_ROWS
+    g = rows.reshape(N // R16_ROWS, R16_ROWS * width)
+    out, at = [], 0
+    for w, n in _r16_parts(qtype, nb):
+        part = g[:, at:at + R16_ROWS * w * n]
+        at += R16_ROWS * w * n
+        if w > 2:  # [G, nb, w / 4, 16, 4] -> the lane's [nb, w / 4, 4]
+            out.append(part.reshape(-1, n, w // 4, R16_ROWS, 4)[group, :, :, lane].reshape(-1, w * n))
+        else:  # [G, nb, 16, 2] -> the lane's [nb, 2]
+            out.append(part.reshape(-1, n, R16_ROWS, w)[group, :, lane].reshape(-1, w * n))
+    return torch.cat(out, dim=1)
 
 
 def interleaves_rows(qtype: int, rows: int) -> bool:
@@ -310,7 +327,10 @@ def keep_embedding_blocks(module: nn.Module, qtype: int, shared: nn.Parameter | 
 
 def embedding_lookup(blocks: torch.Tensor, qtype: int, input_ids: torch.Tensor, K: int) -> torch.Tensor:
     """The selected rows' blocks (of a [vocab, row_bytes] table), gathered then dequantized: float32 [..., K]."""
-    rows = blocks.index_select(0, input_ids.reshape(-1))
+    if qtype - R16 in R16_BASES:
+        rows, qtype = interleaved_rows_at(blocks, qtype, input_ids.reshape(-1)), qtype - R16 + SPLIT
+    else:
+        rows = blocks.index_select(0, input_ids.reshape(-1))
     return dequantize(rows, qtype, K).reshape(*input_ids.shape, K)
 
 
@@ -380,7 +400,8 @@ class GGUFConfig(QuantizationConfig):
 
     def finish_model(self, model: DecoderForCausalLM) -> None:
         """Once loaded: the token embedding's and LM head's Q4_0 / Q4_1 / Q8_0 tables into split rows (a tied
-        table once, for both), where the kernels run. Their lookups unsplit only the rows they read."""
+        table once, for both), where the kernels run, interleaved by 16 where those kernels are built. Their
+        lookups take back only the rows they read."""
         import dataclasses
 
         from tokenmill.layers.embedding import GGUFBlockRows
@@ -391,10 +412,12 @@ class GGUFConfig(QuantizationConfig):
             if not isinstance(method, GGUFBlockRows) or method.qtype not in SPLIT_BASES or not splits_rows() \
                     or not _native_ok(module.weight):
                 continue
+            form = R16 if interleaves_rows(method.qtype, module.weight.shape[0]) else SPLIT
             if id(module.weight) not in done:
-                module.weight.data = to_huge_pages(split_rows(module.weight.data, method.qtype))
+                rows = split_rows(module.weight.data, method.qtype)
+                module.weight.data = to_huge_pages(interleave_rows(rows, method.qtype) if form == R16 else rows)
                 done.add(id(module.weight))
-            module.table_method = dataclasses.replace(method, qtype=method.qtype + SPLIT)
+            module.table_method = dataclasses.replace(method, qtype=method.qtype + form)
         end_arena()  # this model's smaller weights are placed: the next model starts an arena of its own
 
     def keeps_blocks(self, checkpoint_name: str) -> bool:
