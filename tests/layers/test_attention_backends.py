@@ -35,8 +35,10 @@ BACKENDS = [b for b in available_backends(CPU) if b != "triton_paged"]
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
 
 
-def dense_reference(q, k, v, scale: float, window: int | None, soft_cap: float | None = None) -> torch.Tensor:
-    """q: [n, H, D], the last n positions of k/v: [N, Hk, D] (float64). Returns [n, H, D]."""
+def dense_reference(q, k, v, scale: float, window: int | None, soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [n, H, D], the last n positions of k/v: [N, Hk, D] (float64). Returns [n, H, D]. `sinks` [H]: a logit per
+    head in the softmax's denominator (gpt-oss), its weight dropped."""
     n, H, _ = q.shape
     N, Hk, _ = k.shape
     k, v = k.repeat_interleave(H // Hk, dim=1), v.repeat_interleave(H // Hk, dim=1)
@@ -49,7 +51,11 @@ def dense_reference(q, k, v, scale: float, window: int | None, soft_cap: float |
     if window is not None:
         allowed &= k_pos > q_pos - window
     s = s.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    sink = sinks.double().view(H, 1, 1).expand(H, n, 1)
+    p = torch.cat([s, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", p, v)
 
 
 @dataclass
@@ -74,9 +80,12 @@ class Harness:
 
     @classmethod
     def make(cls, backend: str, dtype, H: int, Hk: int, D: int, windows, soft_cap=None, block_size: int = 8,
-             num_blocks: int = 64, seed: int = 0, table_dtype=torch.long) -> Harness:
+             num_blocks: int = 64, seed: int = 0, table_dtype=torch.long, sinks: torch.Tensor | None = None) -> Harness:
         b = get_attention_backend(backend, CPU)(block_size, CPU)
-        layers = [Attention(H, Hk, D, D**-0.5, w, logits_soft_cap=soft_cap) for w in windows]
+        layers = [Attention(H, Hk, D, D**-0.5, w, logits_soft_cap=soft_cap, sinks=sinks is not None) for w in windows]
+        for a in layers:
+            if sinks is not None:
+                a.sinks.data.copy_(sinks)
         b.allocate_kv_cache(layers, num_blocks, dtype)
         for a in layers:  # what torch.empty may hold: lazy initialisation must make it harmless
             a.k_cache.fill_(float("nan"))
@@ -126,7 +135,7 @@ class Harness:
             for s, n in work:
                 end = s.computed + n
                 want = dense_reference(s.q[li, s.computed : end], s.k[li, :end], s.v[li, :end],
-                                       layer.scale, layer.sliding_window, layer.logits_soft_cap)
+                                       layer.scale, layer.sliding_window, layer.logits_soft_cap, layer.sinks)
                 torch.testing.assert_close(out[row : row + n].double(), want, **TOLERANCE[self.dtype])
                 row += n
             outs.append(out)

@@ -1,7 +1,8 @@
 """gpt-oss (attention sinks, alternating sliding-window / full layers, YaRN, the router with bias and the clamped
 SwiGLU experts): greedy tokens and logprobs equal transformers' (the oracle, eager attention) on a tiny random
 checkpoint, batched, from the prefix cache and with a prompt that shares another's prefix, chunked by a 16-token
-budget, preempted; TP=2 equals TP=1; a backend without sinks refuses the model at load."""
+budget, preempted (torch_sdpa), batched and chunked on cpu_paged and triton_paged; TP=2 equals TP=1; a backend
+without sinks refuses the model at load."""
 from __future__ import annotations
 
 import json
@@ -81,6 +82,21 @@ def test_gpt_oss_matches_transformers(gpt_oss):
     assert tight.engine.scheduler.num_preemptions > 0
     for engine in (llm.engine, chunked.engine, tight.engine):
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("backend", ["cpu_paged", pytest.param("triton_paged", marks=pytest.mark.slow)])
+def test_other_attention_backends(gpt_oss, backend):
+    """The native CPU kernel (the CPU default) and Triton under the interpreter, batched and chunked."""
+    from tokenmill.layers.attention_backends import available_backends
+
+    if backend not in available_backends("cpu"):
+        pytest.skip(f"{backend} is not available here")
+    prompts = prompts_for(384)[2:5]  # 14 to 30 tokens: chunked by the budget of 16
+    oracle = hf_greedy(gpt_oss, prompts)
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=3)
+    for kw in ({}, dict(max_num_batched_tokens=16)):
+        llm = LLM(str(gpt_oss), max_model_len=128, num_gpu_blocks_override=64, attention_backend=backend, **kw)
+        check_against_oracle(llm.generate(prompts, sp, use_tqdm=False), oracle, f"{backend} {kw}")
 
 
 def test_sinks_and_windows_are_in_the_model(gpt_oss):

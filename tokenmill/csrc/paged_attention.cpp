@@ -90,7 +90,15 @@ struct Geometry {
   int64_t table_stride;
   float scale, cap;
   int64_t window;  // 0: none
+  // Attention sinks (gpt-oss): a logit per query head [H] that joins each softmax's denominator only, applied
+  // where a row is normalised (exp(sink - m) added to its sum l of exp(score - m)); nullptr: none.
+  const float* sinks = nullptr;
 };
+
+// The normaliser of query head j's row, whose scores have running max m and sum l of exp(score - m).
+inline float row_denominator(const Geometry& g, int64_t j, float m, float l) {
+  return g.sinks ? l + std::exp(g.sinks[j] - m) : l;
+}
 
 // ---------------------------------------------------------------- decode --------------------------
 
@@ -513,7 +521,7 @@ void prefill_item(const float* q, int64_t q_row_stride, const T* kc, const T* vc
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t j = 0; j < G; ++j) {
       const float* a = w.acc.data() + (i * G + j) * D;
-      const float inv = 1.f / w.l[i * G + j];
+      const float inv = 1.f / row_denominator(g, h * G + j, w.m[i * G + j], w.l[i * G + j]);
       float* o = out + i * out_row_stride + j * D;
       for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv;
     }
@@ -623,7 +631,7 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
     if (it.part < 0) {
       float* dst = op + (int64_t)qs[it.req] * H * D;
       for (int64_t j = it.h0 * G; j < it.h1 * G; ++j) {
-        const float inv = 1.f / l[j];
+        const float inv = 1.f / row_denominator(g, j, m[j], l[j]);
         for (int64_t d = 0; d < D; ++d) dst[j * D + d] = o[j * D + d] * inv;
       }
     }
@@ -647,7 +655,7 @@ void attend(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, con
         L += pr[H * D + H + j] * w;
         for (int64_t d = 0; d < D; ++d) dst[d] += pr[j * D + d] * w;
       }
-      const float inv = 1.f / L;
+      const float inv = 1.f / row_denominator(g, j, M, L);
       for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
     }
   });
@@ -728,7 +736,8 @@ void check_requests(const at::Tensor& q, const at::Tensor& block_table, const at
 Geometry check_geometry(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
                         const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& query_len,
-                        const at::Tensor& kv_len, double scale, int64_t sliding_window, double soft_cap) {
+                        const at::Tensor& kv_len, double scale, int64_t sliding_window, double soft_cap,
+                        const float* sinks) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "paged_attention: float32 q/out");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
@@ -758,15 +767,17 @@ Geometry check_geometry(const at::Tensor& out, const at::Tensor& q, const at::Te
   g.scale = (float)scale;
   g.cap = (float)soft_cap;
   g.window = sliding_window;
+  g.sinks = sinks;
   return g;
 }
 
-void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
-                     const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& query_len,
-                     const at::Tensor& kv_len, double scale, int64_t sliding_window, double soft_cap) {
+void float_cache_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                           const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& query_len,
+                           const at::Tensor& kv_len, double scale, int64_t sliding_window, double soft_cap,
+                           const float* sinks) {
   const Geometry g = check_geometry(out, q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start, query_len,
-                                    kv_len, scale, sliding_window, soft_cap);
+                                    kv_len, scale, sliding_window, soft_cap, sinks);
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
               "paged_attention: new K/V must already have the cache dtype");
   if (k.size(0) > 0) write_kv(k, v, k_cache, v_cache, slot_mapping);
@@ -810,13 +821,14 @@ void write_kv_quant(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
 // int8 caches: k_scales/v_scales [num_blocks, block_size, Hk] float32 (per slot and KV head); k_scale,
 // v_scale unused (1). fp8 caches: k_scales/v_scales empty; k_scale/v_scale the layer's scales, folded into
 // the softmax scale and the output.
-void paged_attention_quant(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+void quant_cache_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_scales, at::Tensor v_scales,
                            const at::Tensor& slot_mapping, const at::Tensor& block_table,
                            const at::Tensor& query_start, const at::Tensor& query_len, const at::Tensor& kv_len,
-                           double scale, int64_t sliding_window, double soft_cap, double k_scale, double v_scale) {
+                           double scale, int64_t sliding_window, double soft_cap, double k_scale, double v_scale,
+                           const float* sinks) {
   Geometry g = check_geometry(out, q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start, query_len,
-                              kv_len, scale, sliding_window, soft_cap);
+                              kv_len, scale, sliding_window, soft_cap, sinks);
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "paged_attention_quant: new K/V must be float32 (they are quantized on write)");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_attention_quant: K and V caches differ in dtype");
@@ -844,6 +856,46 @@ void paged_attention_quant(at::Tensor out, const at::Tensor& q, const at::Tensor
   }
 }
 
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& query_len,
+                     const at::Tensor& kv_len, double scale, int64_t sliding_window, double soft_cap) {
+  float_cache_attention(out, q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start, query_len, kv_len,
+                        scale, sliding_window, soft_cap, nullptr);
+}
+
+void paged_attention_quant(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_scales, at::Tensor v_scales,
+                           const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                           const at::Tensor& query_start, const at::Tensor& query_len, const at::Tensor& kv_len,
+                           double scale, int64_t sliding_window, double soft_cap, double k_scale, double v_scale) {
+  quant_cache_attention(out, q, k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping, block_table, query_start,
+                        query_len, kv_len, scale, sliding_window, soft_cap, k_scale, v_scale, nullptr);
+}
+
+// Either op above with attention sinks: sinks [H] float32, one logit per query head of q (this rank's heads).
+// Float32/bfloat16 caches take paged_attention's path (k_scales, v_scales unused), quantized ones
+// paged_attention_quant's. A separate op, so that the two above keep their schemas for every caller.
+void paged_attention_sinks(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_scales, at::Tensor v_scales,
+                           const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                           const at::Tensor& query_start, const at::Tensor& query_len, const at::Tensor& kv_len,
+                           double scale, int64_t sliding_window, double soft_cap, double k_scale, double v_scale,
+                           const at::Tensor& sinks) {
+  TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.is_contiguous() && sinks.dim() == 1 && q.dim() == 3 &&
+                  sinks.size(0) == q.size(1),
+              "paged_attention_sinks: sinks must be contiguous float32 [H], one per query head");
+  const float* sp = sinks.data_ptr<float>();
+  const auto dtype = k_cache.scalar_type();
+  if (dtype == at::kFloat || dtype == at::kBFloat16) {
+    float_cache_attention(out, q, k, v, k_cache, v_cache, slot_mapping, block_table, query_start, query_len, kv_len,
+                          scale, sliding_window, soft_cap, sp);
+  } else {
+    quant_cache_attention(out, q, k, v, k_cache, v_cache, k_scales, v_scales, slot_mapping, block_table, query_start,
+                          query_len, kv_len, scale, sliding_window, soft_cap, k_scale, v_scale, sp);
+  }
+}
+
 std::string cpu_capability() { return TOKENMILL_STR(CPU_CAPABILITY); }
 
 // Decode partitions planned for n threads whatever the threads of a step (0: the threads of the moment);
@@ -865,6 +917,12 @@ TORCH_LIBRARY(tokenmill, m) {
       "Tensor query_len, Tensor kv_len, float scale, int sliding_window, float soft_cap, float k_scale, "
       "float v_scale) -> ()");
   m.impl("paged_attention_quant", c10::DispatchKey::CPU, &tokenmill::paged_attention_quant);
+  m.def(
+      "paged_attention_sinks(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+      "Tensor(d!) k_scales, Tensor(e!) v_scales, Tensor slot_mapping, Tensor block_table, Tensor query_start, "
+      "Tensor query_len, Tensor kv_len, float scale, int sliding_window, float soft_cap, float k_scale, "
+      "float v_scale, Tensor sinks) -> ()");
+  m.impl("paged_attention_sinks", c10::DispatchKey::CPU, &tokenmill::paged_attention_sinks);
   m.def("cpu_capability() -> str", &tokenmill::cpu_capability);
   m.def("set_attention_plan_threads(int n) -> int", &tokenmill::set_attention_plan_threads);
 }

@@ -42,6 +42,10 @@ class CPUPagedMetadata:
 class CPUPagedBackend(AttentionBackend):
     name = "cpu_paged"
 
+    @property
+    def supports_sinks(self) -> bool:  # the op came with the sinks; a build from before lacks it
+        return native.has_op("paged_attention_sinks")
+
     @classmethod
     def supports(cls, device: torch.device) -> bool:
         return torch.device(device).type == "cpu" and native.available()
@@ -87,6 +91,8 @@ class CPUPagedBackend(AttentionBackend):
         cache_dtype = layer.k_cache.dtype
         qf = q.to(torch.float32).contiguous()
         out = torch.empty_like(qf)
+        if layer.sinks is not None:
+            return self._forward_sinks(layer, q, qf, k, v, out, meta)
         if kv_quant.is_quantized(cache_dtype):
             return self._forward_quantized(layer, q, qf, k, v, out, meta)
         torch.ops.tokenmill.paged_attention(
@@ -106,6 +112,22 @@ class CPUPagedBackend(AttentionBackend):
             ks, vs, meta.slot_mapping, meta.block_table, meta.query_start, meta.query_len, meta.kv_len,
             float(layer.scale), int(layer.sliding_window or 0), float(layer.logits_soft_cap or 0.0),
             float(layer.k_scale), float(layer.v_scale))
+        if meta.tree_group is not None:
+            attend_group(layer, qf, meta.tree_group, out)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+    def _forward_sinks(self, layer: Attention, q, qf, k, v, out, meta: CPUPagedMetadata) -> torch.Tensor:
+        """gpt-oss's sinks: one op for float and quantized caches (new K/V in the cache dtype, or float32 to quantize)."""
+        dtype = layer.k_cache.dtype
+        new_dtype = torch.float32 if kv_quant.is_quantized(dtype) else dtype
+        ks = layer.k_scale_cache if layer.k_scale_cache is not None else _NO_SCALES
+        vs = layer.v_scale_cache if layer.v_scale_cache is not None else _NO_SCALES
+        torch.ops.tokenmill.paged_attention_sinks(
+            out, qf, k.to(new_dtype).contiguous(), v.to(new_dtype).contiguous(), layer.k_cache, layer.v_cache, ks, vs,
+            meta.slot_mapping, meta.block_table, meta.query_start, meta.query_len, meta.kv_len,
+            float(layer.scale), int(layer.sliding_window or 0), float(layer.logits_soft_cap or 0.0),
+            float(layer.k_scale), float(layer.v_scale), layer.sinks.float().contiguous())
         if meta.tree_group is not None:
             attend_group(layer, qf, meta.tree_group, out)
         return out if q.dtype == torch.float32 else out.to(q.dtype)

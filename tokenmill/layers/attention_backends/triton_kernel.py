@@ -4,7 +4,8 @@ One kernel for prompt chunks and decodes alike: a program attends BLOCK_M query 
 query head, over that request's keys read through its block table BLOCK_N positions at a time (any page size:
 each key position finds its page), with an online softmax in float32 (FlashAttention's recurrence). Causality
 counts slots (a query at slot c + i sees keys up to c + i), a sliding window bounds the keys from below, an
-optional soft cap squashes the scores (Gemma 2), and the cache may hold float32 / bfloat16 / float16 values,
+optional soft cap squashes the scores (Gemma 2), optional sinks (gpt-oss: a logit per query head) join the
+softmax's denominator when a row is normalised (exp(sink - m) added to its sum), and the cache may hold float32 / bfloat16 / float16 values,
 int8 with a float32 scale per slot and KV head, or fp8 e4m3 bytes with one scale per layer (decoded here from
 their bits, so the same code runs under TRITON_INTERPRET=1 on the CPU, where numpy has no fp8).
 
@@ -52,13 +53,14 @@ def _load_kv(ptr, scale_ptr, slot, kvh, offs_d, n_ok, d_ok, scale, NUM_KV_HEADS:
 
 @triton.jit
 def paged_attention_kernel(
-    Q, K, V, K_SCALES, V_SCALES, OUT,
+    Q, K, V, K_SCALES, V_SCALES, OUT, SINKS,
     block_table, tile_req, tile_first, query_start, query_len, kv_len,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     sm_scale, soft_cap, k_scale, v_scale, window,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, KV_FORMAT: tl.constexpr, IEEE_F32: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -113,6 +115,8 @@ def paged_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
+    if HAS_SINKS:  # every row has seen its own key, so m_i is finite
+        l_i = l_i + tl.exp(tl.load(SINKS + head) - m_i)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(OUT + (q0 + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -120,7 +124,7 @@ def paged_attention_kernel(
 
 def launch(q, k_cache, v_cache, k_scales, v_scales, out, block_table, tile_req, tile_first, query_start, query_len,
            kv_len, scale: float, soft_cap: float | None, k_scale: float, v_scale: float, window: int | None,
-           kv_format: int, block_m: int, block_n: int) -> None:
+           kv_format: int, block_m: int, block_n: int, sinks: torch.Tensor | None = None) -> None:
     """q, out: [T, H, D]; caches [num_blocks, page, Hk, D] (fp8: their uint8 view); one program per (tile, head)."""
     T, H, D = q.shape
     Hk, page = k_cache.shape[2], k_cache.shape[1]
@@ -128,11 +132,11 @@ def launch(q, k_cache, v_cache, k_scales, v_scales, out, block_table, tile_req, 
     exact_f32 = q.dtype == torch.float32 and not (q.is_cuda and torch.backends.cuda.matmul.allow_tf32)
     paged_attention_kernel[grid](
         q, k_cache, v_cache, k_scales if k_scales is not None else k_cache,
-        v_scales if v_scales is not None else v_cache, out,
+        v_scales if v_scales is not None else v_cache, out, sinks if sinks is not None else out,
         block_table, tile_req, tile_first, query_start, query_len, kv_len,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         scale, soft_cap or 1.0, k_scale, v_scale, window or 0,
         NUM_KV_HEADS=Hk, GROUP=H // Hk, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None,
-        KV_FORMAT=kv_format, IEEE_F32=exact_f32,
+        KV_FORMAT=kv_format, IEEE_F32=exact_f32, HAS_SINKS=sinks is not None,
     )

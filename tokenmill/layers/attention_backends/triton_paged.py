@@ -125,6 +125,7 @@ class TritonGraphBuffers:
 @register_backend
 class TritonPagedBackend(AttentionBackend):
     name = "triton_paged"
+    supports_sinks = True
 
     @classmethod
     def supports(cls, device: torch.device) -> bool:
@@ -205,7 +206,8 @@ class TritonPagedBackend(AttentionBackend):
             tk.launch(q, k_cache, v_cache, layer.k_scale_cache, layer.v_scale_cache, out, meta.block_table,
                       meta.tile_req, meta.tile_first, meta.query_start, meta.query_len, meta.kv_len,
                       float(layer.scale), layer.logits_soft_cap, float(layer.k_scale), float(layer.v_scale),
-                      layer.sliding_window, fmt, BLOCK_M, BLOCK_N)
+                      layer.sliding_window, fmt, BLOCK_M, BLOCK_N,
+                      None if layer.sinks is None else layer.sinks.float().contiguous())
         if meta.tree_group is not None:
             attend_group(layer, q, meta.tree_group, out)
         return out
