@@ -2,7 +2,9 @@
 ffn_up_exps and transposed, down transposed, router ffn_gate_inp, attn_sinks, post_attention_norm), written with the
 gguf package from test_gpt_oss's tiny random checkpoint, load and give transformers' greedy tokens and logprobs on
 the same weights: F32 against the checkpoint itself; MXFP4 experts (the gguf package's quantizer) with Q8_0
-attention (kept as blocks) against the checkpoint with those tensors replaced by what the file stores."""
+attention (both kept as the file's blocks; the experts' MXFP4 bytes reordered into the checkpoints' MXFP4 form) against
+the checkpoint with those tensors replaced by what the file stores, and the same file with --quantization none
+(everything dequantized at load)."""
 from __future__ import annotations
 
 import shutil
@@ -138,10 +140,28 @@ def test_gpt_oss_gguf_matches_transformers(tmp_path, case):
     assert llm.engine.hf_config.architectures == ["GptOssForCausalLM"]
     assert [a.sliding_window for a in llm.engine.runner.attn_layers] == [8, None, 8, None]
     if attention is not None and llm.engine.model.quant_config is not None:  # the GGUF block kernels are built
-        assert llm.engine.model.layers[0].self_attn.o_proj.weight.dtype == torch.uint8
+        layer = llm.engine.model.layers[0]
+        assert layer.self_attn.o_proj.weight.dtype == torch.uint8
+        # the file's MXFP4 experts stay MXFP4 (their bytes reordered into the checkpoints' form), no float copy
+        names = {n for n, _ in layer.mlp.experts.named_parameters()}
+        assert {"gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales"} <= names
+        assert "gate_up_proj" not in names and layer.mlp.experts.gate_up_proj_blocks.dtype == torch.uint8
     prompts = prompts_for(llm.engine.vocab_size)
     sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=3)
     check_against_oracle(llm.generate(prompts, sp, use_tqdm=False), hf_greedy(ref, prompts), f"{case} GGUF")
+
+
+def test_gpt_oss_gguf_dequantized_with_quantization_none(tmp_path):
+    folder = make_gpt_oss(tmp_path / "hf", **CONFIG)
+    path = write_gpt_oss_gguf(folder, tmp_path / "m.gguf", T.MXFP4, T.Q8_0)
+    ref = round_trip(folder, tmp_path / "ref", T.MXFP4, T.Q8_0)
+    llm = LLM(str(path), tokenizer=str(folder), max_model_len=128, num_gpu_blocks_override=64,
+              attention_backend="torch_sdpa", quantization="none")
+    experts = llm.engine.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float32
+    prompts = prompts_for(llm.engine.vocab_size)[:4]
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=3)
+    check_against_oracle(llm.generate(prompts, sp, use_tqdm=False), hf_greedy(ref, prompts), "dequantized GGUF")
 
 
 def test_gpt_oss_gguf_config(tmp_path):

@@ -10,8 +10,12 @@ What the converter does that a loader has to undo:
 - Sliding-window layers alternate from the first (llama.cpp's swa pattern 2), window `attention.sliding_window`.
 - YaRN from `rope.scaling.*`; its beta_fast/beta_slow (32, 1) and gpt-oss's untruncated correction range are not in
   the file and are gpt-oss's fixed values. The SwiGLU limit is `swiglu_clamp_exp` (else 7.0); alpha is 1.702.
-Expert weights of any type the gguf package dequantizes (MXFP4 included) are dequantized into float at load, as
-for the other GGUF MoE families.
+Experts stored as MXFP4 (every layer's three expert tensors) stay MXFP4 where the file's blocks are kept
+(`--quantization gguf`, the default for a .gguf with the native kernels): ggml's MXFP4 block (an e8m0 byte, then 16
+bytes holding element j in the low nibble of byte j and element j + 16 in its high nibble) is the same code and
+scale as the checkpoints' `*_blocks` / `*_scales` (element 2i low, 2i + 1 high), so the bytes are only reordered
+into that form (config `gguf_expert_type` MXFP4 tells the model to hold them so). Experts of other types, or with
+`--quantization none`, are dequantized into float at load, as for the other GGUF MoE families.
 """
 from __future__ import annotations
 
@@ -59,6 +63,9 @@ def gpt_oss_config(m, tensors: dict, kw: dict) -> tuple[tuple[str, str], dict]:
               sliding_window=int(m("attention.sliding_window")),
               layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
               swiglu_limit=float(m("swiglu_clamp_exp", 7.0) or 7.0), attention_bias="blk.0.attn_q.bias" in tensors)
+    expert_types = {int(t.ggml_type) for name, t in tensors.items() if "_exps.weight" in name}
+    if expert_types == {int(gguf_types().MXFP4)}:
+        kw["gguf_expert_type"] = "MXFP4"
     rope = dict(kw["rope_parameters"])
     if rope.get("rope_type") == "yarn":
         rope.update(beta_fast=32.0, beta_slow=1.0, truncate=False)
@@ -66,12 +73,54 @@ def gpt_oss_config(m, tensors: dict, kw: dict) -> tuple[tuple[str, str], dict]:
     return ("GptOssConfig", "GptOssForCausalLM"), kw
 
 
+def gguf_types():
+    import gguf
+
+    return gguf.GGMLQuantizationType
+
+
+def mxfp4_from_ggml(raw: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A ggml MXFP4 tensor's bytes (numpy shape `shape` = [E, rows, cols]) -> (blocks uint8 [E, rows, cols/32, 16]
+    in the checkpoints' nibble order, scales uint8 [E, rows, cols/32])."""
+    E, rows, cols = shape
+    b = raw.reshape(E, rows, cols // 32, 17)
+    qs = b[..., 1:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # elements 0..15, then 16..31
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), np.ascontiguousarray(b[..., 0])
+
+
 class ExpertJoiner:
     """Turns a layer's split expert tensors back into transformers' gate_up_proj [E, H, 2I] (interleaved) and
     gate_up_proj_bias [E, 2I], and ffn_down_exps [E, H, I] into down_proj [E, I, H]; other tensors pass."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_mxfp4: bool = False) -> None:
         self._halves: dict[str, dict[str, np.ndarray]] = {}  # joined name -> {"gate"|"up": array}
+        self.keep_mxfp4 = keep_mxfp4  # the model holds MXFP4 experts: take their bytes (add_mxfp4)
+
+    def keeps(self, hf: str, ggml_type: int) -> bool:
+        return self.keep_mxfp4 and ".experts." in hf and not hf.endswith("_bias") and \
+            ggml_type == int(gguf_types().MXFP4)
+
+    def add_mxfp4(self, hf: str, raw: np.ndarray, shape: tuple[int, ...]) -> list[tuple[str, np.ndarray]]:
+        """An MXFP4 expert weight's bytes -> the checkpoints' *_blocks / *_scales (gate and up interleaved by row
+        into gate_up_proj_*, as the MXFP4 checkpoints hold them; down as it is: [E, H, I/32, ...])."""
+        blocks, scales = mxfp4_from_ggml(raw, shape)
+        prefix, _, leaf = hf.rpartition(".experts.")
+        if leaf == "down_proj":
+            return [(f"{hf}_blocks", blocks), (f"{hf}_scales", scales)]
+        half = leaf.split("_proj")[0]
+        out = []
+        for kind, a in (("blocks", blocks), ("scales", scales)):
+            joined = f"{prefix}.experts.gate_up_proj_{kind}"
+            halves = self._halves.setdefault(joined, {})
+            halves[half] = a
+            if len(halves) == 2:
+                del self._halves[joined]
+                g = halves["gate"]
+                both = np.empty((g.shape[0], 2 * g.shape[1]) + g.shape[2:], dtype=g.dtype)
+                both[:, 0::2], both[:, 1::2] = g, halves["up"]
+                out.append((joined, both))
+        return out
 
     def add(self, hf: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
         prefix, _, leaf = hf.rpartition(".experts.")

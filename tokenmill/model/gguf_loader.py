@@ -307,13 +307,17 @@ def iter_gguf_weights(path: str, cfg, dtype: torch.dtype,
     if arch == "gpt-oss":
         from tokenmill.model.gguf_gpt_oss import ExpertJoiner
 
-        experts = ExpertJoiner()
+        experts = ExpertJoiner(keep_mxfp4=keep_blocks is not None and hf_get(cfg, "gguf_expert_type") == "MXFP4")
     for t in reader.tensors:
         hf = names.get(t.name)
         if hf is None:
             log.debug("skipping GGUF tensor %s", t.name)
             continue
         raw = reader.raw(t)  # validated: known type, whole blocks, bytes inside the file
+        if experts is not None and experts.keeps(hf, t.ggml_type):  # gpt-oss's MXFP4 experts, kept MXFP4
+            for name, a in experts.add_mxfp4(hf, raw, tuple(int(d) for d in reversed(t.shape))):
+                yield name, torch.from_numpy(np.ascontiguousarray(a))
+            continue
         blocks = keep_blocks is not None and keep_blocks(hf)
         if blocks:
             w = raw

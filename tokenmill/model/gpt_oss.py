@@ -44,6 +44,7 @@ class ExpertsSpec:
     intermediate_size: int  # per expert
     alpha: float  # swiglu_alpha
     limit: float  # swiglu_limit
+    gguf_mxfp4: bool = False  # a GGUF file's experts are MXFP4: kept so where its blocks are kept (gguf_gpt_oss.py)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ def gpt_oss_spec(cfg) -> GptOssSpec:
         layers=tuple(LayerSpec(cfg.sliding_window if t == SLIDING else None) for t in types),
         tie_word_embeddings=bool(hf_get(cfg, "tie_word_embeddings", False)),
         experts=ExpertsSpec(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size,
-                            float(hf_get(cfg, "swiglu_alpha", 1.702)), float(hf_get(cfg, "swiglu_limit", 7.0))),
+                            float(hf_get(cfg, "swiglu_alpha", 1.702)), float(hf_get(cfg, "swiglu_limit", 7.0)),
+                            hf_get(cfg, "gguf_expert_type") == "MXFP4"),
     )
 
 
@@ -109,10 +111,12 @@ def _param(t: torch.Tensor, loader) -> nn.Parameter:
     return p
 
 
-def experts_method(quant_config: QuantizationConfig | None):
-    if quant_config is None or quant_config.name == "gguf":  # a GGUF file's experts are dequantized at load
+def experts_method(quant_config: QuantizationConfig | None, spec: ExpertsSpec):
+    if quant_config is None:
         return FloatExperts()
-    if quant_config.name == "mxfp4":
+    if quant_config.name == "gguf" and not spec.gguf_mxfp4:  # a GGUF file's experts are dequantized at load
+        return FloatExperts()
+    if quant_config.name in ("mxfp4", "gguf"):
         from tokenmill.layers.quantization.mxfp4 import Mxfp4Experts
 
         return Mxfp4Experts()
@@ -135,7 +139,7 @@ class GptOssExperts(nn.Module):
         self.tp_rank = build.tp_rank
         self.alpha, self.limit = spec.alpha, spec.limit
         E, s = spec.num_experts, self.shard
-        self.method = experts_method(build.quant_config)
+        self.method = experts_method(build.quant_config, spec)
         self.method.create_weights(self, build.params_dtype)
         self.gate_up_proj_bias = _param(torch.zeros(E, 2 * s, dtype=build.params_dtype), self.load_gate_up_bias)
         self.down_proj_bias = _param(torch.zeros(E, hidden_size, dtype=build.params_dtype), self.load_down_bias)
