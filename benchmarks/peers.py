@@ -45,12 +45,15 @@ from measure import env as load_env, env_str  # noqa: E402
 
 # label -> tokenmill LLM keyword arguments for the batch-1 comparison on a GGUF.
 # default: float activations; x8: --activation-quantization int8 (llama.cpp's numerics); bf16: prompts (batches
-# of 32+ rows) as bf16 GEMMs (--quantized-batch-dtype bfloat16); x8bf16: both, the fastest opt-in.
+# of 32+ rows) as bf16 GEMMs (--quantized-batch-dtype bfloat16); x8bf16: both; x8kv16: int8 activations and a
+# bfloat16 KV cache (llama.cpp's own defaults: Q8 activations, a 16-bit cache); all: every opt-in at once.
 BATCH1 = {
     "default": {},
     "x8": {"activation_quantization": "int8"},
     "bf16": {"quantized_batch_dtype": "bfloat16"},
     "x8bf16": {"activation_quantization": "int8", "quantized_batch_dtype": "bfloat16"},
+    "x8kv16": {"activation_quantization": "int8", "kv_cache_dtype": "bfloat16"},
+    "all": {"activation_quantization": "int8", "quantized_batch_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"},
 }
 
 

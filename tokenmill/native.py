@@ -64,6 +64,11 @@ def available() -> bool:
     return load() is None
 
 
+def library_path() -> str | None:
+    """The file of the loaded tier's build (kernels_id hashes it: caches of measured choices hold per build)."""
+    return _spec(_tier).origin if available() and _tier is not None else None
+
+
 @functools.cache
 def has_op(name: str) -> bool:
     """The kernels are loaded and define torch.ops.tokenmill.<name> (an older build may lack newer ops)."""

@@ -355,9 +355,10 @@ def test_tied_q8_0_embedding_and_q4_linears_match_dequantized(tmp_path):
     # Q4_0 / Q4_1 / Q8_0 in the kernels' split rows (Q4_0 / Q4_1 linears interleaved by 16 rows where the build
     # has those kernels), the tied table once for both of its users
     for layer, qt in ((model.layers[0].self_attn.qkv_proj, T.Q4_0), (model.layers[0].mlp.gate_up_proj, T.Q4_1)):
-        form = gq.R16 if gq.interleaves_rows(int(qt), layer.weight.shape[0]) else gq.SPLIT
+        form = gq.R16 if gq.interleaves_rows(int(qt), layer.weight.shape[0], layer.input_size_per_partition) else gq.SPLIT
         assert layer.quant_method.qtype == form + qt
-    form = gq.R16 if gq.interleaves_rows(int(T.Q8_0), model.embed_tokens.weight.shape[0]) else gq.SPLIT
+    table = model.embed_tokens
+    form = gq.R16 if gq.interleaves_rows(int(T.Q8_0), table.weight.shape[0], table.embedding_dim) else gq.SPLIT
     assert model.embed_tokens.table_method.qtype == model.lm_head.table_method.qtype == form + T.Q8_0
     assert kept.engine.facts.weight_bytes == _block_bytes(path) + _float_bytes(path)
     got = _greedy(kept)

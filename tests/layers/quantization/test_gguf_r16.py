@@ -6,6 +6,7 @@ result does not depend on how many rows share the call, and the loader interleav
 """
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -130,9 +131,10 @@ def _greedy(llm, prompts, n=16):
 
 @needs_r16
 def test_a_model_interleaves_its_linears_and_answers_as_with_split_rows(tmp_path, monkeypatch):
-    """A tiny Llama as Q4_0 / Q4_1 GGUF: its linears (rows a multiple of 16) load interleaved, the switch
-    TOKENMILL_GGUF_INTERLEAVE=0 keeps split rows, and both give the same greedy tokens with logprobs within float
-    noise (the float kernels sum each block in another order)."""
+    """A tiny Llama as Q4_0 / Q4_1 GGUF: with TOKENMILL_GGUF_INTERLEAVE=1 its linears (rows a multiple of 16)
+    load interleaved, with 0 split, and both give the same greedy tokens with logprobs within float noise (the
+    float kernels sum each block in another order)."""
+    monkeypatch.setenv("TOKENMILL_GGUF_INTERLEAVE", "1")
     folder = make_tiny_model(tmp_path / "m", "llama", hidden_size=64, intermediate_size=128)
     path = write_gguf(folder, tmp_path / "m.gguf",
                       types=lambda name: T.Q4_1 if "ffn" in name else T.Q4_0 if "blk." in name else None)
@@ -165,3 +167,49 @@ def test_a_table_lookup_takes_back_the_rows_it_reads(qtype):
     assert torch.equal(got, gq.embedding_lookup(split, gq.SPLIT + int(qtype), ids, 96))
     assert torch.equal(got.double(), W[ids])
     assert torch.equal(gq.interleaved_rows_at(r16, int(qtype), ids.reshape(-1)), split[ids.reshape(-1)])
+
+
+@needs_r16
+def test_auto_layout_follows_the_measurement_and_caches_it_per_build(tmp_path, monkeypatch):
+    """TOKENMILL_GGUF_INTERLEAVE=auto (the default): the layout that measured faster for the shape is used, the
+    choice is stored in $TOKENMILL_CACHE/kernels.json under this CPU model, thread count and kernels build and
+    read back without measuring again; another build measures again."""
+    from tokenmill.layers.quantization import gguf_layout
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TOKENMILL_GGUF_INTERLEAVE", raising=False)
+    timings = {"split": 1.0, "r16": 2.0}  # R16 slower on this (pretend) CPU
+    calls = []
+
+    def fake_measure(qtype, rows, cols, int8):
+        calls.append((qtype, rows, cols, int8))
+        return dict(timings)
+
+    monkeypatch.setattr(gguf_layout, "measure", fake_measure)
+    gguf_layout.choose_r16.cache_clear()
+    assert not gq.interleaves_rows(int(T.Q4_0), 64, 96)
+    entry = json.loads((tmp_path / "cache" / "kernels.json").read_text())
+    (k, v), = entry.items()
+    assert v["layout"] == "split" and v["seconds"] == timings and gguf_layout.cpu_name() in k
+    assert gq.interleaves_rows(int(T.Q4_0), 64, 96, int8_activations=False) is False and len(calls) == 1
+    gguf_layout.choose_r16.cache_clear()  # a new process: reads the file, measures nothing
+    assert not gq.interleaves_rows(int(T.Q4_0), 64, 96) and len(calls) == 1
+    timings.update(split=2.0, r16=1.0)
+    assert gq.interleaves_rows(int(T.Q4_0), 64, 96, int8_activations=True) and len(calls) == 2  # another mode
+    monkeypatch.setattr(gguf_layout, "kernels_id", lambda: "another-build")
+    gguf_layout.choose_r16.cache_clear()
+    assert gq.interleaves_rows(int(T.Q4_0), 64, 96) and len(calls) == 3  # rebuilt kernels: measured again
+    monkeypatch.setenv("TOKENMILL_GGUF_INTERLEAVE", "0")
+    assert not gq.interleaves_rows(int(T.Q4_0), 64, 96)
+    monkeypatch.setenv("TOKENMILL_GGUF_INTERLEAVE", "sometimes")
+    with pytest.raises(ValueError, match="TOKENMILL_GGUF_INTERLEAVE"):
+        gq.interleaves_rows(int(T.Q4_0), 64, 96)
+    gguf_layout.choose_r16.cache_clear()
+
+
+@needs_r16
+def test_the_real_measurement_times_both_layouts():
+    from tokenmill.layers.quantization import gguf_layout
+
+    seconds = gguf_layout.measure(int(T.Q4_1), 576, 576, False)
+    assert set(seconds) == {"split", "r16"} and all(0 < s < 1 for s in seconds.values())

@@ -50,8 +50,9 @@ SPLIT = 1000
 SPLIT_BASES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 # Interleaved rows: split Q4_0 / Q4_1 / Q8_0 rows (linear layers, embedding tables) in groups of 16, one vector
 # lane per row (csrc/gguf_r16.h: the batch-1 kernels' per-row work goes, the int8 ones stream at memory speed).
-# Made where the build has AVX-512 VNNI (torch.ops.tokenmill.gguf_interleaves) and the rows are a multiple of 16;
-# TOKENMILL_GGUF_INTERLEAVE=0 keeps split rows. Type id: R16 + the ggml type.
+# Made where the build has AVX-512 VNNI (torch.ops.tokenmill.gguf_interleaves), the rows are a multiple of 16 and
+# R16 measures at least as fast as split rows for the shape on this CPU (gguf_layout.py, cached per CPU model and
+# build; TOKENMILL_GGUF_INTERLEAVE=auto|1|0). Type id: R16 + the ggml type.
 R16 = 2000
 R16_BASES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0
 R16_ROWS = 16
@@ -161,14 +162,20 @@ def interleaved_rows_at(rows: torch.Tensor, qtype: int, index: torch.Tensor) -> 
     return torch.cat(out, dim=1)
 
 
-def interleaves_rows(qtype: int, rows: int) -> bool:
-    """Whether a split weight of `rows` rows of this type goes into interleaved rows here."""
-    import os
-
+def interleaves_rows(qtype: int, rows: int, cols: int | None = None, int8_activations: bool = False) -> bool:
+    """Whether a split weight of `rows` rows (of `cols` columns) of this type goes into interleaved rows here:
+    the kernels are built and, unless TOKENMILL_GGUF_INTERLEAVE says, R16 measured as fast as split rows on
+    this CPU for this shape and activation mode (gguf_layout.py; without `cols`: only whether it can)."""
     from tokenmill import native
+    from tokenmill.layers.quantization import gguf_layout
 
-    return (base_type(qtype) in R16_BASES and rows % R16_ROWS == 0 and rows > 0 and native.has_op("gguf_interleaves")
-            and torch.ops.tokenmill.gguf_interleaves() and os.environ.get("TOKENMILL_GGUF_INTERLEAVE", "1") != "0")
+    setting = gguf_layout.interleave_setting()
+    if not (base_type(qtype) in R16_BASES and rows % R16_ROWS == 0 and rows > 0 and setting != "0"
+            and native.has_op("gguf_interleaves") and torch.ops.tokenmill.gguf_interleaves()):
+        return False
+    if setting == "1" or cols is None:
+        return True
+    return gguf_layout.choose_r16(base_type(qtype), rows, cols, int8_activations)
 
 
 def splits_rows() -> bool:
@@ -280,7 +287,8 @@ class GGUFLinearMethod(QuantizeMethodBase):
         tensor-parallel cut, which works on the file's blocks)."""
         if self.qtype in SPLIT_BASES and splits_rows() and _native_ok(layer.weight):
             layer.weight.data = split_rows(layer.weight.data, self.qtype)
-            if interleaves_rows(self.qtype, layer.weight.shape[0]):
+            if interleaves_rows(self.qtype, layer.weight.shape[0], layer.input_size_per_partition,
+                                self.int8_activations):
                 layer.weight.data = interleave_rows(layer.weight.data, self.qtype)
                 self.qtype += R16
             else:
@@ -412,7 +420,8 @@ class GGUFConfig(QuantizationConfig):
             if not isinstance(method, GGUFBlockRows) or method.qtype not in SPLIT_BASES or not splits_rows() \
                     or not _native_ok(module.weight):
                 continue
-            form = R16 if interleaves_rows(method.qtype, module.weight.shape[0]) else SPLIT
+            K = module.weight.shape[1] // block_format(method.qtype)[1] * block_format(method.qtype)[0]
+            form = R16 if interleaves_rows(method.qtype, module.weight.shape[0], K, self.int8_activations) else SPLIT
             if id(module.weight) not in done:
                 rows = split_rows(module.weight.data, method.qtype)
                 module.weight.data = to_huge_pages(interleave_rows(rows, method.qtype) if form == R16 else rows)
