@@ -1,8 +1,8 @@
 """gpt-oss (attention sinks, alternating sliding-window / full layers, YaRN, the router with bias and the clamped
 SwiGLU experts): greedy tokens and logprobs equal transformers' (the oracle, eager attention) on a tiny random
 checkpoint, batched, from the prefix cache and with a prompt that shares another's prefix, chunked by a 16-token
-budget, preempted (torch_sdpa), batched and chunked on cpu_paged and triton_paged; TP=2 equals TP=1; a backend
-without sinks refuses the model at load."""
+budget, preempted (torch_sdpa), batched and chunked on cpu_paged and triton_paged; TP=2 equals TP=1; decode and
+prefill context parallelism on two ranks; a backend without sinks refuses the model at load."""
 from __future__ import annotations
 
 import json
@@ -132,9 +132,24 @@ def test_tp2_equals_tp1(gpt_oss):
 
 
 def test_backend_without_sinks_refuses(gpt_oss):
-    from tokenmill.layers.attention_backends.context_parallel import ContextParallelBackend
+    from test_attention_sinks import NoSinksBackend
 
     llm = LLM(str(gpt_oss), max_model_len=64, num_gpu_blocks_override=16, attention_backend="torch_sdpa")
-    backend = ContextParallelBackend(16, torch.device("cpu"), 0, 1)
     with pytest.raises(ValueError, match="no attention sinks"):
-        backend.allocate_kv_cache(llm.engine.runner.attn_layers, 4, torch.float32)
+        NoSinksBackend(16, torch.device("cpu")).allocate_kv_cache(llm.engine.runner.attn_layers, 4, torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallel_equals_transformers(gpt_oss, mode):
+    """Two ranks holding half the blocks each (and, prefill, half the step's tokens): the sinks join the merged
+    softmax once; KV cache groups for the sliding layers."""
+    prompts = prompts_for(384)[2:6]
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=3)
+    llm = LLM(str(gpt_oss), max_model_len=128, block_size=8, num_gpu_blocks_override=100, max_num_batched_tokens=32,
+              **{mode: 2})
+    try:
+        check_against_oracle(llm.generate(prompts, sp, use_tqdm=False), hf_greedy(gpt_oss, prompts), mode)
+    finally:
+        llm.engine.shutdown()

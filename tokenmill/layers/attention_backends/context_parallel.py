@@ -63,7 +63,7 @@ class ContextParallelMetadata(SDPAMetadata):
 
 class ContextParallelBackend(TorchSDPABackend):
     name = "torch_sdpa_context_parallel"
-    supports_sinks = False  # the merge below would have to add each head's sink once, over all ranks: not done
+    supports_sinks = True  # each head's sink joins the merged denominator once (forward)
 
     def __init__(self, block_size: int, device: torch.device, rank: int, size: int,
                  split_tokens: bool = False) -> None:
@@ -138,7 +138,10 @@ class ContextParallelBackend(TorchSDPABackend):
             outs, lses = outs[:, lo:lo + n], lses[:, lo:lo + n]
         m = lses.max(dim=0).values  # [T, H]: finite, the owner of a row's own key holds at least that key
         w = torch.exp(lses - m)  # [N, T, H]
-        merged = (w.unsqueeze(-1) * outs).sum(0) / w.sum(0).unsqueeze(-1)
+        denominator = w.sum(0)
+        if layer.sinks is not None:  # gpt-oss: each head's sink once, over all ranks' keys
+            denominator = denominator + torch.exp(layer.sinks.float() - m)
+        merged = (w.unsqueeze(-1) * outs).sum(0) / denominator.unsqueeze(-1)
         if split is not None and merged.shape[0] < n:  # the padding rows of the last share
             merged = torch.cat([merged, merged.new_zeros(n - merged.shape[0], H, D)])
         return merged.to(q.dtype)
