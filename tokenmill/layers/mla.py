@@ -63,20 +63,61 @@ class LatentAttention(Attention):
 class HeadRowsWeight(nn.Module):
     """kv_b_proj kept as a plain weight [heads * (qk_nope + v), kv_lora_rank], this rank's heads' rows: the
     absorbed form multiplies queries and outputs by its per-head blocks, never runs it as a linear layer
-    (so no quantization packs it)."""
+    (so no quantization packs it). A block-scaled FP8 checkpoint (`fp8_block`: DeepSeek-V3's) stores it as FP8
+    with `weight_scale_inv`: dequantized to this weight once both are in."""
 
     def __init__(self, rows_per_head: int, num_heads: int, cols: int, tp_rank: int, tp_size: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, fp8_block: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.full = (rows_per_head * num_heads, cols)
         self.local = rows_per_head * (num_heads // tp_size)
         self.tp_rank = tp_rank
         self.weight = nn.Parameter(torch.empty(self.local, cols, dtype=dtype), requires_grad=False)
         set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
+        self.fp8_block = fp8_block
+        self._fp8: torch.Tensor | None = None  # the FP8 weight, until its scales are in
+        if fp8_block is not None:
+            bn, bk = fp8_block
+            blocks = (-(-self.full[0] // bn), -(-cols // bk))
+            self.weight_scale_inv = nn.Parameter(torch.full(blocks, float("nan")), requires_grad=False)
+            set_weight_attrs(self.weight_scale_inv, {"weight_loader": self.scale_loader})
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         check_shape(loaded, self.full)
+        if loaded.dtype == torch.float8_e4m3fn:
+            if self.fp8_block is None:
+                raise ValueError("is float8 without block scales: only a block-scaled fp8 checkpoint "
+                                 "(weight_block_size) can be loaded into MLA's kv_b_proj")
+            self._fp8 = loaded
+            self._dequantize()
+            return
         param.data.copy_(loaded.narrow(0, self.tp_rank * self.local, self.local))
+
+    def scale_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        from tokenmill.layers.quantization.fp8_block import expand_rows
+
+        expand_rows(loaded, *self.full, self.fp8_block)  # checks its shape and values
+        param.data.copy_(loaded)
+        self._dequantize()
+
+    def _dequantize(self) -> None:
+        from tokenmill.layers.quantization.fp8_block import dequantize_block_fp8, expand_rows
+
+        if self._fp8 is None or torch.isnan(self.weight_scale_inv).any():
+            return  # the other half is not in yet
+        scale = expand_rows(self.weight_scale_inv.data, *self.full, self.fp8_block)
+        w = dequantize_block_fp8(self._fp8, scale, self.fp8_block[1])
+        self.weight.data.copy_(w.narrow(0, self.tp_rank * self.local, self.local))
+        self._fp8 = None
+
+
+def _fp8_block(build: "Build") -> tuple[int, int] | None:
+    """The block size of a block-scaled FP8 checkpoint, else None."""
+    if build.quant_config is None or build.quant_config.name != "fp8":
+        return None
+    from tokenmill.layers.quantization.fp8_block import Fp8BlockConfig
+
+    return build.quant_config.block if isinstance(build.quant_config, Fp8BlockConfig) else None
 
 
 class MLAttention(nn.Module):
@@ -101,7 +142,7 @@ class MLAttention(nn.Module):
                                                    **build.linear(f"{prefix}.kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, dtype=build.params_dtype)
         self.kv_b_proj = HeadRowsWeight(mla.qk_nope_head_dim + mla.v_head_dim, num_heads, mla.kv_lora_rank,
-                                        build.tp_rank, build.tp_size, build.params_dtype)
+                                        build.tp_rank, build.tp_size, build.params_dtype, _fp8_block(build))
         self.o_proj = RowParallelLinear(num_heads * mla.v_head_dim, hidden_size, mla.bias,
                                         **build.linear(f"{prefix}.o_proj"))
         self.rotary = rotary

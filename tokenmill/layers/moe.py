@@ -40,18 +40,21 @@ from tokenmill.layers.quantization.weight_only import (dequantize_int4, int8_mat
 
 # checkpoint projection name -> our shard kind: w1 gate, w3 up (rows of w13), w2 down
 EXPERT_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
-_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_EXPERT_NAME = re.compile(
+    r"^(.*\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj|w1|w2|w3)\.(weight|weight_scale_inv)$")
 
 
 def expert_target(name: str) -> tuple[str, tuple[int | None, str]] | None:
     """"layers.0.mlp.experts.3.up_proj.weight" -> ("layers.0.mlp.experts.w13_weight", (3, "w3"));
-    a merged "layers.0.mlp.experts.up_proj.weight" gets expert None. None: not an expert tensor."""
+    a merged "layers.0.mlp.experts.up_proj.weight" gets expert None; a block-scaled FP8 checkpoint's
+    "...up_proj.weight_scale_inv" goes to w13_weight_scale_inv (a parameter only experts of that format have).
+    None: not an expert tensor."""
     m = _EXPERT_NAME.match(name)
     if m is None:
         return None
-    prefix, e, proj = m.groups()
+    prefix, e, proj, leaf = m.groups()
     kind = EXPERT_PROJ[proj]
-    return f"{prefix}.{'w2' if kind == 'w2' else 'w13'}_weight", (None if e is None else int(e), kind)
+    return f"{prefix}.{'w2' if kind == 'w2' else 'w13'}_{leaf}", (None if e is None else int(e), kind)
 
 
 # Up to this many tokens per expert, float experts run through tokenmill.grouped_linear (weight-stationary
@@ -99,6 +102,9 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 class UnquantizedMoEMethod:
     """Float experts: F.linear on one expert's slice of the stacked weight (upcast per call when stored
     in a narrower dtype, as the dense layers do)."""
+
+    def create_weights(self, layer: nn.Module) -> None:
+        pass  # FusedMoE's float w13_weight / w2_weight (a checkpoint format's method replaces them)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass
@@ -160,8 +166,14 @@ def _swap(layer: nn.Module, name: str, **packed: torch.Tensor) -> None:
 
 def moe_method(quant_config: QuantizationConfig | None) -> UnquantizedMoEMethod:
     """int8/int4 weight-only configs quantize the experts; GGUF experts are dequantized at load (float);
-    pre-quantized checkpoint formats have no MoE path yet."""
+    block-scaled FP8 checkpoints (DeepSeek-V3) keep them FP8; other pre-quantized formats have no MoE path yet."""
     from tokenmill.layers.quantization.weight_only import WeightOnlyConfig
+
+    if quant_config is not None and quant_config.name == "fp8":
+        from tokenmill.layers.quantization.fp8_block import Fp8BlockConfig, Fp8BlockMoEMethod
+
+        if isinstance(quant_config, Fp8BlockConfig):
+            return Fp8BlockMoEMethod(quant_config.block)
 
     if isinstance(quant_config, WeightOnlyConfig):
         if quant_config.name == "int8":
@@ -206,6 +218,8 @@ class FusedMoE(nn.Module):
         for p in (self.w13_weight, self.w2_weight):
             p.weight_loader = self.weight_loader
         self.loaded: set[tuple[int, str]] = set()
+        self.kinds: tuple[str, ...] = ("w1", "w3", "w2")  # what each expert needs loaded (+ a format's scales)
+        self.quant_method.create_weights(self)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in ("w1", "w3", "w2")):
@@ -229,8 +243,12 @@ class FusedMoE(nn.Module):
     def unloaded(self) -> list[str]:
         """Checkpoint names of the expert tensors not loaded (for the loader's missing-weights error)."""
         names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-        return [f"{self.prefix}.{e}.{names[k]}.weight" for e in range(self.first, self.first + self.local)
-                for k in ("w1", "w3", "w2") if (e, k) not in self.loaded]
+        return [f"{self.prefix}.{e}.{names[k[:2]]}.{'weight_scale_inv' if k.endswith('_scale') else 'weight'}"
+                for e in range(self.first, self.first + self.local) for k in self.kinds if (e, k) not in self.loaded]
+
+    def complete(self) -> bool:
+        """Every tensor of this rank's experts is in."""
+        return len(self.loaded) >= len(self.kinds) * self.local
 
     def graph_safe(self) -> bool:
         """Whether a CUDA graph can capture this layer's forward (executor/cuda_graphs.py): only the Triton path

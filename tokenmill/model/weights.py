@@ -150,7 +150,7 @@ class _EarlyPacking:
         if id(module) in self._done:
             return False
         if isinstance(module, FusedMoE):
-            if len(module.loaded) < 3 * module.local:
+            if not module.complete():
                 return False
         else:
             waiting = self._waiting[module_name]

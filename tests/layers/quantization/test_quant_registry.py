@@ -105,7 +105,9 @@ def test_every_checkpoint_format_parses_and_its_flag_agrees():
 def test_parse_errors_name_the_format():
     cases = [({"quant_method": "gptq", "bits": 8}, r"gptq with bits=8 is not supported"),
              ({"quant_method": "awq", "bits": 4, "version": "gemv"}, r"AWQ version 'gemv'"),
-             ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"block-wise fp8"),
+             ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size must be two positive ints"),
+             ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+              r"block-wise fp8 with activation_scheme 'static'"),
              ({"quant_method": "compressed-tensors"}, r"compressed-tensors without config_groups"),
              (dict(CHECKPOINT_SAMPLES["compressed-tensors"], ignore=["re:.*lm_head"]), r"regex ignore patterns")]
     for raw, pattern in cases:

@@ -66,9 +66,10 @@ class Fp8Config(QuantizationConfig):
 
 @checkpoint_format("fp8")
 def parse_fp8(raw: dict, where: str) -> Fp8Config:
-    if raw.get("weight_block_size"):
-        raise ValueError(f"{where}: block-wise fp8 (weight_block_size {raw['weight_block_size']}) is not "
-                         "supported; per-tensor or per-channel scales only")
+    if raw.get("weight_block_size"):  # DeepSeek-V3's form: scales per block (fp8_block.py)
+        from tokenmill.layers.quantization.fp8_block import parse_block
+
+        return parse_block(raw, where)
     return Fp8Config(tuple(raw.get("modules_to_not_convert") or ()))
 
 
