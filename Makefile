@@ -31,11 +31,19 @@ $(NATIVE): $(STAMP) setup.py $(wildcard tokenmill/csrc/*)
 native: $(NATIVE)
 	$(PY) -c "from tokenmill import native; print('native kernels:', native.load() or f'{native.tier()} (built: {native.built_tiers()})')"
 
-test: $(NATIVE)
-	$(PY) -m pytest -q
+# Two worker processes (pytest-xdist): much of the suite waits on servers and subprocesses, so two keep both
+# cores busy (each test runs on one torch thread: tests/conftest.py). --dist loadfile keeps each file in one
+# worker, so a module's shared server or model is built once. TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
+test: $(NATIVE)
+	$(PY) -m pytest -q $(XDIST)
+
+# Leaves out the real models (`slow`) and the multi-process / server / script tests (`integration`); every
+# package's unit tests still run (docs/testing.md).
 test-fast: $(NATIVE)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not integration"
 
 demo: $(NATIVE)
 	$(PY) -m tokenmill chat --once "What is the capital of France?"

@@ -43,3 +43,56 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# `make test-fast` leaves these out (`-m "not integration"`); `make test` runs them. Each one drives tokenmill as a
+# whole: a `tokenmill serve` process (or several), worker processes of tensor / pipeline / data / context
+# parallelism, the CLI and benchmark scripts as subprocesses, the docs' examples against a live server. Every
+# package keeps its unit tests in test-fast. Paths relative to tests/ (docs/testing.md).
+INTEGRATION_FILES = {
+    "bench/test_bench_e2e.py",
+    "benchmarks/test_benchmark_scripts.py",
+    "benchmarks/test_gpu_check.py",
+    "cli/test_cli.py",
+    "core/test_kv_connector.py",
+    "engine/test_ipc.py",
+    "executor/test_context_parallel.py",
+    "executor/test_data_parallel.py",
+    "executor/test_parallel.py",
+    "serve/test_anthropic_messages.py",
+    "serve/test_console_browser.py",
+    "serve/test_console_routes.py",
+    "serve/test_embeddings.py",
+    "serve/test_request_bounds.py",
+    "serve/test_responses_api.py",
+    "serve/test_server.py",
+    "serve/test_server_core_process.py",
+    "serve/test_server_fuzz.py",
+    "serve/test_server_hardening.py",
+    "serve/test_server_limits.py",
+    "serve/test_server_lora.py",
+    "serve/test_server_offload.py",
+    "serve/test_server_real_model.py",
+    "serve/test_server_shutdown.py",
+    "serve/test_slo_floor.py",
+    "serve/test_tenant_security.py",
+    "serve/test_tenants.py",
+    "serve/test_usage.py",
+    "structured_output/test_server_structured.py",
+    "test_docs_examples.py",
+    "test_fault_injection.py",
+    "test_isa.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if os.path.relpath(str(item.path), _HERE) in INTEGRATION_FILES:
+            item.add_marker(pytest.mark.integration)
+
+
+def pytest_sessionstart(session):
+    # a renamed or moved file must not fall out of `make test-fast`'s exclusion silently
+    missing = sorted(f for f in INTEGRATION_FILES if not os.path.isfile(os.path.join(_HERE, f)))
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py INTEGRATION_FILES names files that do not exist: {missing}")
