@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tokenmill.layers.linear import check_shape
 from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, set_weight_attrs
 from tokenmill.layers.quantization.registry import checkpoint_format
 
@@ -76,12 +75,16 @@ class Mxfp4Experts:
 
     @staticmethod
     def _load_gate_up(layer: "GptOssExperts", param: torch.Tensor, loaded: torch.Tensor, tail: int | None) -> None:
+        from tokenmill.layers.linear import check_shape  # here: linear imports this package (a cycle at import)
+
         check_shape(loaded, (layer.num_experts, 2 * layer.intermediate_size, layer.hidden_size // BLOCK)
                     + ((tail,) if tail else ()))
         param.data.copy_(layer.gate_up_rows(loaded))
 
     @staticmethod
     def _load_down(layer: "GptOssExperts", param: torch.Tensor, loaded: torch.Tensor, tail: int | None) -> None:
+        from tokenmill.layers.linear import check_shape
+
         check_shape(loaded, (layer.num_experts, layer.hidden_size, layer.intermediate_size // BLOCK)
                     + ((tail,) if tail else ()))
         g = layer.shard // BLOCK
