@@ -218,9 +218,9 @@ def test_mistral_stream_ids_and_marker():
 
 
 def test_registry():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "openai"}
     assert get_tool_parser("hermes") is HermesToolParser
-    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, openai"):
         get_tool_parser("nope")
 
 

@@ -94,7 +94,8 @@ def add_serve_parser(subparsers) -> None:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='Let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser.')
     g.add_argument("--tool-call-parser", metavar="NAME",
-                   help="How tool calls look in this model's output: hermes (Hermes, Qwen), llama3_json, mistral.")
+                   help="How tool calls look in this model's output: hermes (Hermes, Qwen), llama3_json, mistral, "
+                                        "openai (gpt-oss harmony).")
     g.add_argument("--reasoning-parser", metavar="NAME",
                    help="Split <think>...</think> into reasoning_content: deepseek_r1 or qwen3.")
     g.add_argument("--uvicorn-log-level", default="info",

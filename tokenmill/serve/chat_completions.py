@@ -84,7 +84,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, adm: Admi
     if so is not None:
         await check_constraint(state, so, so_param)
     params = build_sampling_params(req, [len(ids)], state.limits, so)
-    if reasoning is not None and reasoning.needs_special_tokens:  # the parser reads markup made of them
+    if plan.needs_special_tokens():  # a parser reads markup made of them
         params.skip_special_tokens = False
     return plan, text, ids, params
 

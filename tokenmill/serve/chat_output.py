@@ -1,8 +1,9 @@
 """What one chat request asked of its output (reasoning split, tool calls), and splitting each choice's text
 accordingly: whole for a response, fragment by fragment for a stream.
 
-Order: the reasoning parser (if the server has one) takes what is between <think> and </think>; what remains
-is content, which a tool parser (tool_choice "auto" with --enable-auto-tool-choice, or the constrained JSON of
+Order: the reasoning parser (if the server has one) takes what is between <think> and </think> (harmony: the
+analysis channel; messages to a recipient are passed on with their markup when the tool parser reads harmony);
+what remains is content, which a tool parser (tool_choice "auto" with --enable-auto-tool-choice, or the constrained JSON of
 "required" / a named function) turns into tool calls.
 """
 from __future__ import annotations
@@ -56,7 +57,17 @@ class ChatPlan:
             from tokenmill.serve.tool_parsers import get_tool_parser
 
             tools = get_tool_parser(self.tool_parser)(self.tokenizer)
+            if reasoning is not None and tools.needs_special_tokens:  # harmony: calls keep their markup
+                reasoning.keep_tool_calls = True
         return ChoiceSplitter(reasoning, tools, self.parallel_tool_calls)
+
+    def needs_special_tokens(self) -> bool:
+        """A parser of this request reads markup made of special tokens: its text must keep them."""
+        from tokenmill.serve.reasoning import get_reasoning_parser
+        from tokenmill.serve.tool_parsers import get_tool_parser
+
+        reasoning = self.reasoning_parser is not None and get_reasoning_parser(self.reasoning_parser).needs_special_tokens
+        return reasoning or (self.auto_tools and get_tool_parser(self.tool_parser).needs_special_tokens)
 
     def finish_reason(self, reason: str | None, tools_called: bool) -> str | None:
         # OpenAI: "tool_calls" when the model chose to call (auto, required); a named function ends with "stop".

@@ -5,6 +5,7 @@ part is None. A stream separates exactly at the tags, however they are split acr
 reasoning and content fragments join to what `extract` returns (but see Qwen3ReasoningParser)."""
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 from tokenmill.serve.stream_text import partial_suffix
@@ -121,6 +122,9 @@ class Qwen3ReasoningParser(ReasoningParser):
 
 HARMONY_OPENS = ("<|channel|>", "<|start|>")  # what a message's header opens with
 HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")  # a message's end: another follows, the turn's, a tool call's
+# The output's first header may open with its recipient (the prompt ended `<|start|>assistant`).
+HARMONY_FIRST = HARMONY_OPENS + (" to=",)
+HARMONY_RECIPIENT = re.compile(r"to=([^\s<]+)")
 
 
 class HarmonyReasoningParser(ReasoningParser):
@@ -140,9 +144,14 @@ class HarmonyReasoningParser(ReasoningParser):
         super().__init__(tokenizer, reasoning_ended)
         self._state = "content_raw" if reasoning_ended else "start"  # start, header, body, content_raw
         self._channel = ""
+        self._call = False  # the current message has a recipient and is passed on whole (keep_tool_calls)
+        # A tool parser that reads harmony (tool_parsers/harmony.py) is downstream: messages addressed to a
+        # recipient go to the content with their markup, as `<|channel|>CHANNEL to=RECIPIENT<|message|>BODY<end>`.
+        self.keep_tool_calls = False
 
     def extract(self, text: str) -> Split:
         parser = type(self)(self.tokenizer, self.reasoning_ended)
+        parser.keep_tool_calls = self.keep_tool_calls
         return _join(parser.feed(text), parser.flush())
 
     def ended_in_prompt(self, prompt_text: str) -> bool:
@@ -155,9 +164,9 @@ class HarmonyReasoningParser(ReasoningParser):
         while self._buf:
             buf = self._buf
             if self._state == "start":  # harmony markup, or plain text (all content)
-                if not final and any(len(buf) < len(m) and m.startswith(buf) for m in HARMONY_OPENS):
+                if not final and any(len(buf) < len(m) and m.startswith(buf) for m in HARMONY_FIRST):
                     break
-                self._state = "header" if buf.startswith(HARMONY_OPENS) else "content_raw"
+                self._state = "header" if buf.startswith(HARMONY_FIRST) else "content_raw"
             elif self._state == "content_raw":
                 content.append(buf)
                 self._buf = ""
@@ -170,9 +179,13 @@ class HarmonyReasoningParser(ReasoningParser):
                 header = buf[:i]
                 channel = header.partition("<|channel|>")[2]
                 self._channel = channel.split("<|", 1)[0].split(" ", 1)[0].strip()
+                to = HARMONY_RECIPIENT.search(header)
+                self._call = self.keep_tool_calls and to is not None
+                if self._call:
+                    content.append(f"<|channel|>{self._channel} to={to.group(1)}<|message|>")
                 self._buf, self._state = buf[i + len("<|message|>"):], "body"
             else:  # body, up to its end marker
-                out = reasoning if self._channel == "analysis" else content
+                out = reasoning if self._channel == "analysis" and not self._call else content
                 ends = [(buf.find(m), m) for m in HARMONY_ENDS if m in buf]
                 if not ends:
                     hold = 0 if final else max(partial_suffix(buf, m) for m in HARMONY_ENDS)
@@ -180,7 +193,7 @@ class HarmonyReasoningParser(ReasoningParser):
                     self._buf = buf[len(buf) - hold:]
                     break
                 i, marker = min(ends)
-                out.append(buf[:i])
+                out.append(buf[:i] + (marker if self._call else ""))
                 self._buf, self._state = buf[i + len(marker):], "header"
         return "".join(reasoning) or None, "".join(content) or None
 

@@ -7,18 +7,19 @@ arguments' JSON text as it arrives; a call that breaks after that point (truncat
 is closed as it stands, where `extract`, which sees the whole text, leaves it in the content.
 
 The package: calls.py (what a parser returns, call-object JSON), base.py (ToolParser, the streaming state machine),
-one module per format family (hermes.py, llama3_json.py, mistral.py), registry.py (the parsers by name).
+one module per format family (hermes.py, llama3_json.py, mistral.py, harmony.py), registry.py (the parsers by name).
 """
 from __future__ import annotations
 
 from tokenmill.serve.tool_parsers.base import ToolParser
 from tokenmill.serve.tool_parsers.calls import (ARG_KEYS, ExtractedToolCalls, StreamDelta, ToolCall, ToolCallDelta,
                                                 dumps_arguments)
+from tokenmill.serve.tool_parsers.harmony import HarmonyToolParser
 from tokenmill.serve.tool_parsers.hermes import HermesToolParser
 from tokenmill.serve.tool_parsers.llama3_json import Llama3JsonToolParser
 from tokenmill.serve.tool_parsers.mistral import MistralToolParser
 from tokenmill.serve.tool_parsers.registry import TOOL_PARSERS, get_tool_parser
 
-__all__ = ["ARG_KEYS", "ExtractedToolCalls", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
+__all__ = ["ARG_KEYS", "ExtractedToolCalls", "HarmonyToolParser", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
            "StreamDelta", "TOOL_PARSERS", "ToolCall", "ToolCallDelta", "ToolParser", "dumps_arguments",
            "get_tool_parser"]

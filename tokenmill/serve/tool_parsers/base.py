@@ -24,6 +24,9 @@ class ToolParser(ABC):
     # The output was generated for this parser (under a grammar): its content is what `extract` says even
     # when it finds no call (a cut-short call is not content). Parsers of free text keep the text instead.
     owns_output: ClassVar[bool] = False
+    # The format is markup made of special tokens (harmony's <|channel|>): the request's text then keeps them
+    # (skip_special_tokens off), and a reasoning parser passes the call messages on with their markup.
+    needs_special_tokens: ClassVar[bool] = False
 
     def __init__(self, tokenizer=None) -> None:
         self.tokenizer = tokenizer

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from tokenmill.serve.tool_parsers.base import ToolParser
+from tokenmill.serve.tool_parsers.harmony import HarmonyToolParser
 from tokenmill.serve.tool_parsers.hermes import HermesToolParser
 from tokenmill.serve.tool_parsers.llama3_json import Llama3JsonToolParser
 from tokenmill.serve.tool_parsers.mistral import MistralToolParser
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    p.name: p for p in (HarmonyToolParser, HermesToolParser, Llama3JsonToolParser, MistralToolParser)
 }
 
 
