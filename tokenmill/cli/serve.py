@@ -95,9 +95,10 @@ def add_serve_parser(subparsers) -> None:
                    help='Let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser.')
     g.add_argument("--tool-call-parser", metavar="NAME",
                    help="How tool calls look in this model's output: hermes (Hermes, Qwen), llama3_json, mistral, "
-                                        "openai (gpt-oss harmony).")
+                        "openai (gpt-oss harmony).")
     g.add_argument("--reasoning-parser", metavar="NAME",
-                   help="Split <think>...</think> into reasoning_content: deepseek_r1 or qwen3.")
+                   help="Split <think>...</think> into reasoning_content: deepseek_r1 or qwen3; "
+                        "openai_gptoss: gpt-oss's harmony analysis channel.")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="Log level of the server (default: %(default)s).")
