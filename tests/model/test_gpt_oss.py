@@ -116,19 +116,21 @@ def test_sinks_and_windows_are_in_the_model(gpt_oss):
 @pytest.mark.timeout(300)
 def test_tp2_equals_tp1(gpt_oss):
     """Two ranks: half the heads (and their sinks), half of every expert's intermediate dimension (gate and up
-    de-interleaved before the cut), the down bias added once."""
+    de-interleaved before the cut), the down bias added once; and with expert parallelism, half the experts whole on
+    each rank (each adding its own experts' down biases)."""
     from compare import assert_same_outputs
 
     prompts = prompts_for(384, seed=4)[:4]
     sp = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, logprobs=3)
     outs = []
-    for kw in ({}, dict(tensor_parallel_size=2)):
+    for kw in ({}, dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)):
         llm = LLM(str(gpt_oss), max_model_len=128, num_gpu_blocks_override=64, attention_backend="torch_sdpa", **kw)
         try:
             outs.append([o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)])
         finally:
             llm.engine.shutdown()
     assert_same_outputs(outs[0], outs[1], "gpt-oss tp=2", atol=1e-4)
+    assert_same_outputs(outs[0], outs[2], "gpt-oss tp=2 ep", atol=1e-4)
 
 
 def test_backend_without_sinks_refuses(gpt_oss):

@@ -14,8 +14,10 @@ mlp.experts.gate_up_proj [E, H, 2I] (gate and up INTERLEAVED along the last dim:
 gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H]; or, with quantization_config mxfp4,
 *_blocks / *_scales instead of the two expert weights (layers/quantization/mxfp4.py). Experts are held as
 [gate rows of this rank; up rows of this rank] x H and H x this rank's I (F.linear layout), cut at load; under
-tensor parallelism each rank holds a slice of every expert's intermediate dimension and the block all-reduces once
-(the down bias is added on rank 0 only).
+tensor parallelism each rank holds a slice of every expert's intermediate dimension (the down bias is added on rank 0
+only); under expert parallelism (--enable-expert-parallel) rank r holds whole experts [r E/N, (r+1) E/N) with their
+biases, runs only the (token, expert) pairs routed to them, and adds its experts' down biases. Either way the router
+(with its bias) is replicated and the block all-reduces once.
 """
 from __future__ import annotations
 
@@ -96,7 +98,7 @@ class FloatExperts:
     """Float expert weights: gate_up_proj [E, 2s, H] and down_proj [E, H, s] (F.linear layout)."""
 
     def create_weights(self, layer: "GptOssExperts", dtype: torch.dtype) -> None:
-        E, H, s = layer.num_experts, layer.hidden_size, layer.shard
+        E, H, s = layer.num_local, layer.hidden_size, layer.shard
         layer.gate_up_proj = _param(torch.empty(E, 2 * s, H, dtype=dtype), layer.load_gate_up)
         layer.down_proj = _param(torch.empty(E, H, s, dtype=dtype), layer.load_down)
 
@@ -129,25 +131,37 @@ class GptOssExperts(nn.Module):
 
     def __init__(self, spec: ExpertsSpec, hidden_size: int, build: Build) -> None:
         super().__init__()
-        if spec.intermediate_size % build.tp_size:
+        # Expert parallel: whole experts per rank (tensor-parallel size 1 inside them); else a slice of every expert.
+        ep = build.expert_parallel and build.tp_size > 1
+        ep_size, tp_size = (build.tp_size, 1) if ep else (1, build.tp_size)
+        if spec.num_experts % ep_size:
+            raise ValueError(f"{spec.num_experts} experts do not divide over expert-parallel size {ep_size}")
+        if spec.intermediate_size % tp_size:
             raise ValueError(f"expert intermediate size {spec.intermediate_size} does not divide over "
-                             f"tensor-parallel size {build.tp_size}")
-        if build.expert_parallel and build.tp_size > 1:
-            raise NotImplementedError("gpt-oss: expert parallelism is not supported (tensor parallel experts are)")
+                             f"tensor-parallel size {tp_size}")
         self.num_experts, self.hidden_size = spec.num_experts, hidden_size
-        self.intermediate_size, self.shard = spec.intermediate_size, spec.intermediate_size // build.tp_size
-        self.tp_rank = build.tp_rank
+        self.num_local = spec.num_experts // ep_size
+        self.first = (build.tp_rank if ep else 0) * self.num_local  # this rank's first expert
+        self.intermediate_size, self.shard = spec.intermediate_size, spec.intermediate_size // tp_size
+        self.tp_rank = 0 if ep else build.tp_rank
+        self.ep = ep
         self.alpha, self.limit = spec.alpha, spec.limit
-        E, s = spec.num_experts, self.shard
+        E, s = self.num_local, self.shard
         self.method = experts_method(build.quant_config, spec)
         self.method.create_weights(self, build.params_dtype)
         self.gate_up_proj_bias = _param(torch.zeros(E, 2 * s, dtype=build.params_dtype), self.load_gate_up_bias)
         self.down_proj_bias = _param(torch.zeros(E, hidden_size, dtype=build.params_dtype), self.load_down_bias)
 
     # The loaders take the checkpoint's tensors (float: [E, in, out]; the method's own forms call the row helpers).
+    def local_experts(self, t: torch.Tensor) -> torch.Tensor:
+        """[E, ...] -> this rank's experts [E_local, ...] (all of them without expert parallelism)."""
+        return t.narrow(0, self.first, self.num_local)
+
     def gate_up_rows(self, t: torch.Tensor) -> torch.Tensor:
-        """[E, 2I, ...] with gate/up interleaved rows -> [E, 2s, ...]: this rank's gate rows, then its up rows."""
+        """[E, 2I, ...] with gate/up interleaved rows -> [E_local, 2s, ...]: this rank's gate rows, then its up
+        rows."""
         lo, s = self.tp_rank * self.shard, self.shard
+        t = self.local_experts(t)
         return torch.cat([t[:, 0::2][:, lo:lo + s], t[:, 1::2][:, lo:lo + s]], dim=1)
 
     def load_gate_up(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
@@ -160,22 +174,28 @@ class GptOssExperts(nn.Module):
 
     def load_down(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         check_shape(loaded, (self.num_experts, self.intermediate_size, self.hidden_size))
-        param.data.copy_(loaded.transpose(1, 2).narrow(2, self.tp_rank * self.shard, self.shard))
+        param.data.copy_(self.local_experts(loaded).transpose(1, 2).narrow(2, self.tp_rank * self.shard, self.shard))
 
     def load_down_bias(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         check_shape(loaded, (self.num_experts, self.hidden_size))
-        param.data.copy_(loaded)
+        param.data.copy_(self.local_experts(loaded))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         T, k = ids.shape
-        flat = ids.reshape(-1)
+        E = self.num_local
+        flat = ids.reshape(-1) - self.first  # local expert ids; other ranks' experts are out of [0, E)
+        if self.ep:
+            flat = torch.where((flat >= 0) & (flat < E), flat, E)  # sorted past the end and never run
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=E + 1).tolist()[:E]
+        order = order[:sum(counts)]  # the pairs this rank runs
         tokens = order // k
         xs = x.index_select(0, tokens)
         ws = weights.reshape(-1).index_select(0, order).to(x.dtype).unsqueeze(1)
         ys = torch.empty_like(xs)
-        down_bias = self.tp_rank == 0  # the partial sums are all-reduced: one rank adds the bias
+        # The partial sums are all-reduced: the down bias is added once, by the rank holding the expert (under
+        # expert parallelism, each rank for its own experts; else rank 0).
+        down_bias = self.ep or self.tp_rank == 0
         start = 0
         for e, n in enumerate(counts):  # over experts, never over tokens
             if n == 0:

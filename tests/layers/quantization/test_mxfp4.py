@@ -2,7 +2,7 @@
 (integrations.mxfp4.convert_moe_packed_tensors); a tiny gpt-oss checkpoint whose experts this file quantizes to
 MXFP4 loads with its experts kept as uint8 blocks and scales (no float expert weight in the model) and gives the
 greedy tokens and logprobs of transformers running the float model on the dequantized weights (exactly the same
-values), also under TP=2."""
+values), also under TP=2 with and without expert parallelism."""
 from __future__ import annotations
 
 import json
@@ -97,10 +97,12 @@ def test_mxfp4_tp2_equals_float_tp1(checkpoints):
     prompts = prompts_for(384, seed=4)[:4]
     sp = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, logprobs=3)
     outs = []
-    for path, kw in ((float_path, {}), (mx_path, dict(tensor_parallel_size=2))):
+    for path, kw in ((float_path, {}), (mx_path, dict(tensor_parallel_size=2)),
+                     (mx_path, dict(tensor_parallel_size=2, enable_expert_parallel=True))):
         llm = LLM(str(path), max_model_len=128, num_gpu_blocks_override=64, attention_backend="torch_sdpa", **kw)
         try:
             outs.append([o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)])
         finally:
             llm.engine.shutdown()
     assert_same_outputs(outs[0], outs[1], "mxfp4 tp=2", atol=1e-4)
+    assert_same_outputs(outs[0], outs[2], "mxfp4 tp=2 ep", atol=1e-4)

@@ -56,10 +56,10 @@ def parse_mxfp4(raw: dict, where: str) -> Mxfp4Config:
 class Mxfp4Experts:
     """gpt-oss experts (model/gpt_oss.py GptOssExperts) kept as MXFP4: gate_up_proj_{blocks,scales} with rows
     [this rank's gate rows; its up rows] (de-interleaved at load as the float form is), down_proj_{blocks,scales}
-    with this rank's blocks of input columns."""
+    with this rank's blocks of input columns; under expert parallelism, this rank's experts only, whole."""
 
     def create_weights(self, layer: "GptOssExperts", dtype: torch.dtype) -> None:
-        E, H, s = layer.num_experts, layer.hidden_size, layer.shard
+        E, H, s = layer.num_local, layer.hidden_size, layer.shard
         for name, cols in (("hidden size", H), ("expert intermediate size per rank", s)):
             if cols % BLOCK:
                 raise ValueError(f"mxfp4 experts need a {name} that is a multiple of {BLOCK}, not {cols}")
@@ -88,7 +88,7 @@ class Mxfp4Experts:
         check_shape(loaded, (layer.num_experts, layer.hidden_size, layer.intermediate_size // BLOCK)
                     + ((tail,) if tail else ()))
         g = layer.shard // BLOCK
-        param.data.copy_(loaded.narrow(2, layer.tp_rank * g, g))
+        param.data.copy_(layer.local_experts(loaded).narrow(2, layer.tp_rank * g, g))
 
     def weight(self, layer: "GptOssExperts", name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert e's [rows, cols] weight, decoded for this matmul only."""
