@@ -46,7 +46,7 @@ def gpt_oss_tensor_names(num_layers: int) -> dict[str, str]:
     out = {f"{names[T.TOKEN_EMBD]}.weight": "model.embed_tokens.weight",
            f"{names[T.OUTPUT_NORM]}.weight": "model.norm.weight",
            f"{names[T.OUTPUT]}.weight": "lm_head.weight"}
-    for part, suffixes in _PARTS.items():
+    for part, suffixes in _PARTS.items():  # part: a gguf.MODEL_TENSOR member's name (getattr: the enum by name)
         for i in range(num_layers):
             for suffix, hf in suffixes.items():
                 out[f"{names[getattr(T, part)].format(bid=i)}.{suffix}"] = f"model.layers.{i}.{hf}"
