@@ -37,8 +37,15 @@ native: $(NATIVE)
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
+# The `alone` tests (latency under load against a control) run afterwards in one process, nothing beside them.
 test: $(NATIVE)
-	$(PY) -m pytest -q $(XDIST)
+ifeq ($(XDIST),)
+	$(PY) -m pytest -q
+else
+	$(PY) -m pytest -q $(XDIST) -m "not alone"; parallel=$$?; \
+	$(PY) -m pytest -q -m alone; alone=$$?; \
+	test $$parallel = 0 && test $$alone = 0
+endif
 
 # Leaves out the real models (`slow`) and the multi-process / server / script tests (`integration`); every
 # package's unit tests still run (docs/testing.md).

@@ -85,14 +85,29 @@ INTEGRATION_FILES = {
 }
 
 
+# Tests that compare a request's latency under an attack with a control: a busy neighbour (the other xdist worker)
+# makes that comparison noise, so `make test` runs them after the parallel part, in one process, with nothing
+# beside them (`-m alone`). A whole file, or file::test (the name without its parameters).
+ALONE = {
+    "engine/test_ipc.py::test_a_victim_keeps_its_latency_while_megabyte_requests_arrive",
+    "serve/test_request_bounds.py::test_a_batch_of_prompts_with_a_large_logit_bias_keeps_health_responsive",
+    "serve/test_request_bounds.py::test_echo_logprobs_attack_leaves_its_neighbour_alone",
+    "serve/test_server_hardening.py",
+}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if os.path.relpath(str(item.path), _HERE) in INTEGRATION_FILES:
+        path = os.path.relpath(str(item.path), _HERE)
+        if path in INTEGRATION_FILES:
             item.add_marker(pytest.mark.integration)
+        if path in ALONE or f"{path}::{item.originalname}" in ALONE:
+            item.add_marker(pytest.mark.alone)
 
 
 def pytest_sessionstart(session):
     # a renamed or moved file must not fall out of `make test-fast`'s exclusion silently
-    missing = sorted(f for f in INTEGRATION_FILES if not os.path.isfile(os.path.join(_HERE, f)))
+    missing = sorted(f for f in INTEGRATION_FILES | {a.split("::")[0] for a in ALONE}
+                     if not os.path.isfile(os.path.join(_HERE, f)))
     if missing:
-        raise pytest.UsageError(f"tests/conftest.py INTEGRATION_FILES names files that do not exist: {missing}")
+        raise pytest.UsageError(f"tests/conftest.py INTEGRATION_FILES / ALONE name files that do not exist: {missing}")
