@@ -18,6 +18,7 @@ the weight dequantized by gguf's own numpy dequantizer: the reference the kernel
 from __future__ import annotations
 
 import logging
+from functools import lru_cache
 from collections import Counter
 from typing import TYPE_CHECKING, Callable
 
@@ -145,21 +146,18 @@ def deinterleave_rows(rows: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.cat(out, dim=2).reshape(N, width).contiguous()
 
 
+@lru_cache(maxsize=16)
+def _r16_positions(qtype: int, width: int) -> torch.Tensor:
+    """[16, width]: where split row r's byte j lies within its interleaved group of 16 rows."""
+    return deinterleave_rows(torch.arange(R16_ROWS * width).reshape(R16_ROWS, width), qtype)
+
+
 def interleaved_rows_at(rows: torch.Tensor, qtype: int, index: torch.Tensor) -> torch.Tensor:
-    """Rows `index` of an interleaved table as split rows [len(index), row_bytes] (a lookup's rows only)."""
-    N, width = rows.shape
-    nb = width // block_format(qtype)[1]
-    group, lane = index // R16_ROWS, index % R16_ROWS
-    g = rows.reshape(N // R16_ROWS, R16_ROWS * width)
-    out, at = [], 0
-    for w, n in _r16_parts(qtype, nb):
-        part = g[:, at:at + R16_ROWS * w * n]
-        at += R16_ROWS * w * n
-        if w > 2:  # [G, nb, w / 4, 16, 4] -> the lane's [nb, w / 4, 4]
-            out.append(part.reshape(-1, n, w // 4, R16_ROWS, 4)[group, :, :, lane].reshape(-1, w * n))
-        else:  # [G, nb, 16, 2] -> the lane's [nb, 2]
-            out.append(part.reshape(-1, n, R16_ROWS, w)[group, :, lane].reshape(-1, w * n))
-    return torch.cat(out, dim=1)
+    """Rows `index` of an interleaved table as split rows [len(index), row_bytes] (a lookup's rows only): one
+    gather of their bytes."""
+    width = rows.shape[1]
+    at = (index // R16_ROWS * (R16_ROWS * width)).unsqueeze(1) + _r16_positions(qtype, width)[index % R16_ROWS]
+    return rows.reshape(-1)[at]
 
 
 def interleaves_rows(qtype: int, rows: int, cols: int | None = None, int8_activations: bool = False) -> bool:
