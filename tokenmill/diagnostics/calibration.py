@@ -86,9 +86,13 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def cache_dir() -> Path:
+    """$TOKENMILL_CACHE, default ~/.cache/tokenmill: measured facts of this machine (and GGUF tokenizers)."""
+    return Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+
+
 def _cache_file() -> Path:
-    root = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
-    return root / "calibration.json"
+    return cache_dir() / "calibration.json"
 
 
 def _key(device: str, dtype: torch.dtype) -> str:
@@ -160,7 +164,7 @@ class Calibration:
                 "recalibrated": self.recalibrated, "stale": self.stale, "note": self.note}
 
 
-def _read_cache(f: Path) -> dict:
+def read_cache(f: Path) -> dict:
     try:
         cached = json.loads(f.read_text())
     except (OSError, ValueError):
@@ -180,7 +184,7 @@ def _entry(cached: dict, key: str) -> Peaks | None:
 
 
 @contextmanager
-def _cache_lock(f: Path) -> Iterator[None]:
+def cache_lock(f: Path) -> Iterator[None]:
     """Serialise calibrations of processes sharing the cache file (data-parallel replicas): two measuring at
     once would each take the other's load for the machine's peak."""
     try:
@@ -201,11 +205,12 @@ def _cache_lock(f: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _store(f: Path, key: str, peaks: Peaks) -> None:
+def store_entry(f: Path, key: str, entry: dict) -> None:
+    """Stores one entry of a JSON cache file shared by processes (call under cache_lock)."""
     # Re-read first (another process may have stored other keys) and replace the file whole, so a reader
     # never sees half of it.
-    cached = _read_cache(f)
-    cached[key] = peaks.as_dict()
+    cached = read_cache(f)
+    cached[key] = entry
     tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
     try:
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -233,9 +238,9 @@ def _measure_and_store(device: str, dtype: torch.dtype, f: Path, key: str, own_l
     """Measure, record the load it was measured under, lift a peak the engine already beat to that figure,
     and store it."""
     _last_attempt[(str(f), key)] = time.time()
-    with _cache_lock(f):
+    with cache_lock(f):
         # Another process sharing the cache may have measured while this one waited for the lock.
-        current = _entry(_read_cache(f), key)
+        current = _entry(read_cache(f), key)
         if (current is not None and (replaces is None or current.measured_at > replaces.measured_at)
                 and not _exceeded(current, observed)):
             return current
@@ -244,7 +249,7 @@ def _measure_and_store(device: str, dtype: torch.dtype, f: Path, key: str, own_l
         p = replace(p, measured_at=time.time(), load_average=load, own_load=own_load, cpu_count=os.cpu_count(),
                     raised_to_observed=[])
         p = _raise_to(p, observed)
-        _store(f, key, p)
+        store_entry(f, key, p.as_dict())
     return p
 
 
@@ -276,7 +281,7 @@ def calibrate(device: str = "cpu", dtype: torch.dtype = torch.float32, *, own_lo
     """
     observed = observed or {}
     f, key = _cache_file(), _key(device, dtype)
-    stored = _entry(_read_cache(f), key)
+    stored = _entry(read_cache(f), key)
     if stored is None:  # nothing to fall back on: measure whatever the moment
         p = _measure_and_store(device, dtype, f, key, own_load, observed, None)
         return _verdict(Calibration(p, f, recalibrated=True), first=True)

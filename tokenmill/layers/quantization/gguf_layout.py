@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenmill.diagnostics.calibration import _cache_lock, _read_cache, cpu_name
+from tokenmill.diagnostics.calibration import cache_dir, cache_lock, cpu_name, read_cache, store_entry
 
 LAYOUT_VERSION = 1
 SAMPLE_BYTES = 4 << 20  # the rows timed: at most this many bytes of the weight's shape
@@ -45,7 +44,7 @@ def kernels_id() -> str:
 
 
 def cache_file() -> Path:
-    return Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill")) / "kernels.json"
+    return cache_dir() / "kernels.json"
 
 
 def key(qtype: int, rows: int, cols: int, int8_activations: bool) -> str:
@@ -86,31 +85,19 @@ def measure(qtype: int, rows: int, cols: int, int8_activations: bool) -> dict:
     return best
 
 
-def _store(f: Path, k: str, entry: dict) -> None:
-    cached = _read_cache(f)
-    cached[k] = entry
-    tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
-    try:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(cached, indent=1))
-        os.replace(tmp, f)
-    except OSError:  # an unwritable cache: the next start measures again
-        pass
-
-
 @functools.lru_cache(maxsize=None)
 def choose_r16(qtype: int, rows: int, cols: int, int8_activations: bool) -> bool:
     """Whether R16 measured at least as fast as split rows for this weight on this CPU (cached)."""
     f, k = cache_file(), key(qtype, rows, cols, int8_activations)
-    entry = _read_cache(f).get(k)
+    entry = read_cache(f).get(k)
     if not (isinstance(entry, dict) and entry.get("layout") in ("r16", "split")):
-        with _cache_lock(f):
-            entry = _read_cache(f).get(k)  # another process may have measured meanwhile
+        with cache_lock(f):
+            entry = read_cache(f).get(k)  # another process may have measured meanwhile
             if not (isinstance(entry, dict) and entry.get("layout") in ("r16", "split")):
                 seconds = measure(qtype, rows, cols, int8_activations)
                 entry = {"layout": "r16" if seconds["r16"] <= seconds["split"] else "split",
                          "seconds": seconds, "measured_at": time.time()}
-                _store(f, k, entry)
+                store_entry(f, k, entry)
     return entry["layout"] == "r16"
 
 
