@@ -113,43 +113,42 @@ def _r16_parts(qtype: int, nb: int) -> list[tuple[int, int]]:
     return [(2, nb)] * (_scale_bytes(qtype) // 2) + [(block_format(qtype)[1] - _scale_bytes(qtype), nb)]
 
 
-def interleave_rows(split: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Split rows [N, row_bytes] (N a multiple of 16) -> interleaved rows (same shape): per group of 16 rows,
-    every part [16, nb, w] as [nb, 16, w] (the quants' w bytes as w / 4 columns of 4: [nb, w / 4, 16, 4])."""
-    N, width = split.shape
+@lru_cache(maxsize=16)
+def _r16_order(qtype: int, width: int) -> torch.Tensor:
+    """The interleaved layout, once, for one group of 16 split rows of `width` bytes: [16 * width], the flat
+    split byte (r * width + j) that each interleaved byte holds. Every part [16, nb, w] goes as [nb, 16, w] (the
+    quants' w bytes as w / 4 columns of 4: [nb, w / 4, 16, 4])."""
     nb = width // block_format(qtype)[1]
-    g = split.reshape(N // R16_ROWS, R16_ROWS, width)
+    g = torch.arange(R16_ROWS * width).reshape(R16_ROWS, width)
     out, at = [], 0
     for w, n in _r16_parts(qtype, nb):
-        part = g[:, :, at:at + w * n]
+        part = g[:, at:at + w * n]
         at += w * n
         if w > 2:
-            out.append(part.reshape(-1, R16_ROWS, n, w // 4, 4).permute(0, 2, 3, 1, 4).reshape(N // R16_ROWS, -1))
+            out.append(part.reshape(R16_ROWS, n, w // 4, 4).permute(1, 2, 0, 3).reshape(-1))
         else:
-            out.append(part.reshape(-1, R16_ROWS, n, w).permute(0, 2, 1, 3).reshape(N // R16_ROWS, -1))
-    return torch.cat(out, dim=1).reshape(N, width).contiguous()
+            out.append(part.reshape(R16_ROWS, n, w).permute(1, 0, 2).reshape(-1))
+    return torch.cat(out)
+
+
+@lru_cache(maxsize=16)
+def _r16_positions(qtype: int, width: int) -> torch.Tensor:
+    """[16, width]: where split row r's byte j lies within its interleaved group (_r16_order's inverse)."""
+    return torch.argsort(_r16_order(qtype, width)).reshape(R16_ROWS, width)
+
+
+def interleave_rows(split: torch.Tensor, qtype: int) -> torch.Tensor:
+    """Split rows [N, row_bytes] (N a multiple of 16) -> interleaved rows (same shape, _r16_order's layout)."""
+    N, width = split.shape
+    groups = split.reshape(N // R16_ROWS, R16_ROWS * width)
+    return groups.index_select(1, _r16_order(qtype, width)).reshape(N, width)
 
 
 def deinterleave_rows(rows: torch.Tensor, qtype: int) -> torch.Tensor:
     """Interleaved rows back as split rows (interleave_rows' inverse)."""
     N, width = rows.shape
-    nb = width // block_format(qtype)[1]
-    g = rows.reshape(N // R16_ROWS, R16_ROWS * width)
-    out, at = [], 0
-    for w, n in _r16_parts(qtype, nb):
-        part = g[:, at:at + R16_ROWS * w * n]
-        at += R16_ROWS * w * n
-        if w > 2:
-            out.append(part.reshape(-1, n, w // 4, R16_ROWS, 4).permute(0, 3, 1, 2, 4).reshape(-1, R16_ROWS, w * n))
-        else:
-            out.append(part.reshape(-1, n, R16_ROWS, w).permute(0, 2, 1, 3).reshape(-1, R16_ROWS, w * n))
-    return torch.cat(out, dim=2).reshape(N, width).contiguous()
-
-
-@lru_cache(maxsize=16)
-def _r16_positions(qtype: int, width: int) -> torch.Tensor:
-    """[16, width]: where split row r's byte j lies within its interleaved group of 16 rows."""
-    return deinterleave_rows(torch.arange(R16_ROWS * width).reshape(R16_ROWS, width), qtype)
+    groups = rows.reshape(N // R16_ROWS, R16_ROWS * width)
+    return groups.index_select(1, _r16_positions(qtype, width).reshape(-1)).reshape(N, width)
 
 
 def interleaved_rows_at(rows: torch.Tensor, qtype: int, index: torch.Tensor) -> torch.Tensor:
@@ -418,8 +417,9 @@ class GGUFConfig(QuantizationConfig):
             if not isinstance(method, GGUFBlockRows) or method.qtype not in SPLIT_BASES or not splits_rows() \
                     or not _native_ok(module.weight):
                 continue
-            K = module.weight.shape[1] // block_format(method.qtype)[1] * block_format(method.qtype)[0]
-            form = R16 if interleaves_rows(method.qtype, module.weight.shape[0], K, self.int8_activations) else SPLIT
+            form = SPLIT
+            if interleaves_rows(method.qtype, module.weight.shape[0], module.embedding_dim, self.int8_activations):
+                form = R16
             if id(module.weight) not in done:
                 rows = split_rows(module.weight.data, method.qtype)
                 module.weight.data = to_huge_pages(interleave_rows(rows, method.qtype) if form == R16 else rows)
