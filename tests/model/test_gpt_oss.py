@@ -155,3 +155,9 @@ def test_context_parallel_equals_transformers(gpt_oss, mode):
         check_against_oracle(llm.generate(prompts, sp, use_tqdm=False), hf_greedy(gpt_oss, prompts), mode)
     finally:
         llm.engine.shutdown()
+
+
+def test_experts_in_another_quantization_are_refused_at_load(gpt_oss):
+    """The expert kernels read float or MXFP4 weights: int8 at load is refused, naming gpt-oss's experts."""
+    with pytest.raises(ValueError, match="gpt-oss experts with 'int8' quantization are not supported"):
+        LLM(str(gpt_oss), max_model_len=64, num_gpu_blocks_override=16, quantization="int8")

@@ -122,8 +122,9 @@ def experts_method(quant_config: QuantizationConfig | None, spec: ExpertsSpec):
         from tokenmill.layers.quantization.mxfp4 import Mxfp4Experts
 
         return Mxfp4Experts()
-    raise NotImplementedError(f"gpt-oss experts with {quant_config.name!r} quantization are not supported "
-                              "(float or the checkpoint's mxfp4)")
+    # Refused at load, named: the expert kernels read float or MXFP4 weights only.
+    raise ValueError(f"gpt-oss experts with {quant_config.name!r} quantization are not supported "
+                     "(float or the checkpoint's mxfp4)")
 
 
 class GptOssExperts(nn.Module):
