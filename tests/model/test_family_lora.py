@@ -11,6 +11,7 @@ import pytest
 from lora_tiny import ALL, make_adapter, no_failed_steps, peft_greedy  # noqa: F401 (an autouse fixture)
 from test_deepseek import VARIANTS as DEEPSEEK
 from test_deepseek import make_deepseek
+from test_gpt_oss import make_gpt_oss
 from test_model_families import FAMILIES, make_family_model
 from test_parity import check_against_oracle, prompts_for
 from tokenmill import LLM, LoRARequest, SamplingParams
@@ -30,6 +31,8 @@ CASES = {
     "granite": (make_family_model, *FAMILIES["granite"], ALL),
     "deepseek-v2": (make_deepseek, *DEEPSEEK["v2"], ["q_proj", *MLA_COMMON]),
     "deepseek-v3": (make_deepseek, *DEEPSEEK["v3"], ["q_a_proj", "q_b_proj", *MLA_COMMON]),
+    # gpt-oss: q/k/v/o with their biases (the base's; PEFT adds none); the MoE block has no linear layer to adapt.
+    "gpt-oss": (lambda path, _: make_gpt_oss(path), None, {}, ["q_proj", "k_proj", "v_proj", "o_proj"]),
 }
 
 
@@ -100,3 +103,57 @@ def test_phi3_adapter_for_the_unfused_names_is_refused(tmp_path):
     with pytest.raises(ValueError, match="q_proj, which this model does not have"):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False,
                      lora_request=LoRARequest("wrong", 1, str(wrong)))
+
+
+def peft_adapter(base, path, **lora) -> str:
+    """A random PEFT adapter with LoraConfig(**lora): what make_adapter makes, for targets it does not take
+    (target_parameters, "all-linear")."""
+    import torch
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tf.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **lora))
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_gpt_oss_expert_and_router_adapters_are_refused(tmp_path):
+    """gpt-oss's experts are fused [E, H, 2I] tensors and its router a bare weight: PEFT adapts them through
+    target_parameters (as gpt-oss fine-tunes do for the experts), which has no LoRA path here, so such an adapter
+    is refused at load naming them; and so is one naming them as modules. PEFT's "all-linear" (q/k/v/o: the
+    router is no nn.Linear) is served, equal to PEFT."""
+    import json
+
+    base = make_gpt_oss(tmp_path / "base")
+    llm = LLM(str(base), enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=64,
+              num_gpu_blocks_override=16)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4, logprobs=2)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]  # longer than the window of 8
+
+    def refused(name: str, match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False,
+                         lora_request=LoRARequest(name, len(name), str(tmp_path / name)))
+        assert llm.engine.num_unfinished_requests == 0
+
+    peft_adapter(base, tmp_path / "experts", target_modules=["q_proj"],
+                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    refused("experts", r"target_parameters \['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'\].*expert")
+    peft_adapter(base, tmp_path / "router", target_modules=[], target_parameters=["mlp.router.weight"])
+    refused("router", r"target_parameters \['mlp.router.weight'\].*router")
+    # The router's tensors as a module target (lora_A [r, H], lora_B [E, r], as a Linear router would have).
+    cfg_file = tmp_path / "router" / "adapter_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    (tmp_path / "router_module").mkdir()
+    (tmp_path / "router_module" / "adapter_config.json").write_text(
+        json.dumps(dict(cfg, target_modules=["router"], target_parameters=None)))
+    (tmp_path / "router_module" / "adapter_model.safetensors").symlink_to(
+        tmp_path / "router" / "adapter_model.safetensors")
+    refused("router_module", r"target module 'router' is not supported \(a MoE router")
+
+    good = peft_adapter(base, tmp_path / "all_linear", target_modules="all-linear")
+    out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False,
+                       lora_request=LoRARequest("all_linear", 1, good))
+    check_against_oracle(out, peft_greedy(base, good, [prompt], 4), "all-linear")
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks

@@ -25,6 +25,11 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 REFUSED = {
     "kv_b_proj": "MLA's kv_b_proj is never run as a linear layer: the absorbed attention multiplies queries and "
                  "outputs by its per-head blocks, so a low-rank delta on it has no place to be added",
+    # gpt-oss's MoE block as transformers has it: no nn.Linear inside, so an adapter naming these was written by
+    # hand or by another tool (PEFT's form is target_parameters, refused in check_config).
+    "router": "a MoE router (gpt-oss's mlp.router) only picks each token's experts; LoRA on it has no path here",
+    "experts": "a MoE layer's experts are fused [experts, in, out] tensors, not linear layers; LoRA on them has no "
+               "path here",
 }
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
 
@@ -125,8 +130,10 @@ def check_config(cfg: dict, where: str, max_rank: int) -> None:
     if cfg.get("fan_in_fan_out"):
         refuse("fan_in_fan_out (Conv1D layers) is not supported")
     if cfg.get("target_parameters"):
-        refuse(f"target_parameters {cfg['target_parameters']} (LoRA on a MoE layer's fused expert weights, as PEFT "
-               "saves gate_proj / up_proj / down_proj targets of a MoE model) is not supported")
+        refuse(f"target_parameters {cfg['target_parameters']} (LoRA on bare weights rather than linear layers: "
+               "PEFT's form for a MoE layer's fused expert weights, as it saves gpt-oss's mlp.experts.gate_up_proj / "
+               "down_proj and the gate_proj / up_proj / down_proj targets of other MoE models, and for gpt-oss's "
+               "router weight) is not supported")
     for key in ("rank_pattern", "alpha_pattern"):
         if cfg.get(key):
             refuse(f"{key} (per-module ranks or alphas) is not supported")
