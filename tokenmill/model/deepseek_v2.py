@@ -32,6 +32,7 @@ from tokenmill.model.blocks import (AttentionSpec, Build, DecoderForCausalLM, De
 from tokenmill.model.deepseek_moe import DeepseekMoEBlock, RouterSpec
 from tokenmill.model.hf_config import hf_get
 from tokenmill.model.moe_block import MoESpec
+from tokenmill.model.registry import register_model
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+@register_model("DeepseekV2ForCausalLM")
 class DeepseekV2ForCausalLM(DecoderForCausalLM):
     # q/k/v are not packed (MLA); the dense MLP's and shared experts' gate and up are
     packed_modules_mapping: dict[str, list[str]] = {"gate_up_proj": ["gate_proj", "up_proj"]}
@@ -131,5 +133,6 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         self.mla_step.set(layout)
 
 
+@register_model("DeepseekV3ForCausalLM")
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     pass

@@ -14,6 +14,8 @@ from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.model.blocks import AttentionSpec, DecoderForCausalLM, DecoderSpec, LayerSpec, MLPSpec
 from tokenmill.model.gemma3 import SLIDING, layer_types
 from tokenmill.model.hf_config import hf_get
+from tokenmill.model.gguf_arch import GGUFArch, GGUFConfig, GGUFMeta, head_dim_of
+from tokenmill.model.registry import register_gguf, register_model
 
 
 def gemma2_spec(cfg, dtype: torch.dtype) -> DecoderSpec:
@@ -36,9 +38,29 @@ def gemma2_spec(cfg, dtype: torch.dtype) -> DecoderSpec:
     )
 
 
+@register_model("Gemma2ForCausalLM")
 class Gemma2ForCausalLM(DecoderForCausalLM):
     def __init__(self, cfg, dtype: torch.dtype, compute_dtype: torch.dtype, max_positions: int,
                  quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
                  expert_parallel: bool = False, pp_rank: int = 0, pp_size: int = 1) -> None:
         super().__init__(cfg, gemma2_spec(cfg, dtype), dtype, compute_dtype, max_positions, quant_config,
                          tp_rank, tp_size, expert_parallel, pp_rank, pp_size)
+
+
+def gemma2_gguf_config(m: GGUFMeta, generic: GGUFConfig) -> GGUFConfig:
+    """Gemma 2's GGUF keys (as llama.cpp's convert_hf_to_gguf.py writes them)."""
+    kw = generic.kwargs
+    head_dim = head_dim_of(kw)
+    # llama.cpp's gemma2 scales queries by 1/sqrt(head_dim), but by 1/sqrt(hidden / heads) for the 27B
+    # (46 layers), which is what that checkpoint's query_pre_attn_scalar says; the file has no key for it
+    scalar = kw["hidden_size"] // kw["num_attention_heads"] if kw["num_hidden_layers"] == 46 else head_dim
+    out = dict(head_dim=head_dim, query_pre_attn_scalar=int(scalar),
+               hidden_activation="gelu_pytorch_tanh", sliding_window=int(m("attention.sliding_window", 4096)))
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if m(key) is not None:
+            out[key] = float(m(key))
+    return generic.updated(**out)
+
+
+register_gguf(GGUFArch("gemma2", "Gemma2Config", "Gemma2ForCausalLM", norm_plus_one=True,
+                       config=gemma2_gguf_config))

@@ -15,6 +15,8 @@ import torch
 from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.model.blocks import AttentionSpec, DecoderForCausalLM, DecoderSpec, LayerSpec, MLPSpec
 from tokenmill.model.hf_config import hf_get
+from tokenmill.model.gguf_arch import GGUFArch, GGUFConfig, GGUFMeta
+from tokenmill.model.registry import register_gguf, register_model
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -60,9 +62,25 @@ def gemma3_spec(cfg, dtype: torch.dtype) -> DecoderSpec:
     )
 
 
+@register_model("Gemma3ForCausalLM")
 class Gemma3ForCausalLM(DecoderForCausalLM):
     def __init__(self, cfg, dtype: torch.dtype, compute_dtype: torch.dtype, max_positions: int,
                  quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
                  expert_parallel: bool = False, pp_rank: int = 0, pp_size: int = 1) -> None:
         super().__init__(cfg, gemma3_spec(cfg, dtype), dtype, compute_dtype, max_positions, quant_config,
                          tp_rank, tp_size, expert_parallel, pp_rank, pp_size)
+
+
+def gemma3_gguf_config(m: GGUFMeta, generic: GGUFConfig) -> GGUFConfig:
+    """Gemma 3's GGUF keys: the file's rope is the full layers' (the sliding layers' local rope is fixed), the
+    attention scale's scalar is the head size, the window 512 when the file has none."""
+    kw = generic.kwargs
+    return generic.updated(
+        sliding_window=int(m("attention.sliding_window", 512)),
+        query_pre_attn_scalar=int(kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]),
+        rope_parameters={FULL: kw["rope_parameters"], SLIDING: {"rope_type": "default", "rope_theta": 10000.0}},
+        hidden_activation="gelu_pytorch_tanh")
+
+
+register_gguf(GGUFArch("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM", norm_plus_one=True,
+                       config=gemma3_gguf_config))

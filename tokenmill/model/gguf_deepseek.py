@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from tokenmill.model.gguf_arch import GGUFArch, GGUFConfig, GGUFMeta, TensorJoiner
+from tokenmill.model.registry import register_gguf
+
 # GGUF block part (gguf.constants.MODEL_TENSOR member) -> transformers part of a DeepSeek layer
 _PARTS = {
     "ATTN_NORM": "input_layernorm.weight",
@@ -86,14 +89,21 @@ def split_kv_b_part(gguf_name: str) -> str | None:
     return None
 
 
-class KvBJoiner:
+class KvBJoiner(TensorJoiner):
     """Collects a layer's attn_k_b [H, kv_lora, qk_nope] and attn_v_b [H, v, kv_lora] (float arrays, shaped
     as the file says) and gives back kv_b_proj [H * (qk_nope + v), kv_lora] once it has both."""
 
     def __init__(self) -> None:
         self.pending: dict[tuple[str, str], np.ndarray] = {}
 
-    def add(self, gguf_name: str, part: str, w: np.ndarray) -> np.ndarray | None:
+    def add(self, gguf_name: str, hf: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        part = split_kv_b_part(gguf_name)
+        if part is None:
+            return [(hf, w)]
+        joined = self.join(gguf_name, part, w)
+        return [] if joined is None else [(hf, joined)]
+
+    def join(self, gguf_name: str, part: str, w: np.ndarray) -> np.ndarray | None:
         layer = gguf_name.rsplit(".", 2)[0]  # blk.N
         self.pending[(layer, part)] = w
         k, v = self.pending.get((layer, "k")), self.pending.get((layer, "v"))
@@ -112,12 +122,13 @@ class KvBJoiner:
             raise ValueError(f"{path}: GGUF {layer} has attn_{part}_b but not its other half")
 
 
-def deepseek2_config(m, tensors: dict, kw: dict) -> tuple[tuple[str, str], dict]:
-    """((config class name, architectures entry), config kwargs) for a deepseek2 file; `m(key)` reads
-    `deepseek2.<key>`, `kw` is the generic kwargs (copied, not changed)."""
+def deepseek2_config(m: GGUFMeta, generic: GGUFConfig) -> GGUFConfig:
+    """The config of a deepseek2 file (DeepseekV2Config or V3's); `m(key)` reads `deepseek2.<key>`, `generic`
+    holds the keys every architecture shares (copied, not changed)."""
     import gguf
 
-    kw = dict(kw)
+    tensors = m.tensors
+    kw = dict(generic.kwargs)
     kw.pop("head_dim", None)  # key_length is the latent's width here; the configs derive head_dim themselves
     heads = kw["num_attention_heads"]
     rope_dim = int(m("rope.dimension_count"))
@@ -161,6 +172,11 @@ def deepseek2_config(m, tensors: dict, kw: dict) -> tuple[tuple[str, str], dict]
         else:  # no softmax temperature and, as llama.cpp's graph, none on cos/sin either
             rope["attention_factor"] = 1.0
         kw["rope_parameters"] = rope
-    names = ("DeepseekV3Config", "DeepseekV3ForCausalLM") if v3 else ("DeepseekV2Config", "DeepseekV2ForCausalLM")
-    kw["architectures"] = [names[1]]
-    return names, kw
+    if v3:
+        return GGUFConfig("DeepseekV3Config", "DeepseekV3ForCausalLM", kw)
+    return GGUFConfig("DeepseekV2Config", "DeepseekV2ForCausalLM", kw)
+
+
+# MLA + DeepSeekMoE: its own keys, tensor names and joined kv_b_proj; no rows permuted (see the top)
+register_gguf(GGUFArch("deepseek2", "DeepseekV2Config", "DeepseekV2ForCausalLM", config=deepseek2_config,
+                       tensor_names=deepseek2_tensor_names, joiner=lambda cfg, blocks: KvBJoiner()))

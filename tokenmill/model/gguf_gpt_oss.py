@@ -21,6 +21,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from tokenmill.model.gguf_arch import GGUFArch, GGUFConfig, GGUFMeta, TensorJoiner
+from tokenmill.model.hf_config import hf_get
+from tokenmill.model.registry import register_gguf
+
 # GGUF block part (gguf.constants.MODEL_TENSOR member) -> transformers part of a gpt-oss layer, per suffix
 _PARTS = {
     "ATTN_NORM": {"weight": "input_layernorm.weight"},
@@ -53,12 +57,13 @@ def gpt_oss_tensor_names(num_layers: int) -> dict[str, str]:
     return out
 
 
-def gpt_oss_config(m, tensors: dict, kw: dict) -> tuple[tuple[str, str], dict]:
-    """(config class name, architectures entry) and the GptOssConfig keyword arguments."""
+def gpt_oss_config(m: GGUFMeta, generic: GGUFConfig) -> GGUFConfig:
+    """The GptOssConfig of a gpt-oss file; `generic` holds the keys every architecture shares."""
     if not m("attention.sliding_window"):
         raise ValueError("GGUF gpt-oss file without gpt-oss.attention.sliding_window")
-    layers = kw["num_hidden_layers"]
-    kw = dict(kw, num_local_experts=int(m("expert_count")), num_experts_per_tok=int(m("expert_used_count")),
+    tensors = m.tensors
+    layers = generic.kwargs["num_hidden_layers"]
+    kw = dict(generic.kwargs, num_local_experts=int(m("expert_count")), num_experts_per_tok=int(m("expert_used_count")),
               intermediate_size=int(m("expert_feed_forward_length")),
               sliding_window=int(m("attention.sliding_window")),
               layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
@@ -70,7 +75,7 @@ def gpt_oss_config(m, tensors: dict, kw: dict) -> tuple[tuple[str, str], dict]:
     if rope.get("rope_type") == "yarn":
         rope.update(beta_fast=32.0, beta_slow=1.0, truncate=False)
     kw["rope_parameters"] = rope
-    return ("GptOssConfig", "GptOssForCausalLM"), kw
+    return GGUFConfig("GptOssConfig", "GptOssForCausalLM", kw)
 
 
 def gguf_types():
@@ -89,13 +94,17 @@ def mxfp4_from_ggml(raw: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), np.ascontiguousarray(b[..., 0])
 
 
-class ExpertJoiner:
+class ExpertJoiner(TensorJoiner):
     """Turns a layer's split expert tensors back into transformers' gate_up_proj [E, H, 2I] (interleaved) and
     gate_up_proj_bias [E, 2I], and ffn_down_exps [E, H, I] into down_proj [E, I, H]; other tensors pass."""
 
     def __init__(self, keep_mxfp4: bool = False) -> None:
         self._halves: dict[str, dict[str, np.ndarray]] = {}  # joined name -> {"gate"|"up": array}
         self.keep_mxfp4 = keep_mxfp4  # the model holds MXFP4 experts: take their bytes (add_mxfp4)
+
+    def take_raw(self, hf: str, ggml_type: int, raw: np.ndarray,
+                 shape: tuple[int, ...]) -> list[tuple[str, np.ndarray]] | None:
+        return self.add_mxfp4(hf, raw, shape) if self.keeps(hf, ggml_type) else None
 
     def keeps(self, hf: str, ggml_type: int) -> bool:
         return self.keep_mxfp4 and ".experts." in hf and not hf.endswith("_bias") and \
@@ -122,7 +131,7 @@ class ExpertJoiner:
                 out.append((joined, both))
         return out
 
-    def add(self, hf: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    def add(self, gguf_name: str, hf: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
         prefix, _, leaf = hf.rpartition(".experts.")
         if not prefix:
             return [(hf, w)]
@@ -145,3 +154,13 @@ class ExpertJoiner:
     def check_done(self, path: str) -> None:
         if self._halves:
             raise ValueError(f"{path}: expert tensors without their other half: {', '.join(sorted(self._halves))}")
+
+
+def _joiner(cfg, blocks: bool) -> ExpertJoiner:
+    """MXFP4 experts stay MXFP4 where the file's blocks are kept and every expert tensor is MXFP4."""
+    return ExpertJoiner(keep_mxfp4=blocks and hf_get(cfg, "gguf_expert_type") == "MXFP4")
+
+
+# sinks, alternating windows and its MoE: its own keys and tensor names; q/k rows not permuted (see the top)
+register_gguf(GGUFArch("gpt-oss", "GptOssConfig", "GptOssForCausalLM", config=gpt_oss_config,
+                       tensor_names=gpt_oss_tensor_names, joiner=_joiner))

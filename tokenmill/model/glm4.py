@@ -14,8 +14,10 @@ import torch
 
 from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.model.blocks import DecoderForCausalLM, DecoderSpec
+from tokenmill.model.gguf_arch import GGUFArch, GGUFConfig, GGUFMeta, head_dim_of, partial_rope_kwargs
 from tokenmill.model.hf_config import hf_get
 from tokenmill.model.llama import llama_spec
+from tokenmill.model.registry import register_gguf, register_model
 from tokenmill.model.weights import WeightNaming
 
 # GLM-4-0414's norm -> the sandwich layer's (a swap: its post_attention_layernorm is the pre-MLP norm).
@@ -50,6 +52,7 @@ def glm_spec(cfg, sandwich: bool) -> DecoderSpec:
     return replace(spec, attention=attention, sandwich_norms=sandwich)
 
 
+@register_model("GlmForCausalLM")
 class GlmForCausalLM(DecoderForCausalLM):
     # q/k/v are separate in the checkpoint; gate_up_proj is already fused
     packed_modules_mapping: dict[str, list[str]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
@@ -62,6 +65,24 @@ class GlmForCausalLM(DecoderForCausalLM):
                          tp_rank, tp_size, expert_parallel, pp_rank, pp_size)
 
 
+@register_model("Glm4ForCausalLM")
 class Glm4ForCausalLM(GlmForCausalLM):
     weight_naming = Glm4Naming()
     sandwich = True
+
+
+def glm4_gguf_config(m: GGUFMeta, generic: GGUFConfig) -> GGUFConfig:
+    """Partial rotary from rope.dimension_count (half of the head when absent); q/k/v bias when the file has it."""
+    return generic.updated(**partial_rope_kwargs(m, generic.kwargs, head_dim_of(generic.kwargs) // 2),
+                           attention_bias="blk.0.attn_q.bias" in m.tensors or "blk.0.attn_qkv.bias" in m.tensors)
+
+
+# GLM-4-0414 as llama.cpp writes it: ffn_up is the fused gate_up; its norms are the sandwich under other names
+# (llama.cpp's post_attention_norm is the checkpoint's post_self_attn_layernorm, ffn_norm its pre-MLP
+# post_attention_layernorm). No Q/K permutation: both sides interleave. (GLM-4's first release is llama.cpp's
+# `chatglm`, with a fused attn_qkv: no mapping here.)
+register_gguf(GGUFArch("glm4", "Glm4Config", "Glm4ForCausalLM", partial_rope=True, config=glm4_gguf_config,
+                       extra_parts={"ffn_up": "mlp.gate_up_proj",
+                                    "post_attention_norm": "post_self_attn_layernorm",
+                                    "ffn_norm": "post_attention_layernorm",
+                                    "post_ffw_norm": "post_mlp_layernorm"}))

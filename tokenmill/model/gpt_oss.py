@@ -34,6 +34,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.model.blocks import (AttentionBlock, AttentionSpec, Build, DecoderForCausalLM, DecoderSpec, LayerSpec,
                                     MLPSpec)
 from tokenmill.model.hf_config import hf_get
+from tokenmill.model.registry import register_model
 from tokenmill.model.weights import WeightNaming
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -250,6 +251,7 @@ class GptOssDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+@register_model("GptOssForCausalLM")
 class GptOssForCausalLM(DecoderForCausalLM):
     packed_modules_mapping: dict[str, list[str]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     weight_naming = GptOssNaming()

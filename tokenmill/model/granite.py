@@ -14,6 +14,8 @@ import torch
 from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.model.blocks import DecoderForCausalLM, DecoderSpec
 from tokenmill.model.hf_config import hf_get
+from tokenmill.model.gguf_arch import GGUFArch, GGUFConfig, GGUFMeta, head_dim_of
+from tokenmill.model.registry import register_gguf, register_model
 from tokenmill.model.llama import llama_spec
 
 
@@ -32,9 +34,24 @@ def granite_spec(cfg) -> DecoderSpec:
     )
 
 
+@register_model("GraniteForCausalLM")
 class GraniteForCausalLM(DecoderForCausalLM):
     def __init__(self, cfg, dtype: torch.dtype, compute_dtype: torch.dtype, max_positions: int,
                  quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
                  expert_parallel: bool = False, pp_rank: int = 0, pp_size: int = 1) -> None:
         super().__init__(cfg, granite_spec(cfg), dtype, compute_dtype, max_positions, quant_config, tp_rank, tp_size,
                          expert_parallel, pp_rank, pp_size)
+
+
+def granite_gguf_config(m: GGUFMeta, generic: GGUFConfig) -> GGUFConfig:
+    """The four multipliers from llama.cpp's keys: attention.scale 0 or absent means 1/sqrt(head_dim), the others
+    absent mean 1."""
+    return generic.updated(embedding_multiplier=float(m("embedding_scale", 1.0) or 1.0),
+                           residual_multiplier=float(m("residual_scale", 1.0) or 1.0),
+                           attention_multiplier=float(m("attention.scale", 0.0) or head_dim_of(generic.kwargs)**-0.5),
+                           logits_scaling=float(m("logit_scale", 1.0) or 1.0))
+
+
+# llama.cpp's GraniteModel is its LlamaModel's subclass: Q/K rows permuted as Llama's
+register_gguf(GGUFArch("granite", "GraniteConfig", "GraniteForCausalLM", permuted_qk=True,
+                       config=granite_gguf_config))

@@ -5,7 +5,9 @@ import torch
 
 from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.model.blocks import AttentionSpec, DecoderForCausalLM, DecoderSpec, LayerSpec, MLPSpec
+from tokenmill.model.gguf_arch import GGUFArch, GGUFConfig, GGUFMeta
 from tokenmill.model.hf_config import hf_get
+from tokenmill.model.registry import register_gguf, register_model
 
 # What a family fixes whatever its config says (Qwen2's config has no attention_bias).
 FAMILY_FLAGS: dict[str, dict[str, bool]] = {
@@ -41,9 +43,25 @@ def llama_spec(cfg) -> DecoderSpec:
     )
 
 
+@register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 class LlamaForCausalLM(DecoderForCausalLM):
     def __init__(self, cfg, dtype: torch.dtype, compute_dtype: torch.dtype, max_positions: int,
                  quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
                  expert_parallel: bool = False, pp_rank: int = 0, pp_size: int = 1) -> None:
         super().__init__(cfg, llama_spec(cfg), dtype, compute_dtype, max_positions, quant_config, tp_rank, tp_size,
                          expert_parallel, pp_rank, pp_size)
+
+
+def llama_gguf_config(m: GGUFMeta, generic: GGUFConfig) -> GGUFConfig:
+    """llama.cpp writes Mixtral as `llama` with an expert count (every layer sparse, top-k renormalised)."""
+    if m.expert_count() == 0:
+        return generic
+    kwargs = dict(generic.kwargs, num_local_experts=m.expert_count(), num_experts_per_tok=int(m("expert_used_count")))
+    return GGUFConfig("MixtralConfig", "MixtralForCausalLM", kwargs)
+
+
+# llama.cpp permutes Llama's and Mistral's Q/K rows for its rope layout (converter: LlamaModel), not Qwen's
+register_gguf(GGUFArch("llama", "LlamaConfig", "LlamaForCausalLM", permuted_qk=True, config=llama_gguf_config))
+register_gguf(GGUFArch("mistral", "MistralConfig", "MistralForCausalLM", permuted_qk=True))
+register_gguf(GGUFArch("qwen2", "Qwen2Config", "Qwen2ForCausalLM"))
+register_gguf(GGUFArch("qwen3", "Qwen3Config", "Qwen3ForCausalLM"))

@@ -10,9 +10,11 @@ import torch
 
 from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.model.blocks import DecoderForCausalLM, DecoderSpec
+from tokenmill.model.gguf_arch import GGUFArch, GGUFConfig, GGUFMeta
 from tokenmill.model.hf_config import hf_get
 from tokenmill.model.llama import llama_spec
 from tokenmill.model.moe_block import MoESpec
+from tokenmill.model.registry import register_gguf, register_model
 from tokenmill.model.weights import WeightNaming
 
 
@@ -49,6 +51,7 @@ def moe_spec(cfg) -> DecoderSpec:
     return replace(spec, attention=attention, moe=moe, layers=layers)
 
 
+@register_model("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 class MoEForCausalLM(DecoderForCausalLM):
     def __init__(self, cfg, dtype: torch.dtype, compute_dtype: torch.dtype, max_positions: int,
                  quant_config: QuantizationConfig | None = None, tp_rank: int = 0, tp_size: int = 1,
@@ -57,5 +60,31 @@ class MoEForCausalLM(DecoderForCausalLM):
                          expert_parallel, pp_rank, pp_size)
 
 
+@register_model("MixtralForCausalLM")
 class MixtralForCausalLM(MoEForCausalLM):
     weight_naming = MixtralNaming()
+
+
+def qwen_moe_gguf_config(m: GGUFMeta, generic: GGUFConfig) -> GGUFConfig:
+    """Qwen MoE hyper-parameters from `<arch>.expert_*` (none for a dense file). Every layer is sparse (llama.cpp
+    has no dense-layer list); top-k renormalisation is llama.cpp's default for the architecture (on for
+    qwen3moe, off for qwen2moe) unless the file says (`expert_weights_norm`). (Mixtral: llama.py's `llama`.)"""
+    experts = m.expert_count()
+    if experts == 0:
+        return generic
+    return generic.updated(num_experts=experts, num_experts_per_tok=int(m("expert_used_count")), decoder_sparse_step=1,
+                           mlp_only_layers=[], moe_intermediate_size=int(m("expert_feed_forward_length")),
+                           norm_topk_prob=bool(m("expert_weights_norm", m.arch == "qwen3moe")))
+
+
+def qwen2moe_gguf_config(m: GGUFMeta, generic: GGUFConfig) -> GGUFConfig:
+    """The Qwen MoE keys, plus the shared expert's size and q/k/v bias."""
+    config = qwen_moe_gguf_config(m, generic)
+    if m.expert_count() == 0:
+        return config
+    return config.updated(shared_expert_intermediate_size=int(m("expert_shared_feed_forward_length", 0) or 0),
+                          qkv_bias="blk.0.attn_q.bias" in m.tensors)
+
+
+register_gguf(GGUFArch("qwen2moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", config=qwen2moe_gguf_config))
+register_gguf(GGUFArch("qwen3moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", config=qwen_moe_gguf_config))

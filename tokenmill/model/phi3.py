@@ -16,8 +16,10 @@ import torch
 
 from tokenmill.layers.quantization.base import QuantizationConfig
 from tokenmill.model.blocks import DecoderForCausalLM, DecoderSpec
+from tokenmill.model.gguf_arch import GGUFArch, GGUFConfig, GGUFMeta, head_dim_of, partial_rope_kwargs
 from tokenmill.model.hf_config import hf_get
 from tokenmill.model.llama import llama_spec
+from tokenmill.model.registry import register_gguf, register_model
 
 
 def phi3_spec(cfg, max_positions: int) -> DecoderSpec:
@@ -49,6 +51,7 @@ def phi3_spec(cfg, max_positions: int) -> DecoderSpec:
     return replace(spec, attention=replace(spec.attention, rotary_dim=rotary_dim))
 
 
+@register_model("Phi3ForCausalLM")
 class Phi3ForCausalLM(DecoderForCausalLM):
     packed_modules_mapping: dict[str, list[str]] = {}  # the checkpoint's qkv_proj and gate_up_proj are packed
 
@@ -57,3 +60,39 @@ class Phi3ForCausalLM(DecoderForCausalLM):
                  expert_parallel: bool = False, pp_rank: int = 0, pp_size: int = 1) -> None:
         super().__init__(cfg, phi3_spec(cfg, max_positions), dtype, compute_dtype, max_positions, quant_config, tp_rank, tp_size,
                          expert_parallel, pp_rank, pp_size)
+
+
+def phi3_gguf_config(m: GGUFMeta, generic: GGUFConfig) -> GGUFConfig:
+    """Partial rotary from rope.dimension_count (all of the head when absent), and LongRoPE when the file has
+    its factor tensors."""
+    longrope = "rope_factors_long.weight" in m.tensors or "rope_factors_short.weight" in m.tensors
+    extra = _phi3_longrope(m) if longrope else None
+    return generic.updated(**partial_rope_kwargs(m, generic.kwargs, head_dim_of(generic.kwargs), extra))
+
+
+def _phi3_longrope(m: GGUFMeta) -> dict:
+    """Phi-3 128k / Phi-3.5 / Phi-4-mini: llama.cpp's converter writes LongRoPE as two F32 tensors of rope_dim / 2
+    factors, the original context length and the attention factor it computed as transformers does."""
+    import gguf
+
+    missing = [n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n not in m.tensors]
+    original = m("rope.scaling.original_context_length")
+    if missing or not original:
+        raise ValueError(f"GGUF architecture {m.arch!r}: LongRoPE needs rope_factors_long, rope_factors_short and "
+                         f"{m.arch}.rope.scaling.original_context_length; missing "
+                         f"{', '.join(missing) or f'{m.arch}.rope.scaling.original_context_length'}")
+    factors = {}
+    for name in ("long", "short"):
+        t = m.tensors[f"rope_factors_{name}.weight"]
+        factors[f"{name}_factor"] = [float(x) for x in gguf.quants.dequantize(
+            m.reader.raw(t), gguf.GGMLQuantizationType(t.ggml_type)).reshape(-1)]
+    out = dict(rope_type="longrope", original_max_position_embeddings=int(original), **factors)
+    if m("rope.scaling.attn_factor") is not None:
+        out["attention_factor"] = float(m("rope.scaling.attn_factor"))
+    return out
+
+
+# llama.cpp's fused attn_qkv and ffn_up (gate and up) are the checkpoint's fused tensors
+register_gguf(GGUFArch("phi3", "Phi3Config", "Phi3ForCausalLM", partial_rope=True, longrope=True,
+                       config=phi3_gguf_config,
+                       extra_parts={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}))
