@@ -1,9 +1,10 @@
-"""LoRA adapters on the newer families (Phi-3, Gemma 2, OLMo 2, Granite, GLM-4, DeepSeek-V2/V3) against
+"""LoRA adapters on the newer families (Phi-3, Gemma 2, OLMo 2, Granite, GLM-4, DeepSeek-V2/V3, gpt-oss) against
 transformers + PEFT (the oracle) on the same tiny random weights: every adapter's greedy tokens and logprobs equal
 PEFT's, mixed with the base model in one batch, again from the prefix cache and chunked by a 16-token budget.
 The targets are PEFT's names as each checkpoint has them: Phi-3's fused qkv_proj and gate_up_proj (one A for the
 whole fused layer), GLM-4's fused gate_up_proj beside its separate q/k/v, MLA's q_proj / q_a_proj / q_b_proj /
-kv_a_proj_with_mqa / o_proj. MLA's kv_b_proj and LoRA on MoE experts are refused at load, naming them."""
+kv_a_proj_with_mqa / o_proj, gpt-oss's q/k/v/o (with the base's biases, under sliding windows). MLA's kv_b_proj
+and LoRA on MoE experts (gpt-oss's router too) are refused at load, naming them."""
 from __future__ import annotations
 
 import pytest

@@ -99,6 +99,19 @@ def test_gpt_oss_drafts_with_blocks_reused_after_the_window(tmp_path, method):
     assert scheduler.spec_stats.num_draft_tokens > 0 and kv.usage == 0.0
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_gpt_oss_drafts_from_prefix_hits_with_n2_stops_and_grammar(tmp_path, method):
+    """The check every speculative method passes (spec_exactness.py) on gpt-oss: prefix-cache hits (the sliding
+    group's entries before the window RELEASED), n = 2 with stop strings and logprobs, a choice grammar."""
+    from spec_exactness import assert_exact_with_prefix_hits_n2_stops_and_grammar
+
+    path = make_gpt_oss(tmp_path / "gpt_oss", seed=4)
+    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+            "draft_model": {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}}[method]
+    llm = assert_exact_with_prefix_hits_n2_stops_and_grammar(path, dict(spec, adaptive=False))
+    assert llm.engine.core.kv.num_released > 0 and llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+
+
 def test_gpt_oss_sampled_json_schemas_and_regexes_validate(tmp_path):
     """gpt-oss sampling (temperature 1, seeded) under generated JSON schemas and regexes, with n-gram drafts masked
     by the grammar, prompts longer than the window: every answer validates and the pool is whole after."""
