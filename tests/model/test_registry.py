@@ -24,7 +24,7 @@ import pytest
 
 import tokenmill.model
 from tokenmill.model import registry
-from tokenmill.model.gguf_loader import hf_config_from_gguf
+from tokenmill.model.gguf_loader import gguf_to_hf_names, hf_config_from_gguf
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 
@@ -189,6 +189,8 @@ def test_a_family_in_a_new_module_is_found(tmp_path, monkeypatch, isolated_regis
         assert type(cfg).__name__ == "LlamaConfig" and cfg.architectures == ["ToyForCausalLM"]
         assert cfg.rms_norm_eps == 0.25 and registry.gguf_arch("toy").permuted_qk
         assert registry.resolve(cfg.architectures) is cls
+        with pytest.raises(ValueError, match="'toy': the installed gguf package has no tensor-name map"):
+            gguf_to_hf_names(path, cfg)  # a layout gguf-py does not know needs the family's tensor_names
     finally:
         sys.modules.pop("tokenmill.model.toy_family_test", None)
 

@@ -32,7 +32,7 @@ class GGUFMeta:
         return self.fields.get(f"{self.arch}.{key}", default)
 
     def expert_count(self) -> int:
-        return int(self(key="expert_count", default=0) or 0)
+        return int(self("expert_count", 0) or 0)
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,10 @@ def gguf_to_hf_names(path: str, cfg) -> dict[str, str]:
     arch = gguf_arch(cfg.gguf_architecture)
     if arch.tensor_names is not None:
         return arch.tensor_names(cfg.num_hidden_layers)
-    arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch.name)
+    arch_enum = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch.name), None)
+    if arch_enum is None:
+        raise ValueError(f"GGUF architecture {arch.name!r}: the installed gguf package has no tensor-name map for it; "
+                         "its GGUFArch must give tensor_names")
     name_map = gguf.get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
     out = {}
     for hf in _hf_names(cfg):
