@@ -106,6 +106,27 @@ def test_phi3_adapter_for_the_unfused_names_is_refused(tmp_path):
                      lora_request=LoRARequest("wrong", 1, str(wrong)))
 
 
+def test_gpt_oss_adapter_with_drafts_equals_peft(tmp_path):
+    """LoRA and speculation together on gpt-oss: n-gram drafts verified through the adapted q/k/v/o (the drafts'
+    rows in the adapter's token runs), mixed with base requests, equal PEFT."""
+    base = make_gpt_oss(tmp_path / "base", seed=4)
+    adapter = make_adapter(base, tmp_path / "adapter", r=8, alpha=16, targets=CASES["gpt-oss"][3], seed=1, scale=0.2)
+    prompts = prompts_for(384, seed=3)[1:7:2]
+    oracle = {"adapter": peft_greedy(base, adapter, prompts, NEW_TOKENS), None: peft_greedy(base, None, prompts,
+                                                                                             NEW_TOKENS)}
+    assert [t for t, _ in oracle["adapter"]] != [t for t, _ in oracle[None]]
+    llm = LLM(str(base), enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=128,
+              num_gpu_blocks_override=64, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                              "prompt_lookup_min": 1, "adaptive": False})
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts for _ in (0, 1)], sp, use_tqdm=False,
+                        lora_request=[LoRARequest("adapter", 1, str(adapter)), None] * len(prompts))
+    check_against_oracle(outs[0::2], oracle["adapter"], "gpt-oss drafts adapter")
+    check_against_oracle(outs[1::2], oracle[None], "gpt-oss drafts base")
+    assert llm.engine.core.scheduler.spec_stats.num_draft_tokens > 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
 def peft_adapter(base, path, **lora) -> str:
     """A random PEFT adapter with LoraConfig(**lora): what make_adapter makes, for targets it does not take
     (target_parameters, "all-linear")."""
