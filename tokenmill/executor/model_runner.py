@@ -67,7 +67,7 @@ class ModelRunner(GraphCapture, PipelineStage, StepSampling, TreeVerification, P
         self.num_blocks = 0
         self.kv_dtype: torch.dtype | None = None
         self.attn_timer = _attention_timer(torch.device(device))
-        # The GGUF row loops' thread count, chosen by timing steps (a busy neighbour core: thread_governor.py).
+        # Each step size's thread count, chosen by timing steps (a busy neighbour core: thread_governor.py).
         self.governor = make_governor(torch.device(device).type, torch.get_num_threads(), model)
         for a in self.attn_layers:
             a.timer = self.attn_timer
