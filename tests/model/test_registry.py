@@ -129,9 +129,6 @@ def test_gguf_declarations_match_the_old_tables():
         assert (arch.name, arch.config_class, arch.architecture) == (name, config_class, architecture)
         assert (arch.permuted_qk, arch.norm_plus_one, arch.partial_rope, arch.longrope) == \
             (name in PERMUTED_QK, name in NORM_PLUS_ONE, name in PARTIAL_ROPE, name in LONGROPE), name
-    from tokenmill.model.gguf_loader import PERMUTED_QK as old_name  # still read by lora/gguf_lora.py
-
-    assert old_name == PERMUTED_QK
 
 
 def test_unknown_names_raise_listing_the_supported_ones(tmp_path):

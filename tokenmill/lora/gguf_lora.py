@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from tokenmill.lora.peft import LoRAAdapter, LoRAFormatError, LoRAWeights
-from tokenmill.model.gguf_loader import PERMUTED_QK
+from tokenmill.model.registry import gguf_architectures, gguf_arch
 
 # llama.cpp's names of the projections an adapter may target -> transformers' module names.
 PARTS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -65,7 +65,9 @@ def load_gguf_lora(path: str, max_rank: int) -> LoRAAdapter:
         pairs.setdefault(module, {})[which] = torch.from_numpy(w.astype(np.float32))
     if not pairs:
         raise LoRAFormatError(f"LoRA adapter {path}: no lora_a / lora_b tensors.")
-    adapter = LoRAAdapter(path, 0, rope_permuted=arch in PERMUTED_QK)
+    # Q/K rows in llama.cpp's rope order where its family's layout permuted them (model/gguf_arch.py).
+    permuted = arch in gguf_architectures() and gguf_arch(arch).permuted_qk
+    adapter = LoRAAdapter(path, 0, rope_permuted=permuted)
     for module, ab in pairs.items():
         if set(ab) != {"lora_a", "lora_b"}:
             raise LoRAFormatError(f"LoRA adapter {path}: {module} has {next(iter(ab))} without its pair.")

@@ -27,14 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def __getattr__(name: str):
-    """PERMUTED_QK, the architectures whose Q/K rows llama.cpp permuted, for readers of the old table
-    (lora/gguf_lora.py); computed from the registry on first use, since families register lazily."""
-    if name == "PERMUTED_QK":
-        return frozenset(a for a in gguf_architectures() if gguf_arch(a).permuted_qk)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 @lru_cache(maxsize=4)
 def read_gguf(path: str) -> GGUFFile:
     return GGUFFile(path)
