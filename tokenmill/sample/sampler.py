@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tokenmill.sample.argmax import row_argmax
 from tokenmill.sample.draws import SAMPLE_STREAM, UNSEEDED, inverse_cdf, row_uniforms
 from tokenmill.sampling_params import SamplingParams
 
@@ -285,7 +286,7 @@ def target_distribution(logits: Tensor, meta: SamplingMetadata) -> tuple[Tensor,
     sampler and the speculative verifier, so drafts are judged against exactly what would be sampled."""
     raw = logits.float()
     x = apply_penalties(raw, meta)
-    greedy_ids = x.argmax(dim=-1)
+    greedy_ids = row_argmax(x)
     if meta.all_greedy:
         return raw, greedy_ids, None
     temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature).unsqueeze(1)

@@ -30,6 +30,7 @@ from tokenmill.executor.input_batch import pack_layout
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.attention_backends import kv_quant
 from tokenmill.layers.attention_backends.base import AttentionBackend
+from tokenmill.sample.argmax import row_argmax
 from tokenmill.sample.draws import generator_uniforms, inverse_cdf
 from tokenmill.sample.sampler import apply_top_k_top_p_min_p
 from tokenmill.spec_decode.eagle_tree import TreeShape, grow_trees
@@ -344,7 +345,7 @@ class _DraftSampler:
         return _DraftSampler([self.requests[i] for i in sel], self.device)
 
     def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None] | None]:
-        tokens = logits.argmax(dim=-1)
+        tokens = row_argmax(logits)
         if not self.random:
             return tokens, None
         rows = torch.tensor(self.random, dtype=torch.long, device=logits.device)
