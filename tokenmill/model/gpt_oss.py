@@ -103,9 +103,11 @@ class FloatExperts:
         layer.gate_up_proj = _param(torch.empty(E, 2 * s, H, dtype=dtype), layer.load_gate_up)
         layer.down_proj = _param(torch.empty(E, H, s, dtype=dtype), layer.load_down)
 
-    def weight(self, layer: "GptOssExperts", name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+    def linear(self, layer: "GptOssExperts", name: str, e: int, x: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """x [n, cols] @ expert e's weight ("gate_up" or "down")^T (+ bias)."""
         w = (layer.gate_up_proj if name == "gate_up" else layer.down_proj)[e]
-        return w if w.dtype == dtype else w.to(dtype)
+        return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), bias)
 
 
 def _param(t: torch.Tensor, loader) -> nn.Parameter:
@@ -203,11 +205,9 @@ class GptOssExperts(nn.Module):
             if n == 0:
                 continue
             end = start + n
-            gate_up = F.linear(xs[start:end], self.method.weight(self, "gate_up", e, x.dtype),
-                               self.gate_up_proj_bias[e].to(x.dtype))
+            gate_up = self.method.linear(self, "gate_up", e, xs[start:end], self.gate_up_proj_bias[e].to(x.dtype))
             h = clamped_swiglu(gate_up, self.alpha, self.limit)
-            y = F.linear(h, self.method.weight(self, "down", e, x.dtype),
-                         self.down_proj_bias[e].to(x.dtype) if down_bias else None)
+            y = self.method.linear(self, "down", e, h, self.down_proj_bias[e].to(x.dtype) if down_bias else None)
             torch.mul(y, ws[start:end], out=ys[start:end])
             start = end
         return torch.zeros_like(x).index_add_(0, tokens, ys)

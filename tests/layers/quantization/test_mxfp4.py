@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from test_gpt_oss import make_gpt_oss
 from test_parity import NEW_TOKENS, check_against_oracle, hf_greedy, prompts_for
-from tokenmill import LLM, SamplingParams
-from tokenmill.layers.quantization.mxfp4 import FP4_VALUES, dequantize_mxfp4
+from tokenmill import LLM, SamplingParams, native
+from tokenmill.layers.quantization.mxfp4 import FP4_VALUES, NATIVE_ENV, dequantize_mxfp4
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +74,12 @@ def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
     return float_path, mx_path
 
 
-def test_mxfp4_experts_match_transformers_on_dequantized_weights(checkpoints):
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_mxfp4_experts_match_transformers_on_dequantized_weights(checkpoints, path, monkeypatch):
+    """Both expert matmuls: the native kernel (csrc/mxfp4_linear.cpp) and the torch decode-and-multiply fallback."""
+    if path == "native" and not native.has_op("mxfp4_linear"):
+        pytest.skip("tokenmill._C without mxfp4_linear")
+    monkeypatch.setenv(NATIVE_ENV, "1" if path == "native" else "0")
     float_path, mx_path = checkpoints
     llm = LLM(str(mx_path), max_model_len=128, num_gpu_blocks_override=64, attention_backend="torch_sdpa")
     experts = llm.engine.model.layers[0].mlp.experts

@@ -7,18 +7,24 @@ an expert weight of [E, rows, cols] (rows the output features, as F.linear reads
 [E, rows, cols/32, 16] and `<name>_scales` uint8 [E, rows, cols/32]; only the experts are quantized (attention,
 router, embeddings and head stay float: `modules_to_not_convert`).
 
-The weights STAY in this form in memory (4.25 bits a weight). A matmul decodes the one expert tile it needs at
-that moment (a 16-entry table lookup of each nibble, times its block's power of two: vectorised torch, no Python
-loop over rows) and multiplies; no dequantized copy of the model is ever held. The decoded values are exact in
-float32 (and bfloat16), so the experts compute what the float model on the dequantized weights computes.
+The weights STAY in this form in memory (4.25 bits a weight). On CPU an expert's matmul runs the native kernel
+(csrc/mxfp4_linear.cpp: for a few rows of x the codes are widened to floats in registers and multiplied at once,
+each weight byte read once per call; from more rows, panels decoded into an L2 buffer and SGEMM), float32 math.
+Without it (no kernels built, another device, TOKENMILL_MXFP4_NATIVE=0) the matmul decodes the one expert it
+needs at that moment (a 16-entry table lookup of each nibble, times its block's power of two: vectorised torch)
+and multiplies; no dequantized copy of the model is ever held. The decoded values are exact in float32 (and
+bfloat16), so the experts compute what the float model on the dequantized weights computes.
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import native
 from tokenmill.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, set_weight_attrs
 from tokenmill.layers.quantization.registry import checkpoint_format
 
@@ -37,6 +43,17 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., G, 32]
     values = lut[codes] * torch.exp2(scales.float() - 127.0).unsqueeze(-1)
     return values.flatten(-2).to(dtype)
+
+
+NATIVE_ENV = "TOKENMILL_MXFP4_NATIVE"  # "0": the torch decode-and-multiply path even where the kernel is built
+
+
+def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) for W = dequantize_mxfp4(blocks [N, K/32, 16], scales [N, K/32]); x's dtype."""
+    if x.device.type == "cpu" and os.environ.get(NATIVE_ENV, "1") != "0" and native.has_op("mxfp4_linear"):
+        return torch.ops.tokenmill.mxfp4_linear(x, blocks, scales, bias).to(x.dtype)
+    return F.linear(x, dequantize_mxfp4(blocks, scales, x.dtype), bias)
 
 
 class Mxfp4Config(QuantizationConfig):
@@ -90,11 +107,12 @@ class Mxfp4Experts:
         g = layer.shard // BLOCK
         param.data.copy_(layer.local_experts(loaded).narrow(2, layer.tp_rank * g, g))
 
-    def weight(self, layer: "GptOssExperts", name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
-        """Expert e's [rows, cols] weight, decoded for this matmul only."""
+    def linear(self, layer: "GptOssExperts", name: str, e: int, x: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """x [n, cols] @ expert e's weight ("gate_up" or "down")^T (+ bias), straight from its blocks."""
         if name == "gate_up":
-            return dequantize_mxfp4(layer.gate_up_proj_blocks[e], layer.gate_up_proj_scales[e], dtype)
-        return dequantize_mxfp4(layer.down_proj_blocks[e], layer.down_proj_scales[e], dtype)
+            return mxfp4_linear(x, layer.gate_up_proj_blocks[e], layer.gate_up_proj_scales[e], bias)
+        return mxfp4_linear(x, layer.down_proj_blocks[e], layer.down_proj_scales[e], bias)
 
 
 def _param(t: torch.Tensor, loader) -> nn.Parameter:
