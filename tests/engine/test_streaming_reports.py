@@ -123,5 +123,10 @@ def test_engine_diagnostics_blame_the_disk(tmp_path, monkeypatch):
 
     llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     r = d.engine_diagnostics(llm.engine)
-    assert r["verdict"] == "disk-bound" and r["weights"]["bound"] == "disk"
+    assert r["verdict"] == "disk-bound"
     assert r["weight_wait"]["share_of_busy"] > 0.5
+    # The weights' own bound compares the streamed bytes at the measured read speed (a page-cache read here:
+    # the 0.2 s waits are simulated) with the forward's compute, so which side wins depends on this machine's
+    # CPU against its reads (a throttled VM ran the compute slower than the read): the rule, not a side.
+    w = r["weights"]
+    assert w["bound"] == ("disk" if w["read_s_per_step"] > w["compute_s_per_step"] else "compute")
