@@ -89,3 +89,23 @@ def tune_malloc() -> bool:
     ok = mallopt(_M_MMAP_THRESHOLD, 32 << 20) and mallopt(_M_TRIM_THRESHOLD, 4 << 30) and mallopt(_M_TOP_PAD, 64 << 20)
     log.debug("malloc thresholds %s", "fixed" if ok else "unchanged")
     return bool(ok)
+
+
+def exit_without_teardown(code: int) -> None:
+    """End a process tokenmill owns (`tokenmill serve`, the engine core) once it has closed what it opened.
+
+    The interpreter's own teardown collects the module graphs of torch, transformers and their imports: measured
+    2.4 s in the server and ~1 s in the engine core after a clean stop on a quiet 2-core VM, past 10 s on a
+    loaded one, where `systemctl stop` and `docker stop` count it against their deadline before they kill.
+    Nothing is left for it to do by then (the engine is joined, the usage database closed), so flush what is
+    buffered and leave."""
+    import os
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing to keep
+            pass
+    os._exit(code)

@@ -78,7 +78,7 @@ def test_sigterm_drains_then_exits(server):
         # New connections are refused while draining and after.
         with pytest.raises(httpx.TransportError):
             httpx.get(server.url("/health"), timeout=2)
-    assert server.proc.wait(10) == 0
+    assert server.proc.wait(60) == 0  # a backstop: a clean stop takes well under a second
     assert "draining" in server.log()
 
 

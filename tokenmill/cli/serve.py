@@ -117,6 +117,9 @@ def add_serve_parser(subparsers) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.platform import exit_without_teardown
     from tokenmill.serve.server import serve_main
 
-    return serve_main(args, engine_kwargs(args))
+    rc = serve_main(args, engine_kwargs(args))
+    exit_without_teardown(rc)  # the server stopped cleanly: skip the interpreter's slow teardown
+    return rc

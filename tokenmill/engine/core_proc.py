@@ -168,7 +168,7 @@ def core_process_main(config, conn) -> None:
     is gone sees its pipe close and exits the same clean way, while starting too."""
     import signal
 
-    from tokenmill.platform import tune_malloc
+    from tokenmill.platform import exit_without_teardown, tune_malloc
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -179,6 +179,8 @@ def core_process_main(config, conn) -> None:
         _run_core_process(config, conn, started)
     except ParentGone:  # what was built is released by its finalizers as the process exits
         log.info("the server went away while the engine core was starting; exiting")
+        return
+    exit_without_teardown(0)  # the core and its workers are shut down: the server's join need not wait longer
 
 
 def _run_core_process(config, conn, started: threading.Event) -> None:
