@@ -17,6 +17,7 @@
 #include "vec.h"
 #include "int8_dot.h"
 #include "gguf_r16.h"
+#include "panel_gemm.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -60,7 +61,6 @@ constexpr int64_t GEMM_MIN_ROWS = 8;         // from this many rows of x: dequan
 constexpr int64_t BF16_MIN_ROWS = 32;
 constexpr int64_t BF16_PANEL_BYTES = 1024 * 1024;  // one thread's panel of bf16 weight rows (256 rows at K 2048)
 constexpr int64_t MAX_FUSED_ROWS = 4;        // rows of x sharing one pass over a weight row
-constexpr int64_t PANEL_BYTES = 192 * 1024;  // SGEMM path: one thread's dequantized weight rows (fits L2)
 // Decode: a weight smaller than this runs on one thread. Waking a second one costs microseconds on an idle
 // machine and a scheduler time slice (milliseconds) when the other core is busy. Measured on SmolLM2 Q4_1
 // (2 cores, AVX2, quiet): at 64 KiB the attention projections (207-345 KiB) split too and batch-1 decode
@@ -1137,21 +1137,9 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t qtyp
 #endif
       decode(qtype, f, wp, N, K, x.data_ptr<float>(), M, y.data_ptr<float>());
     } else {
-      // Compute-bound: panels of weight rows dequantized into a per-thread buffer that stays in L2, each
-      // multiplied by all of x with SGEMM (single-threaded inside the parallel loop) straight into y's
-      // columns: the float weight is never written to and read back from DRAM.
-      const int64_t panel = std::max<int64_t>(16, PANEL_BYTES / (K * 4) / 16 * 16);
-      at::parallel_for(0, (N + panel - 1) / panel, 1, [&](int64_t p0, int64_t p1) {
-        c10::InferenceMode guard;  // worker threads do not inherit the caller's; y may be an inference tensor
-        std::vector<float> buf(panel * K);
-        for (int64_t p = p0; p < p1; ++p) {
-          const int64_t n0 = p * panel, nb = std::min(panel, N - n0);
-          for (int64_t n = 0; n < nb; ++n) {
-            dequant_nth(qtype, f, wp, n0 + n, K, buf.data() + n * K);
-          }
-          at::Tensor yv = y.narrow(1, n0, nb);
-          at::mm_out(yv, x, at::from_blob(buf.data(), {nb, K}, x.options()).t());
-        }
+      // Compute-bound: panels of dequantized weight rows, each multiplied by all of x with SGEMM (panel_gemm.h).
+      panel_sgemm(x, y, N, K, 16, [&](int64_t n0, int64_t nb, float* out) {
+        for (int64_t n = 0; n < nb; ++n) dequant_nth(qtype, f, wp, n0 + n, K, out + n * K);
       });
     }
   }

@@ -11,6 +11,7 @@
 // - More rows: panels of weight rows decoded (in the same reordered columns) into a per-thread buffer that stays
 //   in L2, each multiplied by all of the reordered x with SGEMM.
 #include "vec.h"
+#include "panel_gemm.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -44,7 +45,6 @@ const int64_t MXFP4_GEMM_MIN_ROWS = [] {
   const char* v = std::getenv("TOKENMILL_MXFP4_GEMM_MIN_ROWS");
   return v != nullptr ? std::max<int64_t>(1, std::atoll(v)) : int64_t{16};
 }();
-constexpr int64_t PANEL_BYTES = 192 * 1024;        // SGEMM path: one thread's decoded weight rows (fits L2)
 constexpr int64_t PARALLEL_MIN_BYTES = 64 * 1024;  // smaller weights run on one thread (a wake-up costs more)
 
 constexpr float FP4[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
@@ -247,19 +247,11 @@ void decode_rows(const uint8_t* wq, const uint8_t* ws, int64_t N, int64_t K, con
 void gemm_panels(const uint8_t* wq, const uint8_t* ws, int64_t N, int64_t K, const at::Tensor& xd, at::Tensor& y) {
   const int64_t G = K / BLOCK, row_bytes = K / 2;
   const float* S = block_scales();
-  const int64_t panel = std::max<int64_t>(16, PANEL_BYTES / (K * 4) / 16 * 16);
-  at::parallel_for(0, (N + panel - 1) / panel, 1, [&](int64_t p0, int64_t p1) {
-    c10::InferenceMode guard;  // worker threads do not inherit the caller's; y may be an inference tensor
-    std::vector<float> buf(panel * K);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * panel, nb = std::min(panel, N - n0);
-      for (int64_t n = 0; n < nb; ++n) {
-        const uint8_t* q = wq + (n0 + n) * row_bytes;
-        const uint8_t* sc = ws + (n0 + n) * G;
-        for (int64_t g = 0; g < G; ++g) decode_block(q + g * BLOCK_BYTES, S[sc[g]], buf.data() + n * K + g * BLOCK);
-      }
-      at::Tensor yv = y.narrow(1, n0, nb);
-      at::mm_out(yv, xd, at::from_blob(buf.data(), {nb, K}, xd.options()).t());
+  panel_sgemm(xd, y, N, K, 16, [&](int64_t n0, int64_t nb, float* out) {
+    for (int64_t n = 0; n < nb; ++n) {
+      const uint8_t* q = wq + (n0 + n) * row_bytes;
+      const uint8_t* sc = ws + (n0 + n) * G;
+      for (int64_t g = 0; g < G; ++g) decode_block(q + g * BLOCK_BYTES, S[sc[g]], out + n * K + g * BLOCK);
     }
   });
 }

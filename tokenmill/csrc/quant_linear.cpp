@@ -8,6 +8,7 @@
 // Opt-in (--activation-quantization int8): every row of x quantized to int8, integer dot products (int8_dot.h),
 // any number of rows, each row's result independent of the others (gemm_x8).
 #include "vec.h"
+#include "panel_gemm.h"
 #include "int8_dot.h"
 
 #include <ATen/ATen.h>
@@ -30,7 +31,6 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t TILE_ROWS = 16;     // weight rows dequantized per tile
 constexpr int64_t GEMM_MIN_ROWS = 8;  // from this many rows of x on, dequantized panels and SGEMM
-constexpr int64_t PANEL_BYTES = 192 * 1024;  // one dequantized weight panel: fits L2 beside x
 constexpr int64_t DECODE_MAX_ROWS = 2;  // up to this many rows of x, the format's own decode kernel
 constexpr int64_t DECODE_ROWS = 64;   // weight rows per decode work item
 
@@ -94,21 +94,9 @@ at::Tensor packed_linear(const at::Tensor& x_in, int64_t N, int64_t K, const c10
   if (M <= DECODE_MAX_ROWS) {
     for (int64_t m = 0; m < M; ++m) decode(xp + m * K, yp + m * N);
   } else if (M >= GEMM_MIN_ROWS) {
-    // Compute-bound: panels of weight rows dequantized into a per-thread buffer that stays in L2, each
-    // multiplied by all of x with SGEMM (single-threaded inside the parallel loop), written straight into
-    // y's columns. Never a whole float copy of W: that would be written to and read back from DRAM.
-    const int64_t panel = std::max<int64_t>(TILE_ROWS, PANEL_BYTES / (K * 4) / TILE_ROWS * TILE_ROWS);
-    at::parallel_for(0, (N + panel - 1) / panel, 1, [&](int64_t p0, int64_t p1) {
-      // Worker threads do not inherit the caller's inference mode, and y may be an inference tensor.
-      c10::InferenceMode guard;
-      std::vector<float> buf(panel * K);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t n0 = p * panel, nb = std::min(panel, N - n0);
-        for (int64_t r = 0; r < nb; r += TILE_ROWS)
-          dequant(n0 + r, std::min<int64_t>(TILE_ROWS, nb - r), buf.data() + r * K);
-        at::Tensor yv = y.narrow(1, n0, nb);  // rows of stride N: SGEMM's leading dimension
-        at::mm_out(yv, x, at::from_blob(buf.data(), {nb, K}, x.options()).t());
-      }
+    // Compute-bound: panels of dequantized weight rows, each multiplied by all of x with SGEMM (panel_gemm.h).
+    panel_sgemm(x, y, N, K, TILE_ROWS, [&](int64_t n0, int64_t nb, float* out) {
+      for (int64_t r = 0; r < nb; r += TILE_ROWS) dequant(n0 + r, std::min<int64_t>(TILE_ROWS, nb - r), out + r * K);
     });
   } else {
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
