@@ -78,7 +78,8 @@ def test_loaded_tier_is_the_pick():
 # The kernel tests against float64 references that differ by instruction set: the int8 dot products, the
 # vectorised attention, norms, rotary and small GEMMs.
 KERNEL_TESTS = ["tests/layers/quantization/test_int8_activations.py", "tests/layers/quantization/test_gguf_x8_rows.py", "tests/layers/quantization/test_int8_activation_rows.py",
-                "tests/layers/test_fused_ops.py", "tests/layers/test_dense_linear.py", "tests/layers/test_cpu_paged_attention.py"]
+                "tests/layers/test_fused_ops.py", "tests/layers/test_dense_linear.py", "tests/layers/test_cpu_paged_attention.py",
+                "tests/sample/test_argmax.py"]
 
 
 @pytest.mark.slow
