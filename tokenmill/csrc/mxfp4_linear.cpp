@@ -38,12 +38,13 @@ constexpr int MR = 8;
 #else
 constexpr int MR = 4;
 #endif
-// From this many rows of x: decode panels, then SGEMM. A first guess: on gpt-oss's 5760 x 2880 gate_up and
-// 2880 x 2880 down shapes (2 threads, a busy 2-core AVX-512 VM) the register path was still faster at 64 rows
-// (docs/quantization.md); not yet raised. TOKENMILL_MXFP4_GEMM_MIN_ROWS overrides it.
+// From this many rows of x: decode panels, then SGEMM. Measured on gpt-oss's 5760 x 2880 gate_up and 2880 x 2880
+// down shapes (2 threads, a quiet 2-core AVX-512 Xeon VM; docs/quantization.md): the register path is faster to
+// 24 rows (gate_up 5.7-5.9 against 6.0-6.6 ms), SGEMM from 32 (7.4-7.5 against 7.7; down 3.5-3.8 against 3.9-4.0).
+// TOKENMILL_MXFP4_GEMM_MIN_ROWS overrides it.
 const int64_t MXFP4_GEMM_MIN_ROWS = [] {
   const char* v = std::getenv("TOKENMILL_MXFP4_GEMM_MIN_ROWS");
-  return v != nullptr ? std::max<int64_t>(1, std::atoll(v)) : int64_t{16};
+  return v != nullptr ? std::max<int64_t>(1, std::atoll(v)) : int64_t{32};
 }();
 constexpr int64_t PARALLEL_MIN_BYTES = 64 * 1024;  // smaller weights run on one thread (a wake-up costs more)
 
