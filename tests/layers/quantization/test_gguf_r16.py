@@ -169,6 +169,27 @@ def test_a_table_lookup_takes_back_the_rows_it_reads(qtype):
     assert torch.equal(gq.interleaved_rows_at(r16, int(qtype), ids.reshape(-1)), split[ids.reshape(-1)])
 
 
+@pytest.mark.skipif(not native.has_op("gguf_lookup"), reason="native kernels not built")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_native_lookup_gives_the_dequantized_rows(qtype):
+    """tokenmill::gguf_lookup (what embedding_lookup runs): the rows' bits as gguf_dequantize gives them, for
+    split and interleaved tables, repeated ids and int32 ids; ids outside the table are refused."""
+    W, split, r16 = _weights(qtype, 64, 96, seed=8)
+    ids = torch.tensor([63, 0, 17, 17, 48, 1])
+    tables = [(split, gq.SPLIT + int(qtype))]
+    if native.has_op("gguf_interleaves") and torch.ops.tokenmill.gguf_interleaves():
+        tables.append((r16, gq.R16 + int(qtype)))
+    for table, qt in tables:
+        whole = torch.ops.tokenmill.gguf_dequantize(table, qt, 96)
+        for i in (ids, ids.int()):
+            got = torch.ops.tokenmill.gguf_lookup(table, qt, 96, i)
+            assert torch.equal(got, whole[ids]) and torch.equal(got.double(), W[ids])
+        assert torch.ops.tokenmill.gguf_lookup(table, qt, 96, ids[:0]).shape == (0, 96)
+        for bad in (torch.tensor([64]), torch.tensor([-1])):
+            with pytest.raises(RuntimeError, match="outside the table"):
+                torch.ops.tokenmill.gguf_lookup(table, qt, 96, bad)
+
+
 @needs_r16
 def test_auto_layout_follows_the_measurement_and_caches_it_per_build(tmp_path, monkeypatch):
     """TOKENMILL_GGUF_INTERLEAVE=auto (the default): the layout that measured faster for the shape is used, the
