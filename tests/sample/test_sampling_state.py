@@ -239,3 +239,37 @@ def test_huge_stop_list_with_min_tokens_bans_its_unique_ids():
     assert meta.banned.sum().item() == V
     logits = torch.randn(1, V)
     assert torch.isinf(apply_penalties(logits, meta)).all()
+
+
+def _meta_values(meta: SamplingMetadata) -> dict:
+    return {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in vars(meta).items()}
+
+
+def test_an_unchanged_step_reuses_its_metadata_and_any_change_rebuilds_it():
+    """metadata() returns the last step's values again for the same slots and rows when nothing it read can have
+    changed (no seeds, no vocabulary-wide table), always as a new object; a slot whose request changed (removed,
+    another added in its place), other rows, a seed or a penalty table each give freshly built values."""
+    import numpy as np
+
+    st = SamplingState(32, "cpu")
+    a = st.add(SamplingParams(temperature=0.0, logprobs=2), [1, 2], 2, EOS)
+    b = st.add(SamplingParams(temperature=0.7, top_p=0.9), [3], 1, EOS)
+    slots, rows, n_out = np.array([a, b]), np.array([1, 1]), np.array([0, 0])
+    first = st.metadata(slots, rows, n_out, [[], []], [None, None])
+    first.grammar_rows = torch.tensor([0])  # what the runner attaches must not leak into the next step
+    again = st.metadata(slots, rows, n_out + 1, [[], []], [None, None])
+    assert again is not first and again.grammar_rows is None
+    assert _meta_values(again) == _meta_values(st._build_metadata(slots, rows, n_out + 1, [[], []], [None, None]))
+    st.remove(b)
+    c = st.add(SamplingParams(temperature=1.5, top_k=5), [4], 1, EOS)
+    assert c == b  # the slot is reused by a request with other parameters
+    changed = st.metadata(slots, rows, n_out, [[], []], [None, None])
+    assert changed.temperature.tolist() == [0.0, 1.5] and changed.top_k.tolist()[1] == 5
+    assert st.metadata(slots[:1], rows[:1], n_out[:1], [[]], [None]).temperature.tolist() == [0.0]
+    seeded = st.metadata(slots, rows, n_out, [[], []], [7, None])
+    assert seeded.seeds is not None and seeded.seeds.tolist()[0] == position_seed(7, 0)
+    d = st.add(SamplingParams(temperature=0.0, repetition_penalty=1.2), [1, 1, 2], 3, EOS)
+    both = np.array([a, d])
+    for _ in range(2):  # a penalty table in use: built every time, each with the prompt's tokens marked
+        meta = st.metadata(both, rows, n_out, [[], []], [None, None])
+        assert meta.prompt_mask is not None and meta.prompt_mask[1, :3].tolist() == [False, True, True]
