@@ -188,13 +188,6 @@ def row_bytes(qtype: int, K: int) -> int:
     return K // block * size
 
 
-@lru_cache(maxsize=1)
-def _has_lookup() -> bool:
-    from tokenmill import native
-
-    return native.has_op("gguf_lookup")  # an older build lacks it: the torch gather below
-
-
 def _native_ok(x: torch.Tensor) -> bool:
     global _NATIVE
     if x.device.type != "cpu":
@@ -339,7 +332,10 @@ def keep_embedding_blocks(module: nn.Module, qtype: int, shared: nn.Parameter | 
 
 def embedding_lookup(blocks: torch.Tensor, qtype: int, input_ids: torch.Tensor, K: int) -> torch.Tensor:
     """The selected rows' blocks (of a [vocab, row_bytes] table), gathered then dequantized: float32 [..., K]."""
-    if base_type(qtype) in KERNEL_TYPES and _native_ok(blocks) and _has_lookup():
+    from tokenmill import native
+
+    # An older build lacks gguf_lookup: the torch gather below.
+    if base_type(qtype) in KERNEL_TYPES and _native_ok(blocks) and native.has_op("gguf_lookup"):
         return torch.ops.tokenmill.gguf_lookup(blocks, qtype, K, input_ids.reshape(-1)).reshape(*input_ids.shape, K)
     if qtype - R16 in R16_BASES:
         rows, qtype = interleaved_rows_at(blocks, qtype, input_ids.reshape(-1)), qtype - R16 + SPLIT
