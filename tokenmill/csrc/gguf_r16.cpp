@@ -270,6 +270,112 @@ void gemm_x8(int64_t base, const uint8_t* w, int64_t N, int64_t K, const float* 
 #endif
 }
 
+#ifdef TOKENMILL_R16
+namespace {
+// float -> bfloat16, round to nearest even (NaN stays NaN): 16 lanes into 16 halves.
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const __m512i r = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+// A 16 x 16 matrix of 32-bit elements, one row a register, transposed in place (columns become registers).
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+  }
+}
+
+// Weight k of a block for the group's 16 rows (lane r: row r), as floats.
+template <int64_t BASE>
+TOKENMILL_R16_INLINE void block_weights(const uint8_t* q, __m512 d, __m512 m, __m512* w) {
+  if (BASE == Q8_0) {  // weights 4j+k (vector j) and 16+4j+k (vector j + 4)
+    for (int j = 0; j < 4; ++j) {
+      const __m512i lo = _mm512_loadu_si512(q + 64 * j), hi = _mm512_loadu_si512(q + 64 * (j + 4));
+      for (int k = 0; k < 4; ++k) {
+        w[4 * j + k] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(lo, 24 - 8 * k), 24)), d);
+        w[16 + 4 * j + k] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(hi, 24 - 8 * k), 24)), d);
+      }
+    }
+    return;
+  }
+  const __m512 table = BASE == Q4_1 ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                                    : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i raw = _mm512_loadu_si512(q + 64 * j);
+    for (int k = 0; k < 4; ++k) {
+      const __m512 wl = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 8 * k), table);
+      const __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 8 * k + 4), table);
+      // d * q is exact in float (an f16 times a 4-bit integer), so the min's add is the only rounding, as in the
+      // split rows' dequantizer.
+      w[4 * j + k] = BASE == Q4_1 ? _mm512_add_ps(_mm512_mul_ps(wl, d), m) : _mm512_mul_ps(wl, d);
+      w[16 + 4 * j + k] = BASE == Q4_1 ? _mm512_add_ps(_mm512_mul_ps(wh, d), m) : _mm512_mul_ps(wh, d);
+    }
+  }
+}
+
+// One group into 16 rows of bf16 (ld apart). Per block: its 32 weights of 16 rows, rounded to bf16, weights 2i and
+// 2i+1 paired into 32-bit elements (unpack works within 128-bit lanes: the pairs of rows 0-3, 8-11 from the low
+// unpack, 4-7, 12-15 from the high one), and the 16 x 16 matrix of pairs transposed into one register per row.
+template <int64_t BASE>
+void group_bf16(const uint8_t* g, int64_t nb, uint16_t* out, int64_t ld) {
+  constexpr int C = BASE == Q8_0 ? 8 : 4;
+  static constexpr int ROW_OF_LANE[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+  const uint8_t* qs = g + header_bytes(BASE, nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 d = f16x16(g + 32 * b);
+    const __m512 m = BASE == Q4_1 ? f16x16(g + 32 * nb + 32 * b) : _mm512_setzero_ps();
+    __m512 w[32];
+    block_weights<BASE>(qs + 64 * C * b, d, m, w);
+    __m512i pairs[16];
+    for (int i = 0; i < 16; ++i) {
+      const __m256i even = to_bf16(w[2 * i]), odd = to_bf16(w[2 * i + 1]);
+      pairs[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(even, odd)),
+                                    _mm256_unpackhi_epi16(even, odd), 1);
+    }
+    transpose16(pairs);
+    for (int lane = 0; lane < 16; ++lane) _mm512_storeu_si512(out + ROW_OF_LANE[lane] * ld + 32 * b, pairs[lane]);
+  }
+}
+}  // namespace
+#endif
+
+void dequant_bf16(int64_t base, const uint8_t* w, int64_t g0, int64_t g1, int64_t K, uint16_t* out, int64_t ld) {
+  check(base, ROWS * g1, K);
+#ifdef TOKENMILL_R16
+  const int64_t nb = K / 32, gb = group_bytes(base, nb);
+  for (int64_t g = g0; g < g1; ++g) {
+    uint16_t* o = out + ROWS * (g - g0) * ld;
+    if (base == Q4_1) group_bf16<Q4_1>(w + g * gb, nb, o, ld);
+    else if (base == Q8_0) group_bf16<Q8_0>(w + g * gb, nb, o, ld);
+    else group_bf16<Q4_0>(w + g * gb, nb, o, ld);
+  }
+#else
+  (void)w, (void)g0, (void)out, (void)ld;
+#endif
+}
+
 void split_row(int64_t base, const uint8_t* w, int64_t n, int64_t K, uint8_t* out) {
   const int64_t nb = K / 32, r = n % ROWS;
   const uint8_t* g = w + (n / ROWS) * group_bytes(base, nb);

@@ -36,6 +36,11 @@ void gemv_f32(int64_t base, const uint8_t* w, int64_t N, int64_t K, const float*
 void gemm_x8(int64_t base, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t M, float* y,
              int64_t min_bytes);
 
+// Groups [g0, g1) dequantized into rows of bfloat16: out[(16 (g - g0) + r) * ld + k] is weight k of row 16 g + r.
+// Each weight is the exact float product of its quant and scale (plus min), rounded to nearest even: the values
+// of dequantizing its split row and converting it (--quantized-batch-dtype bfloat16, gguf_linear.cpp).
+void dequant_bf16(int64_t base, const uint8_t* w, int64_t g0, int64_t g1, int64_t K, uint16_t* out, int64_t ld);
+
 // Row n of an R16 matrix as a split row (scales, mins, quants: gguf_linear.cpp's layout) into `out`.
 void split_row(int64_t base, const uint8_t* w, int64_t n, int64_t K, uint8_t* out);
 

@@ -29,15 +29,28 @@ def _dequantized(blocks, qtype, K: int) -> torch.Tensor:
 @needs_native
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_bf16_batches_equal_torch_bf16_product(qtype):
-    """File-order blocks and (Q4_0 / Q4_1 / Q8_0) the kernels' split rows; odd row counts; with a bias."""
+    """File-order blocks and (Q4_0 / Q4_1 / Q8_0) the kernels' split and interleaved rows (dequantized 16 rows at a
+    time, transposed); odd row counts (interleaved: whole groups of 16); with a bias."""
     block = gguf.GGML_QUANT_SIZES[qtype][0]
-    K, N = 3 * block if block == 256 else 7 * block, 45
-    blocks = random_blocks(qtype, N, K, seed=3)
-    w = _dequantized(blocks, qtype, K)
-    layouts = [(torch.from_numpy(blocks), int(qtype))]
-    if qtype in gq.SPLIT_BASES:
-        layouts.append((gq.split_rows(torch.from_numpy(blocks).clone(), int(qtype)), int(qtype) + gq.SPLIT))
+    K = 3 * block if block == 256 else 7 * block
     g = torch.Generator().manual_seed(2)
+    for N in (45, 48):
+        blocks = random_blocks(qtype, N, K, seed=3)
+        w = _dequantized(blocks, qtype, K)
+        layouts = [(torch.from_numpy(blocks), int(qtype))]
+        if qtype in gq.SPLIT_BASES:
+            split = gq.split_rows(torch.from_numpy(blocks).clone(), int(qtype))
+            layouts.append((split, int(qtype) + gq.SPLIT))
+            if int(qtype) in gq.R16_BASES and N % gq.R16_ROWS == 0 and r16_built():
+                layouts.append((gq.interleave_rows(split, int(qtype)), int(qtype) + gq.R16))
+        _check_bf16_product(qtype, K, N, w, layouts, g)
+
+
+def r16_built() -> bool:
+    return torch.ops.tokenmill.gguf_interleaves()
+
+
+def _check_bf16_product(qtype, K, N, w, layouts, g):
     bias = torch.randn(N, generator=g)
     with two_threads():
         for M in (MIN_ROWS, 77):
@@ -79,12 +92,20 @@ def test_bf16_batches_at_a_real_size():
     blocks = random_blocks(T.Q4_0, N, K, seed=6)
     w = _dequantized(blocks, T.Q4_0, K)
     split = gq.split_rows(torch.from_numpy(blocks).clone(), int(T.Q4_0))
+    layouts = [(split, int(T.Q4_0) + gq.SPLIT)]
+    if r16_built():
+        layouts.append((gq.interleave_rows(split, int(T.Q4_0)), int(T.Q4_0) + gq.R16))
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(7))
-    with two_threads():
-        big = torch.ops.tokenmill.gguf_linear(x, split, int(T.Q4_0) + gq.SPLIT, K, None, False, True)
-        again = torch.ops.tokenmill.gguf_linear(x, split, int(T.Q4_0) + gq.SPLIT, K, None, False, True)
-    assert torch.equal(big, again)  # deterministic
     want = F.linear(x.bfloat16(), w.bfloat16()).float()
+    for wt, qt in layouts:
+        _check_real_size(x, w, wt, qt, K, want)
+
+
+def _check_real_size(x, w, wt, qt, K, want):
+    with two_threads():
+        big = torch.ops.tokenmill.gguf_linear(x, wt, qt, K, None, False, True)
+        again = torch.ops.tokenmill.gguf_linear(x, wt, qt, K, None, False, True)
+    assert torch.equal(big, again)  # deterministic
     ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)  # bf16's last bit at each value
     # plus float32 summation noise where terms cancel (the GEMMs accumulate in float32 in different orders)
     noise = 1e-5 * (x.abs() @ w.abs().T)
