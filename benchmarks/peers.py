@@ -158,6 +158,28 @@ def main_batch1(args, gguf: str) -> None:
     print(f"\nprompt processing, {args.prefill} tokens, batch 1, {args.threads} threads, best of {args.rounds} rounds:")
     for name in labels:
         print(f"  tokenmill {name:<8} {pp[name]:7.1f} tok/s  {ratio(pp, name)} {env_str()}")
+    print_gemm_shares(llms, pp, args.prefill)
+
+
+def print_gemm_shares(llms: dict, pp: dict[str, float], prompt: int) -> None:
+    """Each prompt rate as FLOP/s (the model's GEMMs and attention for one prompt of `prompt` tokens) against this
+    machine's GEMM peaks, measured now as the diagnostics calibration measures them (best of 1024^3 products):
+    the issue's yardstick is the best of them (bf16 on AMX CPUs)."""
+    import torch
+
+    from tokenmill.diagnostics import ModelCost
+    from tokenmill.diagnostics.calibration import measure_peaks
+
+    cost = ModelCost.from_engine(next(iter(llms.values())).engine)
+    flops = cost.step_flops(prompt, 1, prompt * (prompt + 1) // 2)
+    peaks = {str(dt).removeprefix("torch."): max(measure_peaks("cpu", dt).flops for _ in range(3))
+             for dt in (torch.float32, torch.bfloat16)}
+    best = max(peaks.values())
+    print(f"  GEMM peaks now: {', '.join(f'{k} {v / 1e9:.0f}' for k, v in peaks.items())} GFLOP/s; one prompt "
+          f"{flops / 1e9:.0f} GFLOP")
+    for name in llms:
+        rate = flops * pp[name] / prompt
+        print(f"  tokenmill {name:<8} {rate / 1e9:7.0f} GFLOP/s = {rate / best:.0%} of the best peak")
 
 
 # ---- offline throughput, one fresh process per engine and dtype -----------------------------------
