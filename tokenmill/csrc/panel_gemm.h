@@ -15,19 +15,27 @@
 namespace tokenmill {
 
 constexpr int64_t PANEL_BYTES = 192 * 1024;  // one thread's decoded weight rows: fits L2 beside x
-// Prompts: from this many rows of x, panels of up to WIDE_PANEL_ROWS weight rows whatever their bytes. An SGEMM of
-// 512 rows of x by 16 weight rows (what 192 KiB holds at K = 2048) ran at 76 GFLOP/s on one Xeon core, by 256 rows
-// at 137 (K = 8192: 70 against 136; 128 rows of x: 91 against 124): each call streams all of x again, and x is
-// megabytes. Small batches keep L2-sized panels (measured there before; x is small).
-constexpr int64_t WIDE_PANEL_MIN_ROWS = 64;
+// Batches from WIDE_PANEL_MIN_ROWS rows of x take panels of up to WIDE_PANEL_ROWS weight rows whatever their bytes,
+// split evenly over the threads (four panels each at least). An SGEMM of 512 rows of x by 16 weight rows (what
+// 192 KiB holds at K = 2048) ran at 76 GFLOP/s on one Xeon core, by 256 rows at 137 (K = 8192: 70 against 136;
+// 128 rows of x: 91 against 124): each call streams all of x again. Q4_0 linears with weights from DRAM (Xeon, two
+// threads): 2048 -> 8192 and 8192 -> 2048 gained 10-25 % from 16 rows of x; at 8 rows 8192 -> 2048 lost. A narrow
+// weight (1536 -> 576) lost ~15 % at 16-32 rows with eight panels of 80 rows against 36 of 16, and gained from 64:
+// so the wide panels start at 16 rows for weights of WIDE_PANEL_MIN_N rows or more, at 64 for the others.
+constexpr int64_t WIDE_PANEL_MIN_ROWS = 16;
+constexpr int64_t WIDE_PANEL_MIN_N = 2048;
+constexpr int64_t WIDE_PANEL_ANY_N_ROWS = 64;
 constexpr int64_t WIDE_PANEL_ROWS = 256;
 
-// Weight rows per panel: a whole multiple of `align`, at least one; wide panels still leave every thread four.
+// Weight rows per panel: a whole multiple of `align`, at least one.
 inline int64_t panel_rows(int64_t M, int64_t N, int64_t K, int64_t align) {
-  int64_t rows = PANEL_BYTES / (K * 4);
-  if (M >= WIDE_PANEL_MIN_ROWS)
-    rows = std::max(rows, std::min<int64_t>(WIDE_PANEL_ROWS, N / (4 * at::get_num_threads())));
-  return std::max<int64_t>(align, rows / align * align);
+  const bool wide = M >= WIDE_PANEL_ANY_N_ROWS || (M >= WIDE_PANEL_MIN_ROWS && N >= WIDE_PANEL_MIN_N);
+  if (!wide) return std::max<int64_t>(align, PANEL_BYTES / (K * 4) / align * align);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t panels = std::max<int64_t>(4 * threads, (N + WIDE_PANEL_ROWS - 1) / WIDE_PANEL_ROWS);
+  panels = (panels + threads - 1) / threads * threads;
+  const int64_t rows = (N + panels - 1) / panels;
+  return std::max<int64_t>(align, (rows + align - 1) / align * align);
 }
 
 // y [M, N] float32 = x [M, K] float32 . W^T, where decode_rows(n0, nb, out) writes W's rows [n0, n0 + nb) as
