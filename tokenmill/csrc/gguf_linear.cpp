@@ -1084,8 +1084,9 @@ void dequant_rows(int64_t qt, const Format& f, const uint8_t* wp, int64_t n0, in
 // a strided copy_ into y's columns cost a quarter of the GEMM (2048 -> 8192, 512 rows: 19.9 -> 16.2 ms a call).
 // Interleaved (R16) weights are dequantized 16 rows at a time straight into bf16 rows (a register transpose per
 // block) instead of gathering each row as a split row, widening it to float and rounding it: the same values in
-// the same layout, so the GEMM's sums and the result's bits do not depend on the layout. The buffers live with their thread: allocated per call they were fresh pages, and the
-// kernel's zeroing of them was ~5 % of a 1.7B pp512 step.
+// the same layout, so the GEMM's sums and the result's bits do not depend on the layout. The buffers live with
+// their thread: allocated per call they were fresh pages, and the kernel's zeroing of them was ~5 % of a 1.7B
+// pp512 step.
 void gemm_bf16_panels(int64_t qt, const Format& f, const uint8_t* wp, int64_t N, int64_t K, const at::Tensor& xb,
                       at::Tensor& y) {
   const int64_t M = xb.size(0);
