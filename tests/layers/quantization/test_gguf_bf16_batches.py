@@ -41,13 +41,9 @@ def test_bf16_batches_equal_torch_bf16_product(qtype):
         if qtype in gq.SPLIT_BASES:
             split = gq.split_rows(torch.from_numpy(blocks).clone(), int(qtype))
             layouts.append((split, int(qtype) + gq.SPLIT))
-            if int(qtype) in gq.R16_BASES and N % gq.R16_ROWS == 0 and r16_built():
+            if gq.interleaves_rows(int(qtype), N):
                 layouts.append((gq.interleave_rows(split, int(qtype)), int(qtype) + gq.R16))
         _check_bf16_product(qtype, K, N, w, layouts, g)
-
-
-def r16_built() -> bool:
-    return torch.ops.tokenmill.gguf_interleaves()
 
 
 def _check_bf16_product(qtype, K, N, w, layouts, g):
@@ -93,7 +89,7 @@ def test_bf16_batches_at_a_real_size():
     w = _dequantized(blocks, T.Q4_0, K)
     split = gq.split_rows(torch.from_numpy(blocks).clone(), int(T.Q4_0))
     layouts = [(split, int(T.Q4_0) + gq.SPLIT)]
-    if r16_built():
+    if gq.interleaves_rows(int(T.Q4_0), N):
         layouts.append((gq.interleave_rows(split, int(T.Q4_0)), int(T.Q4_0) + gq.R16))
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(7))
     want = F.linear(x.bfloat16(), w.bfloat16()).float()
